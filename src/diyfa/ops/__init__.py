@@ -1,0 +1,1 @@
+"""Triton kernels, one module per op: attention, matmul."""

@@ -1,0 +1,674 @@
+"""FlashAttention forward and backward in Triton (FlashAttention-2 style).
+
+Layout and shapes
+    q: (batch, heads, seqlen_q, head_dim)      for layout="bhsd" (PyTorch SDPA's layout)
+    k, v: (batch, kv_heads, seqlen_k, head_dim)
+    layout="bshd" swaps the seqlen and heads axes (flash-attn's layout). Any strides are
+    accepted (slices of a packed QKV tensor, transposed views): the kernels take every stride
+    as an argument and never copy the inputs. The output has the layout asked for.
+
+Numerics (obeyed by every kernel below)
+    - Matmuls accumulate in fp32. fp16/bf16 inputs: P is rounded to the input dtype before
+      P @ V, as in FlashAttention. fp32 inputs: every dot runs in full fp32 ("ieee"), not
+      TF32, so fp32 results are accurate (and slower).
+    - Softmax in base 2 with the scale folded in: s2 = (q . k) * scale * log2(e), p = 2^(s2 - m).
+    - The forward saves the log-sum-exp per query row in base 2 (lse2); the backward
+      recomputes P = 2^(s2 - lse2) and uses delta = rowsum(dO * O).
+    - Offsets of batch and head are 64-bit before they multiply strides.
+    - A query row that sees no key (possible with causal masking when seqlen_q > seqlen_k)
+      gives an output of zeros, an LSE of -inf and zero gradients: never NaN.
+
+Masking
+    causal=True aligns the mask bottom-right (FlashAttention's convention): query i sees key
+    j iff j <= i + (seqlen_k - seqlen_q). With seqlen_q == seqlen_k this is the usual lower
+    triangle. The SDPA drop-in uses top-left alignment (PyTorch's is_causal), offset 0.
+
+Work split
+    Each loop over K/V (forward, dQ) or over Q (dK/dV) is cut into blocks that need no mask
+    (fully visible, fully in bounds) and blocks that do (the causal diagonal, the ragged
+    tail): the same helper runs both, the MASKED flag is a compile-time constant.
+    The backward is deterministic: dK/dV for a K/V block are summed by one program, over the
+    query heads of its group (GQA) too; dQ is computed by a second kernel. No atomics.
+
+Limits
+    head_dim 1..256 (q, k and v share it; non-powers of two are padded to the next power of
+    two inside the kernel); fp16, bf16, fp32; no dropout, no arbitrary additive masks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from diyfa import _interpreter, tuning
+from diyfa.device import interpreter_enabled
+
+if interpreter_enabled():
+    _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("bhsd", "bshd")
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _load_2d(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a tile, masking rows and/or columns only where the caller says it is needed."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=row_ok & col_ok, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok, other=0.0)
+    else:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=col_ok, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _visible(offs_q, offs_k, seqlen_q, seqlen_k, causal_offset, CAUSAL: tl.constexpr):
+    """(q, k) pairs that are in bounds and allowed by the causal mask (shapes broadcast)."""
+    keep = (offs_q < seqlen_q) & (offs_k < seqlen_k)
+    if CAUSAL:
+        keep = keep & (offs_k <= offs_q + causal_offset)
+    return keep
+
+
+@triton.jit
+def _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr):
+    """For the Q block at ``start_m``: keys [0, full_hi) need no mask; [full_hi, hi) do."""
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
+        full_hi = tl.maximum(tl.minimum(seqlen_k, start_m + causal_offset + 1), 0)
+    else:
+        hi = seqlen_k
+        full_hi = seqlen_k
+    full_hi = full_hi // BLOCK_N * BLOCK_N
+    return full_hi, hi
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, qk_scale,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over the K/V blocks [lo, hi)."""
+    d_ok = offs_d < HEAD_DIM
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_2d(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                      offs_n[None, :] < seqlen_k, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        qk = tl.dot(q, kt, input_precision=PRECISION)
+        if MASKED:
+            keep = _visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, causal_offset,
+                            CAUSAL)
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                     offs_n[:, None] < seqlen_k, d_ok[None, :], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qs, stride_qd,
+              stride_kb, stride_kh, stride_ks, stride_kd,
+              stride_vb, stride_vh, stride_vs, stride_vd,
+              stride_ob, stride_oh, stride_os, stride_od,
+              heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, SEQ_BUCKET,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Causal: the heaviest Q blocks (last rows) start first, so the tail of the grid is light.
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // heads).to(tl.int64)
+    off_h = (off_bh % heads).to(tl.int64)
+    off_hk = off_h // kv_group
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_ok = offs_m < seqlen_q
+    d_ok = offs_d < HEAD_DIM
+    q = _load_2d(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                 m_ok[:, None], d_ok[None, :], True, HEAD_DIM != HEAD_DIM_PAD)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
+                               stride_vs, stride_vd, offs_m, offs_d, 0, full_hi,
+                               seqlen_q, seqlen_k, causal_offset, qk_scale,
+                               BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, False, PRECISION)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
+                               stride_vs, stride_vd, offs_m, offs_d, full_hi, hi,
+                               seqlen_q, seqlen_k, causal_offset, qk_scale,
+                               BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, True, PRECISION)
+
+    empty = l_i == 0.0  # rows that saw no key
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
+    tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse2, mask=m_ok)
+    o_base = O + off_b * stride_ob + off_h * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
+             acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_preprocess(O, DO, DELTA,
+                    stride_ob, stride_oh, stride_os, stride_od,
+                    stride_dob, stride_doh, stride_dos, stride_dod,
+                    heads, seqlen_q,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O), the softmax-gradient term shared by dK and dQ."""
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // heads).to(tl.int64)
+    off_h = (off_bh % heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, offs_m, seqlen_q, MASKED: tl.constexpr):
+    """LSE (base 2) and delta for rows ``offs_m``; a row that saw no key gets LSE = +inf so
+    that P = 2^(s - lse) = 0 for it."""
+    if MASKED:
+        lse = tl.load(LSE + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        delta = tl.load(DELTA + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    else:
+        lse = tl.load(LSE + offs_m)
+        delta = tl.load(DELTA + offs_m)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    return lse, delta
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
+                    stride_qs, stride_qd, stride_dos, stride_dod,
+                    offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, qk_scale,
+                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK and dV of one K/V block over the Q blocks [lo, hi) of one head."""
+    d_ok = offs_d < HEAD_DIM
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qt = _load_2d(q_base + offs_m[None, :] * stride_qs + offs_d[:, None] * stride_qd,
+                      offs_m[None, :] < seqlen_q, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        do = _load_2d(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                      offs_m[:, None] < seqlen_q, d_ok[None, :], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        lse, delta = _load_row_stats(LSE, DELTA, offs_m, seqlen_q, MASKED)
+        qkt = tl.dot(k, qt, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        pt = tl.math.exp2(qkt * qk_scale - lse[None, :])
+        if MASKED:
+            keep = _visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, causal_offset,
+                            CAUSAL)
+            pt = tl.where(keep, pt, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
+                   stride_qb, stride_qh, stride_qs, stride_qd,
+                   stride_kb, stride_kh, stride_ks, stride_kd,
+                   stride_vb, stride_vh, stride_vs, stride_vd,
+                   stride_dob, stride_doh, stride_dos, stride_dod,
+                   stride_dkb, stride_dkh, stride_dks, stride_dkd,
+                   stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+                   heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
+                   SEQ_BUCKET,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    kv_heads = heads // kv_group
+    off_bhk = tl.program_id(1)
+    off_b = (off_bhk // kv_heads).to(tl.int64)
+    off_hk = (off_bhk % kv_heads).to(tl.int64)
+    start_n = tl.program_id(0) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    n_ok = offs_n < seqlen_k
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # Q blocks: [lo, mid_lo) causal diagonal (masked), [mid_lo, mid_hi) no mask needed,
+    # [mid_hi, end) the ragged tail (masked).
+    end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+        first_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
+        mid_lo = tl.minimum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, end)
+        mid_lo = tl.maximum(mid_lo, lo)
+    else:
+        lo = 0
+        mid_lo = 0
+    mid_hi = tl.maximum(seqlen_q // BLOCK_M * BLOCK_M, mid_lo)
+
+    for g in range(0, kv_group):  # the query heads that share this K/V head (GQA)
+        off_h = off_hk * kv_group + g
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        row = (off_b * heads + off_h) * seqlen_q
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row,
+                                 stride_qs, stride_qd, stride_dos, stride_dod,
+                                 offs_n, offs_d, lo, mid_lo, seqlen_q, seqlen_k, causal_offset,
+                                 qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, True,
+                                 PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row,
+                                 stride_qs, stride_qd, stride_dos, stride_dod,
+                                 offs_n, offs_d, mid_lo, mid_hi, seqlen_q, seqlen_k,
+                                 causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                                 CAUSAL, False, PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row,
+                                 stride_qs, stride_qd, stride_dos, stride_dod,
+                                 offs_n, offs_d, mid_hi, end, seqlen_q, seqlen_k,
+                                 causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                                 CAUSAL, True, PRECISION)
+
+    dk = dk * sm_scale
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks
+             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvs
+             + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
+                  stride_vn, stride_vd, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k,
+                  causal_offset, qk_scale,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dQ of one Q block over the K/V blocks [lo, hi)."""
+    d_ok = offs_d < HEAD_DIM
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_2d(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                      offs_n[None, :] < seqlen_k, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        vt = _load_2d(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
+                      offs_n[None, :] < seqlen_k, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        qk = tl.dot(q, kt, input_precision=PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if MASKED:
+            keep = _visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, causal_offset,
+                            CAUSAL)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, vt, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+                 stride_qb, stride_qh, stride_qs, stride_qd,
+                 stride_kb, stride_kh, stride_ks, stride_kd,
+                 stride_vb, stride_vh, stride_vs, stride_vd,
+                 stride_dob, stride_doh, stride_dos, stride_dod,
+                 stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+                 heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
+                 SEQ_BUCKET,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // heads).to(tl.int64)
+    off_h = (off_bh % heads).to(tl.int64)
+    off_hk = off_h // kv_group
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_ok = offs_m < seqlen_q
+    d_ok = offs_d < HEAD_DIM
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs
+                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
+                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+    row = off_bh.to(tl.int64) * seqlen_q
+    lse, delta = _load_row_stats(LSE + row, DELTA + row, offs_m, seqlen_q, True)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
+                       stride_vs, stride_vd, offs_m, offs_d, 0, full_hi, seqlen_q, seqlen_k,
+                       causal_offset, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, False,
+                       PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
+                       stride_vs, stride_vd, offs_m, offs_d, full_hi, hi, seqlen_q, seqlen_k,
+                       causal_offset, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, True,
+                       PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+def _strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """Strides of ``t`` in (batch, heads, seqlen, dim) order."""
+    sb, s1, s2, sd = t.stride()
+    return (sb, s1, s2, sd) if layout == "bhsd" else (sb, s2, s1, sd)
+
+
+def _dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    b, d1, d2, d = t.shape
+    return (b, d1, d2, d) if layout == "bhsd" else (b, d2, d1, d)
+
+
+def _empty(batch, heads, seqlen, dim, layout, like: torch.Tensor) -> torch.Tensor:
+    shape = (batch, heads, seqlen, dim) if layout == "bhsd" else (batch, seqlen, heads, dim)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _smem_limit(device: torch.device) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+
+
+def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **args) -> None:
+    """Launch ``kernel_fn`` with the pinned/default config, or autotuned on the GPU."""
+    if tuning.autotune_enabled() and name not in tuning._pinned and t.is_cuda:
+        tuned = tuning.autotuned(kernel_fn, name, head_dim_pad, t.element_size(),
+                                 _smem_limit(t.device))  # fmt: skip
+        tuned[grid](**args)
+        return
+    major = torch.cuda.get_device_capability(t.device)[0] if t.is_cuda else None
+    cfg = tuning.default_config(name, head_dim_pad, major)
+    meta = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    kernel_fn[grid(meta)](**args, **meta, num_warps=cfg["num_warps"],
+                          num_stages=cfg["num_stages"])  # fmt: skip
+
+
+def _common(q, k, v, layout, causal, align, softmax_scale):
+    b, h, sq, d = _dims(q, layout)
+    _, hk, sk, _ = _dims(k, layout)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return dict(
+        heads=h, kv_group=h // hk, seqlen_q=sq, seqlen_k=sk,
+        causal_offset=(sk - sq) if align == "bottom_right" else 0,
+        qk_scale=scale * LOG2E, HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)),
+        CAUSAL=bool(causal), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    ), scale  # fmt: skip
+
+
+def _attention_forward(q, k, v, causal, align, softmax_scale, layout):
+    """Run the forward kernel. Returns (out, lse2) with lse2 in base 2, (batch, heads, seqlen_q)."""
+    b, h, sq, d = _dims(q, layout)
+    sk = _dims(k, layout)[2]
+    out = _empty(b, h, sq, d, layout, q)
+    lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if sk == 0:  # nothing to attend to
+        out.zero_()
+        lse2.fill_(float("-inf"))
+        return out, lse2
+    common, _ = _common(q, k, v, layout, causal, align, softmax_scale)
+    if sq == 0 or b * h == 0:
+        return out, lse2
+
+    def grid(meta):
+        return (triton.cdiv(sq, meta["BLOCK_M"]), b * h)
+
+    _launch(_attn_fwd, "attn_fwd", grid, q, common["HEAD_DIM_PAD"],
+            Q=q, K=k, V=v, O=out, LSE=lse2,
+            **_named("q", _strides(q, layout)), **_named("k", _strides(k, layout)),
+            **_named("v", _strides(v, layout)), **_named("o", _strides(out, layout)),
+            SEQ_BUCKET=tuning.seq_bucket(sq, sk), **common)  # fmt: skip
+    return out, lse2
+
+
+def _named(prefix: str, strides) -> dict:
+    return {f"stride_{prefix}{axis}": s for axis, s in zip("bhsd", strides, strict=True)}
+
+
+def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, layout):
+    b, h, sq, d = _dims(q, layout)
+    hk, sk = _dims(k, layout)[1:3]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if sq == 0 or sk == 0 or b * h == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    common, scale = _common(q, k, v, layout, causal, align, softmax_scale)
+    delta = torch.empty_like(lse2)
+    pre_block = 64 if not q.is_cuda or interpreter_enabled() else 128
+    _bwd_preprocess[(triton.cdiv(sq, pre_block), b * h)](
+        out, do, delta, *_strides(out, layout), *_strides(do, layout), h, sq,
+        HEAD_DIM=d, HEAD_DIM_PAD=common["HEAD_DIM_PAD"], BLOCK_M=pre_block,
+    )
+    strides = {**_named("q", _strides(q, layout)), **_named("k", _strides(k, layout)),
+               **_named("v", _strides(v, layout)), **_named("do", _strides(do, layout))}  # fmt: skip
+    bucket = tuning.seq_bucket(sq, sk)
+
+    def grid_dkdv(meta):
+        return (triton.cdiv(sk, meta["BLOCK_N"]), b * hk)
+
+    _launch(_attn_bwd_dkdv, "attn_bwd_dkdv", grid_dkdv, q, common["HEAD_DIM_PAD"],
+            Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DK=dk, DV=dv, **strides,
+            **_named("dk", _strides(dk, layout)), **_named("dv", _strides(dv, layout)),
+            sm_scale=scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
+
+    def grid_dq(meta):
+        return (triton.cdiv(sq, meta["BLOCK_M"]), b * h)
+
+    _launch(_attn_bwd_dq, "attn_bwd_dq", grid_dq, q, common["HEAD_DIM_PAD"],
+            Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DQ=dq, **strides,
+            **_named("dq", _strides(dq, layout)), sm_scale=scale, SEQ_BUCKET=bucket,
+            **common)  # fmt: skip
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+def _check_inputs(q, k, v, causal, softmax_scale, layout) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D ({'batch, heads, seqlen, head_dim' if layout == 'bhsd' else 'batch, seqlen, heads, head_dim'}"
+                f" for layout={layout!r}), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
+        )
+    if q.device.type == "cpu":
+        if not interpreter_enabled():
+            raise ValueError(
+                "q, k, v are CPU tensors: the Triton kernels need a CUDA GPU, or the Triton "
+                "interpreter (set TRITON_INTERPRET=1 before importing diyfa) for small CPU runs"
+            )
+    elif q.device.type != "cuda":
+        raise ValueError(f"q is on device {q.device}; accepted: cuda (or cpu with TRITON_INTERPRET=1)")
+    b, h, sq, d = _dims(q, layout)
+    bk, hk, sk, dk = _dims(k, layout)
+    bv, hv, sv, dv = _dims(v, layout)
+    if not (b == bk == bv):
+        raise ValueError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")
+    if not (hk == hv and sk == sv):
+        raise ValueError(
+            f"k and v must have the same heads and seqlen, got k (heads={hk}, seqlen={sk}) "
+            f"and v (heads={hv}, seqlen={sv})"
+        )
+    if not (d == dk == dv):
+        raise ValueError(
+            f"q, k, v must share head_dim, got q={d}, k={dk}, v={dv} (a different value dim "
+            "is not supported by the kernel)"
+        )
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
+    if hk == 0 or h % hk:
+        raise ValueError(
+            f"q heads ({h}) must be a multiple of k/v heads ({hk}) for GQA/MQA"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd and public API
+# --------------------------------------------------------------------------------------------
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, align, softmax_scale, layout):
+        out, lse2 = _attention_forward(q, k, v, causal, align, softmax_scale, layout)
+        ctx.save_for_backward(q, k, v, out, lse2)
+        ctx.args = (causal, align, softmax_scale, layout)
+        lse = lse2 * LN2
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse2 = ctx.saved_tensors
+        causal, align, softmax_scale, layout = ctx.args
+        dq, dk, dv = _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale,
+                                         layout)  # fmt: skip
+        return dq, dk, dv, None, None, None, None
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    layout: str = "bhsd",
+    return_lse: bool = False,
+):
+    """FlashAttention: softmax(q k^T * softmax_scale [+ causal mask]) v, differentiable.
+
+    Args:
+        q: (batch, heads, seqlen_q, head_dim) for layout="bhsd",
+           (batch, seqlen_q, heads, head_dim) for layout="bshd". fp16, bf16 or fp32.
+        k, v: the same with kv_heads (dividing heads: GQA/MQA) and seqlen_k.
+        causal: mask aligned bottom-right (query i sees keys j <= i + seqlen_k - seqlen_q).
+        softmax_scale: default 1/sqrt(head_dim).
+        layout: "bhsd" or "bshd"; the output has the same layout.
+        return_lse: also return the natural-log log-sum-exp, (batch, heads, seqlen_q) fp32
+            (-inf for rows that see no key).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _check_inputs(q, k, v, causal, softmax_scale, layout)
+    out, lse = _FlashAttention.apply(q, k, v, causal, "bottom_right", softmax_scale, layout)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_with_lse(q, k, v, **kwargs):
+    """``flash_attention(..., return_lse=True)``: returns (out, lse)."""
+    return flash_attention(q, k, v, return_lse=True, **kwargs)
+
+
+_fallback_logged: set[str] = set()
+
+
+def _fallback(reason: str, *args, **kwargs):
+    if reason not in _fallback_logged:
+        _fallback_logged.add(reason)
+        log.warning("diyfa.scaled_dot_product_attention: %s; using PyTorch's SDPA", reason)
+    return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    enable_gqa=False,
+):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (layout bhsd).
+
+    Runs the diyfa kernel when it can; falls back to PyTorch's SDPA, with one logged warning
+    per reason, for what the kernel does not do: ``attn_mask``, ``dropout_p > 0``, inputs
+    that are not 4-D, different q/k and v head dims, head_dim > 256, and devices other than
+    CUDA. ``is_causal`` follows PyTorch: top-left aligned when seqlen_q != seqlen_k.
+    """
+    args = (query, key, value)
+    kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                  enable_gqa=enable_gqa)  # fmt: skip
+    if attn_mask is not None:
+        return _fallback("attn_mask is not supported by the kernel", *args, **kwargs)
+    if dropout_p > 0.0:
+        return _fallback("dropout is not supported by the kernel", *args, **kwargs)
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in args):
+        return _fallback("only 4-D (batch, heads, seqlen, dim) inputs run on the kernel",
+                         *args, **kwargs)  # fmt: skip
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] > 256:
+        return _fallback("head dims differ or exceed 256", *args, **kwargs)
+    if query.device.type != "cuda" and not interpreter_enabled():
+        return _fallback(f"device {query.device.type} has no Triton kernel", *args, **kwargs)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+            "for grouped-query attention"
+        )
+    _check_inputs(query, key, value, bool(is_causal), scale, "bhsd")
+    out, _ = _FlashAttention.apply(query, key, value, bool(is_causal), "top_left", scale, "bhsd")
+    return out

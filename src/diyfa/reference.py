@@ -1,0 +1,98 @@
+"""Reference attention and matmul in fp32 or fp64, for tests and benchmarks.
+
+Plain PyTorch, materialising the full score matrix: O(seqlen_q x seqlen_k) memory, so only
+for checking. Masks follow :mod:`diyfa.flops` (bottom-right causal alignment by default).
+A query row that sees no key gives an output of zeros and a log-sum-exp of -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from diyfa.flops import ALIGNMENTS, normalize_window
+
+
+def attention_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: bool = False,
+    window=None,
+    align: str = "bottom_right",
+    device=None,
+) -> torch.Tensor | None:
+    """Boolean (seqlen_q, seqlen_k) mask, True where query i may attend to key j; None if all."""
+    if align not in ALIGNMENTS:
+        raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+    left, right = normalize_window(window, causal)
+    if left < 0 and right < 0:
+        return None
+    offset = seqlen_k - seqlen_q if align == "bottom_right" else 0
+    i = torch.arange(seqlen_q, device=device)[:, None] + offset
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window=None,
+    align: str = "bottom_right",
+    layout: str = "bhsd",
+    compute_dtype: torch.dtype = torch.float64,
+    return_lse: bool = False,
+):
+    """softmax(Q K^T * scale + mask) V computed in ``compute_dtype`` (fp64 or fp32).
+
+    Layout "bhsd" is (batch, heads, seqlen, dim); "bshd" is (batch, seqlen, heads, dim).
+    K/V may have fewer heads than Q (GQA/MQA) if they divide Q's. Returns the output in
+    ``compute_dtype`` and layout ``layout``, plus the natural-log LSE (batch, heads, seqlen_q)
+    if ``return_lse``.
+    """
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    keep = attention_mask(
+        q.shape[2], k.shape[2], causal=causal, window=window, align=align, device=q.device
+    )
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    # Rows that see no key: lse = -inf; exp(s - lse) would be NaN, the answer is 0.
+    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
+    out = torch.matmul(p, v)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def matmul_ref(
+    a: torch.Tensor, b: torch.Tensor, *, compute_dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """A @ B in ``compute_dtype`` (fp64 or fp32), 2-D or batched 3-D."""
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
+    return torch.matmul(a.to(compute_dtype), b.to(compute_dtype))

@@ -1,0 +1,154 @@
+"""Launch configurations as data: config spaces per architecture, pruning, and the switches.
+
+Every kernel has
+- a *space* of candidate configs (used by autotuning on the GPU),
+- a *default table* per architecture (used when autotuning is off, e.g. in tests), and
+- a *pruning predicate* that drops configs whose shared memory cannot fit the device.
+
+Switches:
+- ``DIYFA_AUTOTUNE=0`` turns autotuning off: the default table's entry is used.
+- ``with diyfa.tuning.pinned("attn_fwd", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2):``
+  pins one config for one kernel (tests, experiments).
+- Under the Triton interpreter there is no autotuning: small default blocks keep it quick.
+
+Autotuning results are cached by Triton per key (head dim, causal, dtype, sequence bucket)
+for the life of the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import triton
+
+from diyfa.device import interpreter_enabled
+
+# Config = (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# Forward: a Q tile of BLOCK_M rows against K/V tiles of BLOCK_N keys.
+# dK/dV: a K/V tile of BLOCK_N keys against Q tiles of BLOCK_M rows.
+# dQ: a Q tile of BLOCK_M rows against K/V tiles of BLOCK_N keys.
+SPACES = {
+    "attn_fwd": [
+        (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
+        (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2),
+    ],
+    "attn_bwd_dkdv": [
+        (64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
+        (64, 64, 4, 2), (128, 128, 8, 2), (32, 128, 8, 2), (16, 128, 4, 3),
+    ],
+    "attn_bwd_dq": [
+        (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+        (64, 128, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2),
+    ],
+}  # fmt: skip
+
+# Default per architecture (major compute capability) and head-dim bucket (padded head dim).
+DEFAULTS = {
+    # Hopper (sm90): deeper pipelines, 8 warps on large tiles.
+    9: {
+        "attn_fwd": {64: (128, 128, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)},
+        "attn_bwd_dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "attn_bwd_dq": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
+    },
+    # Ampere (sm80/86/89): the seed guide's smaller shared memory, fewer stages.
+    8: {
+        "attn_fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
+        "attn_bwd_dkdv": {64: (64, 64, 4, 2), 128: (32, 64, 4, 2), 256: (16, 32, 4, 2)},
+        "attn_bwd_dq": {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)},
+    },
+}
+# Small tiles under the interpreter: the tests still cross several blocks on short sequences.
+INTERPRETER_DEFAULT = (32, 32, 4, 1)
+
+_pinned: dict[str, dict] = {}
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("DIYFA_AUTOTUNE", "1") != "0" and not interpreter_enabled()
+
+
+@contextlib.contextmanager
+def pinned(kernel: str, *, BLOCK_M: int, BLOCK_N: int, num_warps: int = 4, num_stages: int = 2):
+    """Pin one config for ``kernel`` (one of SPACES) inside the ``with`` block."""
+    if kernel not in SPACES:
+        raise ValueError(f"unknown kernel {kernel!r}; known: {sorted(SPACES)}")
+    for name, value in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    old = _pinned.get(kernel)
+    _pinned[kernel] = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps,
+                           num_stages=num_stages)  # fmt: skip
+    try:
+        yield
+    finally:
+        if old is None:
+            _pinned.pop(kernel, None)
+        else:
+            _pinned[kernel] = old
+
+
+def _as_dict(cfg: tuple) -> dict:
+    bm, bn, w, s = cfg
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def _dim_bucket(head_dim_pad: int) -> int:
+    return 64 if head_dim_pad <= 64 else 128 if head_dim_pad <= 128 else 256
+
+
+def default_config(kernel: str, head_dim_pad: int, capability_major: int | None) -> dict:
+    """The default table's config (no autotuning)."""
+    if kernel in _pinned:
+        return dict(_pinned[kernel])
+    if interpreter_enabled() or capability_major is None:
+        return _as_dict(INTERPRETER_DEFAULT)
+    table = DEFAULTS.get(min(max(capability_major, 8), 9))
+    return _as_dict(table[kernel][_dim_bucket(head_dim_pad)])
+
+
+def attention_smem_bytes(kernel: str, cfg: dict, head_dim_pad: int, elem_bytes: int) -> int:
+    """Shared memory a config needs, as Triton's pipelining lays it out (an estimate).
+
+    Per stage, the streamed operands: K and V tiles (forward, dQ) or Q and dO tiles (dK/dV);
+    plus the resident tile that the stream is multiplied against.
+    """
+    bm, bn, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]
+    streamed_rows = bm if kernel == "attn_bwd_dkdv" else bn
+    resident_rows = bn if kernel == "attn_bwd_dkdv" else bm
+    streamed = 2 * streamed_rows * head_dim_pad * elem_bytes * max(stages - 1, 1)
+    return streamed + resident_rows * head_dim_pad * elem_bytes
+
+
+def configs_for(kernel: str, head_dim_pad: int, elem_bytes: int, smem_limit: int) -> list:
+    """The kernel's space as ``triton.Config`` objects, pruned to what fits ``smem_limit``."""
+    out = []
+    for cfg in map(_as_dict, SPACES[kernel]):
+        # Large head dims with large tiles spill registers: keep the accumulator tile small.
+        if head_dim_pad >= 256 and cfg["BLOCK_M"] * cfg["BLOCK_N"] > 64 * 128:
+            continue
+        if attention_smem_bytes(kernel, cfg, head_dim_pad, elem_bytes) > smem_limit:
+            continue
+        meta = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+        out.append(triton.Config(meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    return out
+
+
+@functools.cache
+def autotuned(kernel_fn, kernel: str, head_dim_pad: int, elem_bytes: int, smem_limit: int):
+    """An autotuned wrapper of ``kernel_fn`` over its pruned space (built once per key)."""
+    configs = configs_for(kernel, head_dim_pad, elem_bytes, smem_limit)
+    if not configs:  # never leave autotune empty: fall back to the smallest config
+        smallest = min(SPACES[kernel], key=lambda c: c[0] * c[1])
+        cfg = _as_dict(smallest)
+        configs = [triton.Config({"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
+                                 num_warps=cfg["num_warps"], num_stages=1)]  # fmt: skip
+    return triton.autotune(configs=configs, key=["HEAD_DIM_PAD", "CAUSAL", "SEQ_BUCKET"])(
+        kernel_fn
+    )
+
+
+def seq_bucket(seqlen_q: int, seqlen_k: int) -> int:
+    """Autotuning key for lengths: the next power of two of the longer side, capped at 16k."""
+    return min(triton.next_power_of_2(max(seqlen_q, seqlen_k)), 16384)
