@@ -53,7 +53,10 @@ def attention_ref(
     compute_dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
 ):
-    """softmax(Q K^T * scale + mask) V computed in ``compute_dtype`` (fp64 or fp32).
+    """softmax(Q K^T * scale + mask) V computed in ``compute_dtype``.
+
+    fp64 is the reference; fp32 is a cheaper one for large benchmarks; fp16/bf16 measure
+    the error PyTorch itself makes in that precision (the tests' yardstick).
 
     Layout "bhsd" is (batch, heads, seqlen, dim); "bshd" is (batch, seqlen, heads, dim).
     K/V may have fewer heads than Q (GQA/MQA) if they divide Q's. Returns the output in
@@ -62,8 +65,8 @@ def attention_ref(
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-    if compute_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
+    if compute_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype must be a torch floating dtype, got {compute_dtype}")
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     q, k, v = (t.to(compute_dtype) for t in (q, k, v))

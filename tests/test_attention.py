@@ -1,0 +1,358 @@
+"""diyfa.flash_attention: forward and every gradient against a float64 reference.
+
+The rule (FlashAttention's): the kernel's max error against the float64 reference may be at
+most 2x the error PyTorch itself makes computing the same thing in the same precision
+(3x for gradients). CPU runs use the Triton interpreter on small shapes; `gpu` tests cover
+the full matrix, long sequences, bf16 on the hardware, determinism and memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import diyfa
+from diyfa.reference import attention_ref
+
+from .conftest import DEVICE, HAS_CUDA
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DTYPE_IDS = ["fp16", "bf16", "fp32"]
+# Absolute floor of the rule: a few ulps at the output's scale (matters only for fp32, where
+# PyTorch's own error can be ~1e-7 and both are rounding noise).
+FLOOR = {torch.float16: 1e-5, torch.bfloat16: 1e-4, torch.float32: 2e-6}
+
+
+def _inputs(b, h, hk, sq, sk, d, dtype, layout="bhsd", device=DEVICE, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def make(heads, s):
+        shape = (b, heads, s, d) if layout == "bhsd" else (b, s, heads, d)
+        return torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    return make(h, sq), make(hk, sk), make(hk, sk)
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _check(name, ours, pt, ref, factor, dtype):
+    """Assert |ours - ref| <= factor * |pt - ref| + floor; say where it failed."""
+    err = (ours.double() - ref.double()).abs()
+    pt_err = _max_err(pt, ref)
+    bound = factor * pt_err + FLOOR[dtype]
+    if not torch.isfinite(ours).all():
+        pytest.fail(f"{name}: non-finite values at {torch.nonzero(~torch.isfinite(ours))[:5]}")
+    if err.max().item() > bound:
+        where = tuple(torch.nonzero(err == err.max())[0].tolist())
+        pytest.fail(f"{name}: max error {err.max().item():.3e} (mean {err.mean().item():.3e}) "
+                    f"at {where} exceeds {factor}x PyTorch's {pt_err:.3e} + {FLOOR[dtype]:.0e}")
+
+
+def _run_and_check(q, k, v, causal, layout="bhsd", scale=None, grads=True):
+    dtype = q.dtype
+    out = diyfa.flash_attention(q, k, v, causal=causal, layout=layout, softmax_scale=scale)
+    assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
+    do = torch.randn_like(out)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    kw = dict(causal=causal, layout=layout, softmax_scale=scale)
+    ref = attention_ref(*ref_in, compute_dtype=torch.float64, **kw)
+    pt = attention_ref(*pt_in, compute_dtype=dtype, **kw)
+    _check("out", out, pt, ref, 2, dtype)
+    if not grads:
+        return
+    out.backward(do)
+    ref.backward(do.double())
+    pt.backward(do)
+    for name, t, p, r in zip(("dq", "dk", "dv"), (q, k, v), pt_in, ref_in, strict=True):
+        _check(name, t.grad, p.grad, r.grad, 3, dtype)
+
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): odd lengths, q != k both ways,
+# single rows, GQA and MQA, non-power-of-two head dims.
+SHAPES = [
+    (1, 2, 2, 1, 1, 16),
+    (1, 2, 2, 17, 17, 40),
+    (2, 2, 1, 113, 77, 64),
+    (1, 2, 2, 77, 113, 80),
+    (1, 4, 2, 128, 128, 32),
+    (1, 3, 1, 33, 200, 96),
+    (1, 1, 1, 200, 31, 112),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_forward_and_gradients(shape, dtype, causal):
+    b, h, hk, sq, sk, d = shape
+    _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype), causal)
+
+
+@pytest.mark.parametrize("d", [8, 24, 48, 128, 160, 192, 256])
+def test_every_head_dim(d):
+    causal = d % 16 == 0
+    _run_and_check(*_inputs(1, 2, 1, 45, 70, d, torch.float16), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bshd_layout(dtype):
+    q, k, v = _inputs(2, 4, 2, 50, 90, 64, dtype, layout="bshd")
+    _run_and_check(q, k, v, True, layout="bshd")
+
+
+def test_custom_scale():
+    _run_and_check(*_inputs(1, 2, 2, 40, 40, 32, torch.float16), False, scale=0.3)
+
+
+def test_rows_that_see_no_key_are_zero_never_nan():
+    # Bottom-right causal with seqlen_q > seqlen_k: the first sq - sk rows see no key.
+    q, k, v = _inputs(1, 2, 2, 50, 20, 32, torch.float16)
+    out, lse = diyfa.flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :, :30] == 0)
+    assert torch.all(torch.isneginf(lse[:, :, :30])) and torch.isfinite(lse[:, :, 30:]).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.all(q.grad[:, :, :30] == 0)
+    _run_and_check(*_inputs(1, 2, 2, 50, 20, 32, torch.float16, seed=1), True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_matches_reference(causal):
+    q, k, v = _inputs(2, 2, 1, 70, 45, 64, torch.float32)
+    out, lse = diyfa.flash_attention_with_lse(q, k, v, causal=causal)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
+    assert lse.shape == (2, 2, 70) and lse.dtype == torch.float32
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert _max_err(lse[finite], ref_lse[finite]) < 1e-5
+
+
+def test_packed_qkv_slices_and_transposed_views_need_no_copy():
+    # A packed (b, s, 3, h, d) projection sliced into q, k, v: strided, non-contiguous views.
+    b, s, h, d = 2, 37, 4, 32
+    qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=torch.float16)
+    q, k, v = (qkv[:, :, i].detach().requires_grad_() for i in range(3))
+    assert not q.is_contiguous()
+    _run_and_check(q, k, v, True, layout="bshd")
+    # The same views seen as (b, h, s, d) by transposing: still no copy.
+    qt, kt, vt = (qkv[:, :, i].transpose(1, 2).detach().requires_grad_() for i in range(3))
+    _run_and_check(qt, kt, vt, False, layout="bhsd")
+
+
+def test_no_hidden_copy_of_inputs(monkeypatch):
+    qkv = torch.randn(1, 20, 3, 2, 16, device=DEVICE, dtype=torch.float16)
+    q, k, v = (qkv[:, :, i] for i in range(3))
+    calls = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, *a, **kw: calls.append(1)
+                        or real(self, *a, **kw))
+    diyfa.flash_attention(q, k, v, layout="bshd")
+    assert calls == []
+
+
+def test_backward_is_deterministic():
+    q, k, v = _inputs(1, 4, 2, 100, 130, 64, torch.float16)
+    grads = []
+    for _ in range(2):
+        for t in (q, k, v):
+            t.grad = None
+        out = diyfa.flash_attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        grads.append([t.grad.clone() for t in (q, k, v)])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_drop_in_matches_pytorch_semantics(causal):
+    # PyTorch's is_causal is top-left aligned when seqlen_q != seqlen_k.
+    q, k, v = _inputs(1, 4, 2, 30, 50, 32, torch.float32)
+    out = diyfa.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=True)
+    assert _max_err(out, ref) < 1e-5
+
+
+def test_sdpa_drop_in_falls_back_and_logs_once(caplog):
+    q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32)
+    mask = torch.zeros(8, 8, dtype=torch.bool, device=DEVICE).tril()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            out = diyfa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out, ref)
+    assert sum("attn_mask" in r.message for r in caplog.records) == 1
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        diyfa.scaled_dot_product_attention(q, k[:, :1], v[:, :1])
+
+
+def test_zero_length_sequences():
+    q, k, v = _inputs(1, 2, 2, 5, 1, 16, torch.float16)
+    empty_k = k[:, :, :0]
+    out, lse = diyfa.flash_attention(q, empty_k, v[:, :, :0], return_lse=True)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+def _bad(**over):
+    q, k, v = (torch.randn(1, 2, 8, 16, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    args = dict(q=q, k=k, v=v)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    "over,kwargs,err,match",
+    [
+        (dict(q=[1.0]), {}, TypeError, "q must be a torch.Tensor, got list"),
+        (dict(k=torch.randn(2, 8, 16)), {}, ValueError, r"k must be 4-D .* got shape \(2, 8, 16\)"),
+        (dict(v=torch.randn(1, 2, 8, 16, dtype=torch.float64)), {}, TypeError,
+         "v.dtype is torch.float64; accepted: float16, bfloat16, float32"),
+        (dict(k=torch.randn(1, 2, 8, 16, dtype=torch.float32)), {}, TypeError, "share a dtype"),
+        (dict(q=torch.randn(1, 2, 8, 300, dtype=torch.float16),
+              k=torch.randn(1, 2, 8, 300, dtype=torch.float16),
+              v=torch.randn(1, 2, 8, 300, dtype=torch.float16)), {}, ValueError,
+         "head_dim must be in 1..256, got 300"),
+        (dict(k=torch.randn(1, 2, 8, 32, dtype=torch.float16)), {}, ValueError,
+         "share head_dim, got q=16, k=32"),
+        (dict(q=torch.randn(2, 2, 8, 16, dtype=torch.float16)), {}, ValueError,
+         "batch sizes differ: q has 2, k has 1"),
+        (dict(q=torch.randn(1, 3, 8, 16, dtype=torch.float16)), {}, ValueError,
+         r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
+        (dict(v=torch.randn(1, 2, 9, 16, dtype=torch.float16)), {}, ValueError,
+         "k and v must have the same heads and seqlen"),
+        ({}, dict(layout="sbhd"), ValueError, "layout must be one of"),
+        ({}, dict(causal=1), TypeError, "causal must be a bool"),
+        ({}, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
+        ({}, dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
+    ],
+    ids=["not-tensor", "rank", "dtype", "mixed-dtype", "head-dim-300", "head-dim-mismatch",
+         "batch", "gqa-heads", "kv-mismatch", "layout", "causal-type", "scale-nan", "scale-type"],
+)
+def test_bad_input_is_a_clear_error(over, kwargs, err, match):
+    args = _bad(**{key: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t)
+                   for key, t in over.items()})
+    with pytest.raises(err, match=match):
+        diyfa.flash_attention(args["q"], args["k"], args["v"], **kwargs)
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    from diyfa.ops import attention
+
+    monkeypatch.setattr(attention, "interpreter_enabled", lambda: False)
+    q = torch.randn(1, 1, 4, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CPU tensors.*TRITON_INTERPRET=1"):
+        attention.flash_attention(q, q, q)
+
+
+def test_interpreter_bf16_dot_fix_is_applied():
+    # Without diyfa._interpreter's patch, Triton 3.6's interpreter multiplies bf16 bit patterns.
+    if HAS_CUDA:
+        pytest.skip("interpreter-only check")
+    import triton
+    import triton.language as tl
+
+    import diyfa.ops.attention  # noqa: F401  (applies the patch)
+
+    @triton.jit
+    def dot16(A, B, C):
+        o = tl.arange(0, 16)
+        a = tl.load(A + o[:, None] * 16 + o[None, :])
+        b = tl.load(B + o[:, None] * 16 + o[None, :])
+        tl.store(C + o[:, None] * 16 + o[None, :], tl.dot(a, b))
+
+    a, b = (torch.randn(16, 16, dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty(16, 16)
+    dot16[(1,)](a, b, c)
+    torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- GPU
+GPU_SHAPES = [
+    (2, 8, 8, 1024, 1024, 64), (1, 16, 4, 1023, 4097, 128), (2, 8, 1, 4097, 1000, 96),
+    (1, 4, 4, 8192, 8192, 256), (4, 8, 2, 113, 1023, 160), (1, 8, 8, 2048, 2048, 192),
+    (1, 32, 8, 4096, 4096, 128), (2, 12, 12, 333, 333, 40), (1, 8, 8, 1000, 1000, 80),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gpu_full_matrix(shape, dtype, causal):
+    b, h, hk, sq, sk, d = shape
+    _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_long_sequence_16k(dtype):
+    _run_and_check(*_inputs(1, 4, 2, 16384, 16384, 128, dtype, device="cuda"), True)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_backward_large():
+    q, k, v = _inputs(2, 16, 4, 4096, 4096, 128, torch.bfloat16, device="cuda")
+    grads = []
+    for _ in range(3):
+        for t in (q, k, v):
+            t.grad = None
+        diyfa.flash_attention(q, k, v, causal=True).backward(torch.ones_like(q))
+        grads.append([t.grad.clone() for t in (q, k, v)])
+    for run in grads[1:]:
+        for a, b in zip(grads[0], run, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_gpu_memory_is_linear_in_seqlen(mode):
+    """At seq 8192 nothing O(seqlen^2) is allocated: extra memory beyond inputs, outputs,
+    LSE (and for backward: grads, delta) stays within a few MB."""
+    b, h, s, d = 4, 8, 8192, 64
+    q, k, v = _inputs(b, h, h, s, s, d, torch.float16, device="cuda")
+    do = torch.randn_like(q)
+    diyfa.flash_attention(q, k, v).backward(do)  # compile/autotune outside the measurement
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = diyfa.flash_attention(q, k, v)
+    expected = out.numel() * 2 + b * h * s * 4  # output + LSE
+    if mode == "fwd_bwd":
+        out.backward(do)
+        expected += 3 * q.numel() * 2 + b * h * s * 4  # dq, dk, dv + delta
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - expected
+    assert extra < 8 * 2**20, f"{extra / 2**20:.1f} MiB beyond inputs/outputs"
+    # For scale: one fp32 score matrix would be b*h*s*s*4 bytes = 8 GiB.
+
+
+@pytest.mark.gpu
+def test_gpu_strided_views_no_copy_large():
+    b, s, h, d = 2, 2048, 16, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].detach().requires_grad_() for i in range(3))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = diyfa.flash_attention(q, k, v, layout="bshd", causal=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out.numel() * 2 - b * h * s * 4 * 2
+    assert extra < 2**20, f"a hidden copy? {extra / 2**20:.1f} MiB extra"
+    _run_and_check(q, k, v, True, layout="bshd")
+
+
+def test_flops_of_a_case_are_consistent_with_sdpa_shape():
+    # Sanity link between the API's shapes and the FLOPs model used by the benchmarks.
+    f = diyfa.attention_flops(4, 8, 1024, 1024, 64)
+    assert f == 4 * 4 * 8 * 1024 * 1024 * 64
+    assert math.isclose(diyfa.attention_flops(4, 8, 1024, 1024, 64, causal=True,
+                                              convention="published"), f / 2)
