@@ -1,0 +1,729 @@
+"""Matrix multiplication in Triton: out = activation(scale_a * scale_b * (a @ b) + bias).
+
+Shapes and layouts
+    a: (M, K) and b: (K, N) give out: (M, N); batched a: (B, M, K) and b: (B, K, N) give
+    (B, M, N). Any M, N, K >= 0 and any strides: transposed and sliced operands are read in
+    place (every stride is a kernel argument; nothing is copied). ``out`` is a new contiguous
+    tensor.
+
+Dtypes and numerics (obeyed by both kernels)
+    - Every product accumulates in fp32; the epilogue runs in fp32 and rounds once, to
+      ``out_dtype`` (default: the input dtype; bf16 for fp8 inputs).
+    - fp16, bf16: tensor-core dots of the input values.
+    - fp32: TF32 tensor-core dots by default (like ``torch.backends.cuda.matmul.allow_tf32``);
+      ``precision="ieee"`` gives exact fp32 products (slower). Under the interpreter both are
+      exact. ``precision`` has no effect on the other dtypes.
+    - fp8 (float8_e4m3fn, float8_e5m2, also mixed): needs ``scale_a`` and ``scale_b``, fp32,
+      each per-tensor (one element) or per-row of a (M,) / per-column of b (N,). The scales
+      multiply the fp32 accumulator, before the bias. Needs a GPU with fp8 tensor cores
+      (compute capability >= 8.9) or the interpreter. On Hopper, Triton's default for fp8 dots
+      is the tensor cores' fast (reduced-precision) accumulation, as cuBLAS's
+      ``use_fast_accum=True``.
+    - Epilogue, in order: scales, ``bias`` (N,) added to every row, activation: "relu",
+      "gelu" (the tanh approximation, as ``F.gelu(x, approximate="tanh")``) or "silu".
+    - Tile origins and batch offsets are 64-bit before they multiply strides; offsets inside
+      a tile are 32-bit.
+
+Kernels
+    - ``_matmul_kernel`` (portable, every GPU): one program per output tile, pointer loads,
+      grouped tile order so that consecutive programs share rows of a and columns of b in L2.
+    - ``_matmul_tma_kernel`` (Hopper, sm90): persistent (one program per SM looping over
+      tiles, in the same grouped order), operands and output moved by TMA through
+      tensor descriptors made on the device (``tl.make_tensor_descriptor``). Used for
+      fp16/bf16/fp8 when every operand is row- or column-major with 16-byte aligned strides
+      and base addresses (TMA's rule); otherwise the portable kernel runs.
+    Both share the tile-order and epilogue helpers.
+
+Launch configuration
+    Config spaces, per-architecture defaults and shared-memory pruning are at the top of this
+    file. Autotuning runs on the GPU unless ``DIYFA_AUTOTUNE=0``; its key is the dtypes, the
+    layouts and the power-of-two buckets of M, N and K.
+
+Limits
+    a and b have the same rank (2-D or 3-D); no broadcasting of a batch dimension. The output
+    dtype is fp16, bf16 or fp32 (no fp8 output). No autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from diyfa import _interpreter, tuning
+from diyfa.device import interpreter_enabled
+
+if interpreter_enabled():
+    _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACTIVATIONS = (None, "relu", "gelu", "silu")
+PRECISIONS = ("tf32", "ieee")
+KERNELS = ("auto", "portable", "tma")
+TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and strides
+
+
+# --------------------------------------------------------------------------------------------
+# Configs: spaces, per-architecture defaults, pruning
+# --------------------------------------------------------------------------------------------
+# BLOCK_K is written for 2-byte inputs and scaled to keep a K tile at 128 bytes per row:
+# x2 for fp8, /2 for fp32. So one entry means the same shared memory for every dtype.
+# Portable entries: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+PORTABLE_SPACE = [
+    (128, 256, 64, 8, 8, 3),
+    (256, 128, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 4),
+    (128, 128, 64, 8, 4, 4),
+    (128, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 4),
+]
+# TMA entries add EPILOGUE_SUBTILE: store the output tile in two halves (less shared memory
+# for the store buffer, so one more pipeline stage fits).
+TMA_SPACE = [
+    (128, 256, 64, 8, 8, 3, False),
+    (128, 256, 64, 8, 8, 4, True),
+    (256, 128, 64, 8, 8, 3, True),
+    (128, 128, 64, 8, 8, 4, False),
+    (128, 128, 64, 8, 4, 5, True),
+    (128, 128, 128, 8, 8, 3, False),
+]
+# Defaults when autotuning is off, by major compute capability (8: Ampere/Ada, 9: Hopper).
+# Ampere follows the seed guide (128x256x64, 3 stages, 8 warps); Hopper has the shared
+# memory for one more stage. A default that does not fit the device's shared memory gives
+# way to the first entry of the space that does.
+DEFAULTS = {
+    "portable": {8: (128, 256, 64, 8, 8, 3), 9: (128, 256, 64, 8, 8, 4)},
+    "tma": {9: (128, 256, 64, 8, 8, 3, False)},
+}
+# Small tiles under the interpreter: the tests still cross several tiles and K steps.
+INTERPRETER_DEFAULTS = {
+    "portable": (32, 32, 32, 2, 4, 1),
+    "tma": (32, 32, 32, 2, 4, 1, True),
+}
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+    num_warps: int
+    num_stages: int
+    EPILOGUE_SUBTILE: bool | None = None  # TMA kernel only
+
+    def meta(self) -> dict:
+        meta = dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
+                    GROUP_M=self.GROUP_M)  # fmt: skip
+        if self.EPILOGUE_SUBTILE is not None:
+            meta["EPILOGUE_SUBTILE"] = self.EPILOGUE_SUBTILE
+        return meta
+
+    def triton_config(self) -> triton.Config:
+        return triton.Config(self.meta(), num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def make_config(entry: tuple, elem_bytes: int) -> MatmulConfig:
+    """A space or table entry as a config for inputs of ``elem_bytes`` bytes."""
+    bm, bn, bk, group, warps, stages, *subtile = entry
+    bk = max(16, bk * 2 // elem_bytes)
+    return MatmulConfig(bm, bn, bk, group, warps, stages, subtile[0] if subtile else None)
+
+
+def smem_bytes(cfg: MatmulConfig, elem_bytes: int, out_bytes: int) -> int:
+    """Shared memory a config needs (an estimate): one a tile and one b tile per pipeline
+    stage, plus, for the TMA kernel, the output tile (or half of it) staged for the store."""
+    per_stage = (cfg.BLOCK_M + cfg.BLOCK_N) * cfg.BLOCK_K * elem_bytes
+    total = per_stage * cfg.num_stages
+    if cfg.EPILOGUE_SUBTILE is not None:
+        store_n = cfg.BLOCK_N // 2 if cfg.EPILOGUE_SUBTILE else cfg.BLOCK_N
+        total += cfg.BLOCK_M * store_n * out_bytes
+    return total
+
+
+def configs_for(kind: str, elem_bytes: int, out_bytes: int, smem_limit: int) -> list:
+    """The kind's space ("portable" or "tma") pruned to what fits ``smem_limit``."""
+    space = PORTABLE_SPACE if kind == "portable" else TMA_SPACE
+    configs = [make_config(e, elem_bytes) for e in space]
+    fits = [c for c in configs if smem_bytes(c, elem_bytes, out_bytes) <= smem_limit]
+    if not fits:  # never leave nothing: the smallest tile with a 2-stage pipeline
+        small = min(configs, key=lambda c: c.BLOCK_M * c.BLOCK_N)
+        fits = [MatmulConfig(small.BLOCK_M, small.BLOCK_N, small.BLOCK_K, small.GROUP_M,
+                             small.num_warps, 2, small.EPILOGUE_SUBTILE)]  # fmt: skip
+    return fits
+
+
+def default_config(kind: str, elem_bytes: int, out_bytes: int, capability_major: int | None,
+                   smem_limit: int | None) -> MatmulConfig:  # fmt: skip
+    """The config used without autotuning (interpreter, ``DIYFA_AUTOTUNE=0``)."""
+    if interpreter_enabled() or capability_major is None:
+        return make_config(INTERPRETER_DEFAULTS[kind], elem_bytes)
+    table = DEFAULTS[kind]
+    entry = table[min(max(capability_major, min(table)), max(table))]
+    cfg = make_config(entry, elem_bytes)
+    if smem_limit is not None and smem_bytes(cfg, elem_bytes, out_bytes) > smem_limit:
+        cfg = configs_for(kind, elem_bytes, out_bytes, smem_limit)[0]
+    return cfg
+
+
+@functools.cache
+def _autotuned(kernel_fn, kind: str, elem_bytes: int, out_bytes: int, smem_limit: int):
+    """``kernel_fn`` autotuned over its pruned space (built once per key)."""
+    configs = [c.triton_config() for c in configs_for(kind, elem_bytes, out_bytes, smem_limit)]
+    key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "SCALE_A",
+           "SCALE_B", "HAS_BIAS", "ACTIVATION"]  # fmt: skip
+    return triton.autotune(configs=configs, key=key)(kernel_fn)
+
+
+def _bucket(n: int) -> int:
+    """Autotuning key for a length: its next power of two (at least 16)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: tiles go down GROUP_M tile-rows before moving one tile-column right, so
+    programs that run together reuse the same rows of a and columns of b from L2."""
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // tiles_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    in_group = tile_id % tiles_per_group
+    return first_m + in_group % group_rows, in_group // group_rows
+
+
+@triton.jit
+def _gelu_tanh(x):
+    """GELU, tanh approximation: 0.5 x (1 + tanh(u)) = x * sigmoid(2u),
+    u = sqrt(2/pi) (x + 0.044715 x^3)."""
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x * tl.sigmoid(2.0 * u)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, scale_a, scale_b, bias,
+              stride_sam, stride_sbn, stride_bias,
+              SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+              ACTIVATION: tl.constexpr):
+    """fp32 accumulator tile -> scales -> bias -> activation (still fp32).
+
+    ``scale_a``/``scale_b`` point at this batch's scales; SCALE_A/SCALE_B are "none",
+    "tensor" (one value) or "row" (one per row of a / per column of b).
+    """
+    if SCALE_A == "tensor":
+        acc = acc * tl.load(scale_a)
+    elif SCALE_A == "row":
+        acc = acc * tl.load(scale_a + offs_m * stride_sam, mask=offs_m < M, other=0.0)[:, None]
+    if SCALE_B == "tensor":
+        acc = acc * tl.load(scale_b)
+    elif SCALE_B == "row":
+        acc = acc * tl.load(scale_b + offs_n * stride_sbn, mask=offs_n < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+        acc = acc + b.to(tl.float32)[None, :]
+    if ACTIVATION == "relu":
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == "gelu":
+        acc = _gelu_tanh(acc)
+    elif ACTIVATION == "silu":
+        acc = acc * tl.sigmoid(acc)
+    return acc
+
+
+# --------------------------------------------------------------------------------------------
+# Portable kernel: one program per output tile, pointer loads
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
+                   M, N, K,
+                   stride_ab, stride_am, stride_ak,
+                   stride_bb, stride_bk, stride_bn,
+                   stride_cb, stride_cm, stride_cn,
+                   stride_sab, stride_sam, stride_sbb, stride_sbn, stride_bias,
+                   M_BUCKET, N_BUCKET, K_BUCKET,
+                   A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
+                   SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+    # M/N/K_BUCKET and A/B_ROW_MAJOR only key the autotuner (the strides carry the layout).
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    off_b = tl.program_id(1).to(tl.int64)
+    start_m = pid_m.to(tl.int64) * BLOCK_M
+    start_n = pid_n.to(tl.int64) * BLOCK_N
+
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = (rm < M - start_m)[:, None]
+    n_ok = (rn < N - start_n)[None, :]
+    a_ptrs = (A + off_b * stride_ab + start_m * stride_am
+              + rm[:, None] * stride_am + rk[None, :] * stride_ak)  # fmt: skip
+    b_ptrs = (B + off_b * stride_bb + start_n * stride_bn
+              + rk[:, None] * stride_bk + rn[None, :] * stride_bn)  # fmt: skip
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    offs_m = start_m.to(tl.int32) + rm
+    offs_n = start_n.to(tl.int32) + rn
+    acc = _epilogue(acc, offs_m, offs_n, M, N, SCALE_A_PTR + off_b * stride_sab,
+                    SCALE_B_PTR + off_b * stride_sbb, BIAS, stride_sam, stride_sbn, stride_bias,
+                    SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
+    c_ptrs = (C + off_b * stride_cb + start_m * stride_cm + start_n * stride_cn
+              + rm[:, None] * stride_cm + rn[None, :] * stride_cn)  # fmt: skip
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_ok & n_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Hopper kernel: persistent, TMA tensor descriptors made on the device
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _operand_desc(base, batch, rows, cols, stride_batch, stride_outer,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MAJOR: tl.constexpr,
+                  BATCHED: tl.constexpr):
+    """A TMA descriptor for a (rows, cols) matrix (per batch) whose rows (ROW_MAJOR) or
+    columns are contiguous: TMA needs the innermost stride to be 1, so a column-major matrix
+    is described as its transpose. ``stride_outer`` is the stride of the other dimension."""
+    if ROW_MAJOR:
+        if BATCHED:
+            desc = tl.make_tensor_descriptor(base, shape=[batch, rows, cols],
+                                             strides=[stride_batch, stride_outer, 1],
+                                             block_shape=[1, BLOCK_R, BLOCK_C])  # fmt: skip
+        else:
+            desc = tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[stride_outer, 1],
+                                             block_shape=[BLOCK_R, BLOCK_C])  # fmt: skip
+    else:
+        if BATCHED:
+            desc = tl.make_tensor_descriptor(base, shape=[batch, cols, rows],
+                                             strides=[stride_batch, stride_outer, 1],
+                                             block_shape=[1, BLOCK_C, BLOCK_R])  # fmt: skip
+        else:
+            desc = tl.make_tensor_descriptor(base, shape=[cols, rows], strides=[stride_outer, 1],
+                                             block_shape=[BLOCK_C, BLOCK_R])  # fmt: skip
+    return desc
+
+
+@triton.jit
+def _load_tile(desc, off_b, off_r, off_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               ROW_MAJOR: tl.constexpr, BATCHED: tl.constexpr):
+    """The (BLOCK_R, BLOCK_C) tile at (off_r, off_c) of the matrix ``desc`` describes.
+    Out-of-bounds elements read as zero."""
+    if ROW_MAJOR:
+        if BATCHED:
+            tile = desc.load([off_b, off_r, off_c]).reshape(BLOCK_R, BLOCK_C)
+        else:
+            tile = desc.load([off_r, off_c])
+    else:
+        if BATCHED:
+            tile = desc.load([off_b, off_c, off_r]).reshape(BLOCK_C, BLOCK_R).T
+        else:
+            tile = desc.load([off_c, off_r]).T
+    return tile
+
+
+@triton.jit
+def _store_tile(desc, off_b, off_m, off_n, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BATCHED: tl.constexpr):
+    """Store a (BLOCK_M, BLOCK_N) tile of the row-major output; TMA clips at the edges."""
+    if BATCHED:
+        desc.store([off_b, off_m, off_n], tile.reshape(1, BLOCK_M, BLOCK_N))
+    else:
+        desc.store([off_m, off_n], tile)
+
+
+@triton.jit
+def _tma_tile_coords(tile_id, tiles_per_batch, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(batch, tile row, tile column) of a tile: batches one after another, grouped order
+    inside each."""
+    off_b = tile_id // tiles_per_batch
+    pid_m, pid_n = _tile_coords(tile_id % tiles_per_batch, num_pid_m, num_pid_n, GROUP_M)
+    return off_b, pid_m, pid_n
+
+
+@triton.jit
+def _matmul_tma_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
+                       batch, M, N, K,
+                       stride_ab, stride_a_outer, stride_bb, stride_b_outer,
+                       stride_cb, stride_cm,
+                       stride_sab, stride_sam, stride_sbb, stride_sbn, stride_bias,
+                       M_BUCKET, N_BUCKET, K_BUCKET,
+                       A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
+                       BATCHED: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NUM_SMS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr):
+    # NUM_SMS (the grid size) is fixed per device: constexpr costs no extra compiles.
+    STORE_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
+    a_desc = _operand_desc(A, batch, M, K, stride_ab, stride_a_outer, BLOCK_M, BLOCK_K,
+                           A_ROW_MAJOR, BATCHED)  # fmt: skip
+    b_desc = _operand_desc(B, batch, K, N, stride_bb, stride_b_outer, BLOCK_K, BLOCK_N,
+                           B_ROW_MAJOR, BATCHED)  # fmt: skip
+    c_desc = _operand_desc(C, batch, M, N, stride_cb, stride_cm, BLOCK_M, STORE_N, True, BATCHED)
+
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_batch = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # The epilogue finds its tile from a counter of its own (tile_id_c) rather than from the
+    # loop variable: with the loops flattened, the pipeliner issues the next tile's loads
+    # while this tile's epilogue runs, and a shared value would tie the two together.
+    tile_id_c = tl.program_id(0) - NUM_SMS
+    for tile_id in tl.range(tl.program_id(0), tiles_per_batch * batch, NUM_SMS, flatten=True):
+        off_b, pid_m, pid_n = _tma_tile_coords(tile_id, tiles_per_batch, num_pid_m, num_pid_n,
+                                               GROUP_M)  # fmt: skip
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            a = _load_tile(a_desc, off_b, off_m, off_k, BLOCK_M, BLOCK_K, A_ROW_MAJOR, BATCHED)
+            b = _load_tile(b_desc, off_b, off_k, off_n, BLOCK_K, BLOCK_N, B_ROW_MAJOR, BATCHED)
+            acc = tl.dot(a, b, acc)
+
+        tile_id_c += NUM_SMS
+        off_b, pid_m, pid_n = _tma_tile_coords(tile_id_c, tiles_per_batch, num_pid_m, num_pid_n,
+                                               GROUP_M)  # fmt: skip
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        scale_a = SCALE_A_PTR + off_b.to(tl.int64) * stride_sab
+        scale_b = SCALE_B_PTR + off_b.to(tl.int64) * stride_sbb
+        if EPILOGUE_SUBTILE:
+            halves = tl.reshape(acc, (BLOCK_M, 2, STORE_N)).permute(0, 2, 1)
+            acc0, acc1 = tl.split(halves)
+            offs_n = off_n + tl.arange(0, STORE_N)
+            acc0 = _epilogue(acc0, offs_m, offs_n, M, N, scale_a, scale_b, BIAS,
+                             stride_sam, stride_sbn, stride_bias,
+                             SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
+            _store_tile(c_desc, off_b, off_m, off_n, acc0.to(C.dtype.element_ty),
+                        BLOCK_M, STORE_N, BATCHED)  # fmt: skip
+            acc1 = _epilogue(acc1, offs_m, offs_n + STORE_N, M, N, scale_a, scale_b, BIAS,
+                             stride_sam, stride_sbn, stride_bias,
+                             SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
+            _store_tile(c_desc, off_b, off_m, off_n + STORE_N, acc1.to(C.dtype.element_ty),
+                        BLOCK_M, STORE_N, BATCHED)  # fmt: skip
+        else:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            acc = _epilogue(acc, offs_m, offs_n, M, N, scale_a, scale_b, BIAS,
+                            stride_sam, stride_sbn, stride_bias,
+                            SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
+            _store_tile(c_desc, off_b, off_m, off_n, acc.to(C.dtype.element_ty),
+                        BLOCK_M, BLOCK_N, BATCHED)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 3 else t.unsqueeze(0)
+
+
+def _device_facts(t: torch.Tensor) -> tuple[int | None, int | None, int | None]:
+    """(major compute capability, shared memory per block, SM count); Nones off the GPU."""
+    if not t.is_cuda or interpreter_enabled():
+        return None, None, None
+    props = triton.runtime.driver.active.utils.get_device_properties(t.device.index)
+    return (torch.cuda.get_device_capability(t.device)[0], props["max_shared_mem"],
+            props["multiprocessor_count"])  # fmt: skip
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """Whether the last dim of a (batch, rows, cols) tensor is the contiguous one."""
+    return t.stride(2) == 1 or t.shape[2] == 1
+
+
+def _tma_problem(a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor) -> str | None:
+    """Why TMA cannot read these operands (None when it can)."""
+    if a3.dtype == torch.float32:
+        return "fp32 inputs run on the portable kernel"
+    if a3.shape[2] == 0:
+        return "K is 0"
+    for name, t in (("a", a3), ("b", b3), ("out", out3)):
+        if t.data_ptr() % TMA_ALIGN:
+            return f"{name}'s data pointer is not {TMA_ALIGN}-byte aligned"
+        row_major = _row_major(t)
+        if not row_major and t.stride(1) != 1 and t.shape[1] != 1:
+            return f"{name} is neither row- nor column-major (strides {tuple(t.stride())})"
+        outer = t.stride(1) if row_major else t.stride(2)
+        for label, stride in (("batch", t.stride(0)), ("outer", outer)):
+            if (stride * t.element_size()) % TMA_ALIGN:
+                return (f"{name}'s {label} stride ({stride} elements) is not a multiple of "
+                        f"{TMA_ALIGN} bytes")  # fmt: skip
+    return None
+
+
+_allocator_set = False
+
+
+def _ensure_allocator() -> None:
+    """Device-side TMA descriptors live in a global-memory scratch that Triton asks for
+    through ``triton.set_allocator``; give it a torch allocation unless one is set."""
+    global _allocator_set
+    if _allocator_set:
+        return
+    try:
+        from triton.runtime import _allocation
+
+        current = _allocation._allocator.get()
+        needs_one = isinstance(current, _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # private API moved: set ours
+        needs_one = True
+    if needs_one:
+
+        def alloc(size: int, alignment: int, stream):
+            return torch.empty(size, device="cuda", dtype=torch.int8)
+
+        triton.set_allocator(alloc)
+    _allocator_set = True
+
+
+def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, smem,
+            args: dict) -> None:  # fmt: skip
+    """Launch autotuned (GPU) or with the default config (interpreter, DIYFA_AUTOTUNE=0)."""
+    if tuning.autotune_enabled() and major is not None:
+        _autotuned(kernel_fn, kind, elem_bytes, out_bytes, smem)[grid](**args)
+        return
+    cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
+    kernel_fn[grid(cfg.meta())](**args, **cfg.meta(), num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages)  # fmt: skip
+
+
+def _matmul(a, b, out, scales, bias, activation, precision, kernel) -> None:
+    """Run one kernel on validated inputs, writing ``out``."""
+    a3, b3, out3 = _as_3d(a), _as_3d(b), _as_3d(out)
+    batch, M, K = a3.shape
+    N = b3.shape[2]
+    (mode_a, scale_a, sab, sam), (mode_b, scale_b, sbb, sbn) = scales
+    dummy = out  # stands in for absent scale/bias pointers (never read)
+    common = dict(
+        C=out3, SCALE_A_PTR=scale_a if scale_a is not None else dummy,
+        SCALE_B_PTR=scale_b if scale_b is not None else dummy,
+        BIAS=bias if bias is not None else dummy,
+        M=M, N=N, K=K, stride_cb=out3.stride(0), stride_cm=out3.stride(1),
+        stride_sab=sab, stride_sam=sam, stride_sbb=sbb, stride_sbn=sbn,
+        stride_bias=bias.stride(0) if bias is not None else 0,
+        M_BUCKET=_bucket(M), N_BUCKET=_bucket(N), K_BUCKET=_bucket(K),
+        A_ROW_MAJOR=_row_major(a3), B_ROW_MAJOR=_row_major(b3),
+        SCALE_A=mode_a, SCALE_B=mode_b, HAS_BIAS=bias is not None, ACTIVATION=activation,
+    )  # fmt: skip
+    major, smem, num_sms = _device_facts(a)
+    elem, out_bytes = a.element_size(), out.element_size()
+
+    if kernel == "auto":
+        use_tma = major == 9 and _tma_problem(a3, b3, out3) is None
+    else:
+        use_tma = kernel == "tma"
+    if use_tma:
+        if a.is_cuda:
+            _ensure_allocator()
+        a_rm, b_rm = common["A_ROW_MAJOR"], common["B_ROW_MAJOR"]
+        num_sms = num_sms or 4  # interpreter: a few programs, each looping over tiles
+
+        def grid(meta):
+            tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * batch
+            return (max(1, min(num_sms, tiles)),)
+
+        _launch(_matmul_tma_kernel, "tma", grid, elem, out_bytes, major, smem, dict(
+            A=a3, B=b3, batch=batch,
+            stride_ab=a3.stride(0), stride_a_outer=a3.stride(1) if a_rm else a3.stride(2),
+            stride_bb=b3.stride(0), stride_b_outer=b3.stride(1) if b_rm else b3.stride(2),
+            BATCHED=a.dim() == 3, NUM_SMS=num_sms, **common))  # fmt: skip
+        return
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), batch)
+
+    _launch(_matmul_kernel, "portable", grid, elem, out_bytes, major, smem, dict(
+        A=a3, B=b3, stride_ab=a3.stride(0), stride_am=a3.stride(1), stride_ak=a3.stride(2),
+        stride_bb=b3.stride(0), stride_bk=b3.stride(1), stride_bn=b3.stride(2),
+        stride_cn=out3.stride(2), PRECISION=precision, **common))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_operands(a, b) -> None:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (2, 3):
+            raise ValueError(
+                f"{name} must be 2-D (rows, cols) or 3-D (batch, rows, cols), got shape "
+                f"{tuple(t.shape)}"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name}.dtype is {t.dtype}; accepted: "
+                + ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
+            )
+    if a.dim() != b.dim():
+        raise ValueError(
+            f"a and b must have the same rank (both 2-D or both 3-D), got a {tuple(a.shape)} "
+            f"and b {tuple(b.shape)}"
+        )
+    if a.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"batch sizes differ: a has {a.shape[0]}, b has {b.shape[0]}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"inner dimensions differ: a {tuple(a.shape)} has K={a.shape[-1]}, b "
+            f"{tuple(b.shape)} has K={b.shape[-2]}"
+        )
+    a_fp8, b_fp8 = a.dtype in FP8_DTYPES, b.dtype in FP8_DTYPES
+    if a.dtype != b.dtype and not (a_fp8 and b_fp8):
+        raise TypeError(
+            f"a and b must share a dtype (two fp8 kinds may mix), got a={_dtype_name(a.dtype)}, "
+            f"b={_dtype_name(b.dtype)}"
+        )
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on one device, got a={a.device}, b={b.device}")
+    if a.device.type == "cpu":
+        if not interpreter_enabled():
+            raise ValueError(
+                "a and b are CPU tensors: the Triton kernels need a CUDA GPU, or the Triton "
+                "interpreter (set TRITON_INTERPRET=1 before importing diyfa) for small CPU runs"
+            )
+    elif a.device.type != "cuda":
+        raise ValueError(
+            f"a is on device {a.device}; accepted: cuda (or cpu with TRITON_INTERPRET=1)"
+        )
+    if a_fp8 and a.is_cuda:
+        cc = torch.cuda.get_device_capability(a.device)
+        if cc < (8, 9):
+            raise ValueError(
+                f"fp8 inputs need a GPU with fp8 tensor cores (compute capability >= 8.9); "
+                f"{torch.cuda.get_device_name(a.device)} has {cc[0]}.{cc[1]}"
+            )
+
+
+def _check_scale(name: str, s, a, rows: int, per_row_shape: str):
+    """Validate one scale; returns (mode, tensor, batch stride, row stride)."""
+    if s is None:
+        return "none", None, 0, 0
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (fp32) or None, got {type(s).__name__}")
+    if s.dtype != torch.float32:
+        raise TypeError(f"{name}.dtype is {s.dtype}; accepted: float32")
+    if s.device != a.device:
+        raise ValueError(f"{name} is on {s.device}, the operands on {a.device}")
+    if s.numel() == 1:
+        return "tensor", s, 0, 0
+    batched = a.dim() == 3
+    squeezed = s.squeeze(-1) if name == "scale_a" and s.dim() >= 2 else s
+    if name == "scale_b" and s.dim() >= 2 and s.shape[-2] == 1:
+        squeezed = s.squeeze(-2)
+    if squeezed.dim() == 1 and squeezed.shape[0] == rows:
+        return "row", squeezed, 0, squeezed.stride(0)
+    if batched and squeezed.dim() == 2 and tuple(squeezed.shape) == (a.shape[0], rows):
+        return "row", squeezed, squeezed.stride(0), squeezed.stride(1)
+    accepted = f"one element (per-tensor) or {per_row_shape}"
+    if batched:
+        accepted += " (or with a leading batch dim)"
+    raise ValueError(f"{name} has shape {tuple(s.shape)}; accepted: {accepted}")
+
+
+def _check_rest(a, b, out_dtype, scale_a, scale_b, bias, activation, precision, kernel):
+    M, N = a.shape[-2], b.shape[-1]
+    if a.dtype in FP8_DTYPES and (scale_a is None or scale_b is None):
+        missing = [n for n, s in (("scale_a", scale_a), ("scale_b", scale_b)) if s is None]
+        raise ValueError(
+            "fp8 inputs need scale_a and scale_b (fp32, per-tensor or per-row); missing: "
+            + ", ".join(missing)
+        )
+    scales = (_check_scale("scale_a", scale_a, a, M, f"per-row of a: ({M},) or ({M}, 1)"),
+              _check_scale("scale_b", scale_b, a, N, f"per-column of b: ({N},) or (1, {N})"))
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(
+            f"out_dtype is {out_dtype}; accepted: None (the input dtype, bf16 for fp8) or "
+            + ", ".join(_dtype_name(d) for d in OUT_DTYPES)
+        )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"bias must have shape ({N},) (N of b), got {tuple(bias.shape)}")
+        if bias.dtype not in OUT_DTYPES:
+            raise TypeError(
+                f"bias.dtype is {bias.dtype}; accepted: "
+                + ", ".join(_dtype_name(d) for d in OUT_DTYPES)
+            )
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device}, the operands on {a.device}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return scales
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def triton_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    precision: str = "tf32",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """activation(scale_a * scale_b * (a @ b) + bias), computed by a Triton kernel.
+
+    Args:
+        a: (M, K) or (B, M, K); fp16, bf16, fp32, float8_e4m3fn or float8_e5m2. Any strides.
+        b: (K, N) or (B, K, N), the same dtype as ``a`` (two fp8 kinds may mix).
+        out_dtype: fp16, bf16 or fp32; default the input dtype (bf16 for fp8 inputs).
+        scale_a: fp32, one element (per-tensor) or (M,) / (M, 1) (per row of a); for 3-D
+            inputs also (B, M) / (B, M, 1). Required for fp8, optional otherwise.
+        scale_b: fp32, one element or (N,) / (1, N) (per column of b); 3-D: also (B, N) /
+            (B, 1, N). Required for fp8, optional otherwise.
+        bias: (N,), fp16/bf16/fp32, added to every row after the scales.
+        activation: None, "relu", "gelu" (tanh approximation) or "silu".
+        precision: fp32 inputs only: "tf32" (tensor cores, default) or "ieee" (exact fp32).
+        kernel: "auto" (the Hopper TMA kernel where it applies, else the portable one),
+            "portable", or "tma" (raises if TMA cannot read the operands).
+
+    Returns:
+        A new contiguous (M, N) or (B, M, N) tensor of ``out_dtype``.
+    """
+    _check_operands(a, b)
+    scales = _check_rest(a, b, out_dtype, scale_a, scale_b, bias, activation, precision, kernel)
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if a.dtype in FP8_DTYPES else a.dtype
+    out = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=out_dtype, device=a.device)
+    if kernel == "tma":
+        major = _device_facts(a)[0]
+        if major is not None and major < 9:
+            raise ValueError(f"kernel='tma' needs a GPU with TMA (sm90+), got sm{major}x")
+        problem = _tma_problem(_as_3d(a), _as_3d(b), _as_3d(out))
+        if problem is not None:
+            raise ValueError(f"kernel='tma' cannot run these inputs: {problem}")
+    if out.numel() == 0:
+        return out
+    _matmul(a, b, out, scales, bias, activation, precision, kernel)
+    return out
