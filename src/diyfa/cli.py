@@ -1,4 +1,4 @@
-"""The ``diyfa`` command line: info | demo | flops (bench, report, tune, profile: see --help)."""
+"""The ``diyfa`` command line: info | demo | flops | bench | report | tune | profile."""
 
 from __future__ import annotations
 
@@ -20,17 +20,22 @@ def _ensure_interpreter_if_no_gpu() -> bool:
     return False
 
 
-def _console():
+def _console(width: int | None = None):
     try:
         from rich.console import Console
 
-        return Console()
+        console = Console()
+        if width and not console.is_terminal:  # files and pipes: do not squeeze wide tables
+            console = Console(width=width)
+        return console
     except ImportError:  # rich is in the bench extra; plain print otherwise
         return None
 
 
-def _print_table(title: str, columns: list[str], rows: list[list]) -> None:
-    console = _console()
+def _print_table(
+    title: str, columns: list[str], rows: list[list], width: int | None = None
+) -> None:
+    console = _console(width)
     if console is None:
         print(title)
         print(" | ".join(columns))
@@ -72,8 +77,11 @@ def cmd_flops(args) -> int:
     if args.op == "matmul":
         f = flops.matmul_flops(args.m, args.n, args.k, batch=args.batch)
         nbytes = flops.matmul_bytes(args.m, args.n, args.k, dtype=args.dtype, batch=args.batch)
-        rows = [["flops", f], ["min bytes", nbytes],
-                ["intensity (flop/byte)", f"{flops.arithmetic_intensity(f, nbytes):.1f}"]]  # fmt: skip
+        rows = [
+            ["flops", f],
+            ["min bytes", nbytes],
+            ["intensity (flop/byte)", f"{flops.arithmetic_intensity(f, nbytes):.1f}"],
+        ]
         _print_table(f"matmul {args.m}x{args.n}x{args.k}", ["quantity", "value"], rows)
         return 0
     sk = args.seqlen_k or args.seqlen_q
@@ -147,7 +155,10 @@ def cmd_demo(args) -> int:
         ref = attention_ref(*ref_in, causal=causal)
         ref.backward(do.double())
         errs = [(out.double() - ref).abs().max().item()]
-        errs += [(t.grad.double() - r.grad).abs().max().item() for t, r in zip((q, k, v), ref_in)]
+        errs += [
+            (t.grad.double() - r.grad).abs().max().item()
+            for t, r in zip((q, k, v), ref_in, strict=True)
+        ]
         rows.append([f"{b}x{h}x{sq}x{sk}x{d}", causal] + [f"{e:.1e}" for e in errs])
     _print_table("correctness vs float64 reference (max abs error, fp16)",
                  ["b x h x sq x sk x d", "causal", "out", "dq", "dk", "dv"], rows)  # fmt: skip
@@ -179,6 +190,175 @@ def cmd_demo(args) -> int:
     where = info.name if on_gpu else "CPU, Triton interpreter"
     _print_table(f"attention forward, fp16, batch {batch}, heads {heads}, d {head_dim} ({where})",
                  ["seqlen", "SDPA ms", "diyfa ms", "speed-up", "diyfa TFLOPS"], rows)  # fmt: skip
+    return 0
+
+
+# ---------------------------------------------------------------------------------- bench
+def _split(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def cmd_bench(args) -> int:
+    on_gpu = _ensure_interpreter_if_no_gpu()
+    from diyfa.bench import harness, results, suites
+    from diyfa.bench import providers as _providers
+    from diyfa.device import device_info, measure_ceilings
+
+    suite_names = _split(args.suite)
+    if args.list:
+        for name, make in suites.SUITES.items():
+            for target in suites.TARGETS:
+                plan = make(target, args.quick)
+                if plan is not None:
+                    print(
+                        f"{name:11s} {target:7s} {len(plan.cases):3d} cases, modes "
+                        f"{','.join(plan.modes)}: " + "; ".join(c.label() for c in plan.cases)
+                    )
+        for op in ("attention", "matmul"):
+            for n in _providers.names(op):
+                p = _providers.get(op, n)
+                why = p.unavailable()
+                print(f"provider {op:9s} {n:15s} {'unavailable: ' + why if why else 'available'}")
+        return 0
+    if not on_gpu:
+        print(
+            "No CUDA GPU: the suites need one. Running the 'smoke' suite (tiny shapes) in the "
+            "Triton interpreter to check the pipeline; its timings are not kernel speed."
+        )
+        suite_names = ["smoke"]
+    plans = suites.plans(args.target, suite_names, quick=args.quick)
+    providers, modes = _split(args.providers), _split(args.modes)
+    jobs = harness.expand(plans, providers, modes)
+    names = sorted({p.suite for p in plans})
+    info = device_info()
+    env = results.environment()
+    ceilings = None
+    if on_gpu and not args.no_ceilings:
+        print("measuring the cuBLAS and copy ceilings once for this run ...")
+        ceilings = measure_ceilings()
+    options = harness.Options(warmup_ms=args.warmup, rep_ms=args.rep,
+                              check_error=not args.no_error)  # fmt: skip
+    header = results.run_header(env, suites=names, device=info.as_dict(), ceilings=ceilings,
+                                options={**vars(options), "quick": args.quick,
+                                         "target": args.target, "providers": providers,
+                                         "modes": modes})  # fmt: skip
+    if args.out:
+        path = args.out
+    elif on_gpu:
+        path = results.default_path(env, names)
+    else:
+        path = "report/interpreter_smoke.jsonl"
+    for op in ("attention", "matmul"):
+        for n in _providers.names(op):
+            why = _providers.get(op, n).unavailable()
+            if why and any(j[2] == n and j[1].op == op for j in jobs):
+                print(f"note: {op} provider {n} is unavailable here: {why}")
+    print(f"{len(jobs)} measurements ({', '.join(names)}) -> {path}")
+    h = harness.Harness(options, env=env, run_id=header["run_id"],
+                        datasheet=info.datasheet, ceilings=ceilings)  # fmt: skip
+    with results.ResultsWriter(path, header) as writer:
+        records = harness.run(plans, h, providers=providers, modes=modes, writer=writer,
+                              progress=not args.no_progress)  # fmt: skip
+    columns, rows, notes = harness.summary_rows(records)
+    _print_table(f"diyfa bench {args.target} ({info.name or 'CPU, Triton interpreter'})",
+                 columns, rows, width=220)  # fmt: skip
+    for note in notes:
+        print(note)
+    print(f"results: {path}  (render with: diyfa report {path})")
+    return 0
+
+
+# --------------------------------------------------------------------------------- report
+def cmd_report(args) -> int:
+    from diyfa.bench import results
+    from diyfa.report import render
+
+    files = args.files or results.latest_files(args.results_dir)
+    if not files:
+        print(
+            f"diyfa: no results files given and none in {args.results_dir}/ "
+            "(run `diyfa bench ...` on a GPU first)",
+            file=sys.stderr,
+        )
+        return 2
+    out = render(files, args.out)
+    print(f"rendered {len(files)} file(s): {', '.join(str(f) for f in files)}")
+    print(f"  {out['markdown']}\n  {out['html']}  ({len(out['figures'])} plots embedded)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------- tune
+def cmd_tune(args) -> int:
+    import torch
+
+    from diyfa.bench import blocksize
+
+    print(blocksize.format_seed_arithmetic())
+    if not torch.cuda.is_available():
+        print(
+            "\nNo CUDA GPU: the block-size sweep needs one (compiled kernels report registers, "
+            "spills and shared memory; the interpreter compiles nothing). Occupancy "
+            "arithmetic only, Hopper limits:"
+        )
+        rows = []
+        for bm, bn, d, stages, warps, regs in ((128, 128, 64, 1, 4, 0), (128, 128, 64, 2, 8, 128),
+                                               (128, 64, 128, 2, 8, 168), (64, 64, 256, 2, 4, 200),
+                                               (128, 128, 128, 3, 8, 255)):  # fmt: skip
+            smem = blocksize.attention_tile_smem(bm, bn, d, 2, kv_stages=stages)
+            occ = blocksize.occupancy(smem_per_block=smem, regs_per_thread=regs, num_warps=warps)
+            rows.append([bm, bn, d, stages, warps, regs or "-", f"{smem / 1024:.0f}",
+                         occ["blocks_per_sm"], occ["limiter"]])  # fmt: skip
+        _print_table("attention tile: blocks per SM (fp16/bf16, K/V stages)",
+                     ["BLOCK_M", "BLOCK_N", "d", "K/V stages", "warps", "regs/thread",
+                      "smem KiB", "blocks/SM", "limited by"], rows, width=160)  # fmt: skip
+        return 0
+    kernels = _split(args.kernels) or ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "matmul"]
+    for k in kernels:
+        if k not in blocksize.KERNELS:
+            raise ValueError(f"unknown kernel {k!r}; accepted: {sorted(blocksize.KERNELS)}")
+    summary = blocksize.experiment(kernels, head_dim=args.head_dim, seqlen=args.seqlen,
+                                   causal=args.causal, dtype=args.dtype, size=args.size,
+                                   quick=args.quick, out_dir=args.out,
+                                   write_table_path=args.write_table)  # fmt: skip
+    for kernel, res in summary["by_kernel"].items():
+        cols, rows = blocksize.table_rows(res)
+        _print_table(f"{kernel}: configs ranked by TFLOPS", cols, rows[: args.top], width=200)
+    print("winners (diyfa.tuning.DEFAULTS shape):", summary["winners"])
+    for png in summary["heatmaps"]:
+        print(f"heatmap: {png}")
+    if summary.get("table_path"):
+        print(f"table: {summary['table_path']}")
+    return 0
+
+
+# -------------------------------------------------------------------------------- profile
+def cmd_profile(args) -> int:
+    import shutil
+    import subprocess
+
+    from diyfa.bench import profile
+
+    program = profile.case_program(args.op, batch=args.batch, heads=args.heads,
+                                   seqlen=args.seqlen, seqlen_k=args.seqlen_k,
+                                   head_dim=args.head_dim, causal=args.causal,
+                                   backward=args.backward, dtype=args.dtype,
+                                   size=args.size)  # fmt: skip
+    regex = args.kernel_regex or profile.default_kernel_regex(args.op, args.backward)
+    cmd = profile.ncu_command(program, regex, args.launch_count)
+    if shutil.which("ncu") is None:
+        print("ncu (Nsight Compute) is not on PATH: nothing profiled. The command would be:")
+        print(profile.format_command(cmd))
+        return 0
+    print(profile.format_command(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    launches = profile.parse_ncu_csv(proc.stdout)
+    if proc.returncode != 0 or not launches:
+        print(proc.stdout[-4000:])
+        print(proc.stderr[-4000:], file=sys.stderr)
+        print(f"ncu exited {proc.returncode}; {len(launches)} launches parsed", file=sys.stderr)
+        return proc.returncode or 1
+    cols, rows = profile.table(launches)
+    _print_table(f"ncu: {args.op} ({regex})", cols, rows, width=200)
     return 0
 
 
@@ -217,6 +397,72 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--batch", type=int, default=1)
     m.add_argument("--dtype", default="bf16")
     m.set_defaults(func=cmd_flops)
+
+    s = sub.add_parser("bench", help="run benchmark suites; one JSON line per measurement")
+    s.add_argument("target", choices=["flash", "matmul", "memory", "all"])
+    s.add_argument(
+        "--suite",
+        default=None,
+        help="comma list: seed,fa-sweep,cross,gqa,llm-matmul,memory,smoke "
+        "(default: the target's suites)",
+    )
+    s.add_argument("--providers", default=None, help="comma list (default: the suite's)")
+    s.add_argument("--modes", default=None, help="comma list of fwd,bwd,fwd_bwd")
+    s.add_argument("--quick", action="store_true", help="trim every suite (a first GPU run)")
+    s.add_argument(
+        "--out",
+        default=None,
+        help="results file (default benchmarks/results/<date>_<gpu>_<suites>.jsonl)",
+    )
+    s.add_argument("--warmup", type=int, default=50, help="do_bench warmup, ms")
+    s.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    s.add_argument("--no-ceilings", action="store_true", help="skip measuring cuBLAS/copy")
+    s.add_argument("--no-error", action="store_true", help="skip the float64 error check")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--list", action="store_true", help="list suites and providers, run nothing")
+    s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("report", help="Markdown + HTML report from results files")
+    s.add_argument("files", nargs="*", help="results .jsonl (default: the latest in --results-dir)")
+    s.add_argument("--results-dir", default="benchmarks/results")
+    s.add_argument("--out", default="report")
+    s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("tune", help="block-size experiment (GPU); occupancy arithmetic (CPU)")
+    s.add_argument(
+        "--kernels",
+        default=None,
+        help="comma list of attn_fwd,attn_bwd_dkdv,attn_bwd_dq,matmul (default all)",
+    )
+    s.add_argument("--head-dim", type=int, default=64)
+    s.add_argument("--seqlen", type=int, default=4096)
+    s.add_argument("--causal", action="store_true")
+    s.add_argument("--dtype", default="bf16")
+    s.add_argument("--size", type=int, default=8192, help="matmul M = N = K")
+    s.add_argument("--quick", action="store_true")
+    s.add_argument("--top", type=int, default=15, help="rows of each ranked table")
+    s.add_argument("--out", default="report/blocksize", help="heatmaps and sweep JSON")
+    s.add_argument(
+        "--write-table",
+        default=None,
+        help="write the winners as JSON in diyfa.tuning.DEFAULTS's shape",
+    )
+    s.set_defaults(func=cmd_tune)
+
+    s = sub.add_parser("profile", help="Nsight Compute metrics of one diyfa case")
+    s.add_argument("--op", choices=["attention", "matmul"], default="attention")
+    s.add_argument("--batch", type=int, default=4)
+    s.add_argument("--heads", type=int, default=16)
+    s.add_argument("--seqlen", type=int, default=4096)
+    s.add_argument("--seqlen-k", type=int, default=None)
+    s.add_argument("--head-dim", type=int, default=128)
+    s.add_argument("--causal", action="store_true")
+    s.add_argument("--backward", action="store_true", help="profile the backward kernels")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    s.add_argument("--size", type=int, default=4096, help="matmul M = N = K")
+    s.add_argument("--kernel-regex", default=None)
+    s.add_argument("--launch-count", type=int, default=4)
+    s.set_defaults(func=cmd_profile)
     return p
 
 

@@ -1,0 +1,419 @@
+"""The measurement harness: one case, one provider, one mode -> one record.
+
+What a record holds and how each number is made
+    time        on the GPU, ``triton.testing.do_bench(fn, warmup, rep, quantiles=[0.5, 0.2,
+                0.8])`` after one untimed call: median, p20, p80 in ms. Without a GPU the
+                kernels run in the Triton interpreter and the harness times a few calls with
+                ``time.perf_counter`` (``timer`` says so): pipeline checks, not kernel speed.
+    modes       fwd: the forward alone, inputs without grad.
+                bwd: the backward alone, timed as ``torch.autograd.grad(out, (q, k, v), dout,
+                retain_graph=True)`` on one fixed forward graph (not fwd+bwd minus fwd). It
+                includes what the backward launches: the diyfa kernels' delta preprocess,
+                dK/dV and dQ kernels; PyTorch's backends their own.
+                fwd_bwd: the forward and ``autograd.grad`` on its output, both timed.
+    memory      peak extra memory: ``max_memory_allocated()`` during one call, minus the memory
+                allocated before it (inputs, and for bwd the saved forward graph) and minus
+                what the call returns (output or gradients). Workspace and intermediates only.
+    error       max abs error against the float64 reference (:mod:`diyfa.reference`) on the
+                same inputs, restricted to batch 0 and the first kv-head group (attention is
+                independent per batch and head; the scope is recorded). Above
+                ``ref_max_scores`` score elements (or ``ref_max_matmul`` for matmul) it is
+                skipped and recorded as "skipped: too large". bwd modes add dq/dk/dv errors.
+    FLOPs       :mod:`diyfa.flops`: exact (unmasked pairs), published convention (halved
+                when causal) and the naive seqlen_q^2 count; TFLOPS use the exact count,
+                ``tflops_published`` the published one.
+    utilisation % of the datasheet peak (:func:`diyfa.device.datasheet_peaks`) and % of the
+                cuBLAS ceiling measured once per run (:func:`diyfa.device.measure_ceilings`).
+    bandwidth   minimum bytes (:mod:`diyfa.flops`) / median time, and % of measured copy rate.
+
+A provider that cannot run a case (unsupported, unavailable, out of memory, error) yields a
+record with that status and the reason; the run goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diyfa.bench import providers as _providers
+from diyfa.bench import results as _results
+from diyfa.bench.suites import AttentionCase, MatmulCase, Plan
+
+
+@dataclass
+class Options:
+    warmup_ms: int = 50
+    rep_ms: int = 200
+    cpu_reps: int = 3
+    check_error: bool = True
+    ref_max_scores: int = 1 << 28  # fp64 score elements the attention reference may build
+    ref_max_matmul: int = 1 << 28  # elements of A + B + C for the fp64 matmul reference
+    measure_memory: bool = True
+    seed: int = 0
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def _device() -> str:
+    return "cuda" if on_gpu() else "cpu"
+
+
+# ---------------------------------------------------------------------------------- inputs
+def attention_inputs(case: AttentionCase, layout: str, requires_grad: bool, seed: int = 0):
+    """Random normal q, k, v; the same values for every provider (layout only differs)."""
+    dtype = _providers.torch_dtype(case.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dev = _device()
+    shapes = [(case.batch, case.heads, case.seqlen_q, case.head_dim),
+              (case.batch, case.hk, case.seqlen_k, case.head_dim),
+              (case.batch, case.hk, case.seqlen_k, case.head_dim)]  # fmt: skip
+    out = []
+    for shape in shapes:
+        t = torch.randn(shape, generator=gen, dtype=torch.float32) if dev == "cpu" else None
+        if t is None:  # generate on the GPU: CPU generation of 1e9 numbers is slow
+            g = torch.Generator(device=dev).manual_seed(seed + len(out))
+            t = torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
+        t = t.to(dtype)
+        if layout == "bshd":
+            t = t.transpose(1, 2).contiguous()
+        out.append(t.requires_grad_(requires_grad))
+    return out
+
+
+def matmul_inputs(case: MatmulCase, seed: int = 0):
+    dtype = _providers.torch_dtype(case.dtype)
+    dev = _device()
+    g = torch.Generator(device=dev).manual_seed(seed)
+    a = torch.randn(case.k, case.m, generator=g, device=dev).t() if case.trans_a else \
+        torch.randn(case.m, case.k, generator=g, device=dev)  # fmt: skip
+    b = torch.randn(case.n, case.k, generator=g, device=dev).t() if case.trans_b else \
+        torch.randn(case.k, case.n, generator=g, device=dev)  # fmt: skip
+    return a.to(dtype), b.to(dtype)
+
+
+# ---------------------------------------------------------------------------------- timing
+def time_fn(fn: Callable, options: Options) -> tuple[float, float, float, str]:
+    """(median, p20, p80) in ms and the timer's name. Call ``fn`` once untimed before."""
+    if on_gpu():
+        from triton.testing import do_bench
+
+        med, p20, p80 = do_bench(fn, warmup=options.warmup_ms, rep=options.rep_ms,
+                                 quantiles=[0.5, 0.2, 0.8])  # fmt: skip
+        return float(med), float(p20), float(p80), "triton.testing.do_bench"
+    times = []
+    for _ in range(max(1, options.cpu_reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    med, p20, p80 = np.percentile(times, [50, 20, 80])
+    return float(med), float(p20), float(p80), "time.perf_counter (CPU, Triton interpreter)"
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(o) for o in obj if o is not None)
+    return 0
+
+
+def peak_extra_memory(fn: Callable) -> int:
+    """Peak memory one call of ``fn`` allocates beyond what exists before and what it returns."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    kept = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    extra = peak - base - _nbytes(kept)
+    del kept
+    return max(int(extra), 0)
+
+
+# ---------------------------------------------------------------------------------- errors
+def _attention_error(case, prov, q, k, v, out, grads, dout, options: Options) -> dict:
+    from diyfa.reference import attention_ref
+
+    g = case.heads // case.hk
+    scores = g * case.seqlen_q * case.seqlen_k
+    info = {"reference": "diyfa.reference.attention_ref, float64",
+            "scope": f"batch 0, q heads 0..{g - 1}, kv head 0"}  # fmt: skip
+    if scores > options.ref_max_scores:
+        info["status"] = f"skipped: too large ({scores:,} scores > {options.ref_max_scores:,})"
+        return info
+    lay = prov.layout
+
+    def sl(t, h):
+        return t[:1, :h] if lay == "bhsd" else t[:1, :, :h]
+
+    ref_in = [sl(t, n).detach().double().requires_grad_(grads is not None)
+              for t, n in ((q, g), (k, 1), (v, 1))]  # fmt: skip
+    ref = attention_ref(*ref_in, causal=case.causal, layout=lay)
+    info["status"] = "ok"
+    info["out_max_abs"] = float((sl(out, g).double() - ref).abs().max())
+    info["ref_max_abs"] = float(ref.abs().max())
+    if grads is not None:
+        ref.backward(sl(dout, g).double())
+        for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref_in, (g, 1, 1), strict=True):
+            info[f"{name}_max_abs"] = float((sl(got, n).double() - r.grad).abs().max())
+        info["grad_max_abs"] = max(info[f"{n}_max_abs"] for n in ("dq", "dk", "dv"))
+    return info
+
+
+def _matmul_error(case, a, b, out, options: Options) -> dict:
+    from diyfa.reference import matmul_ref
+
+    elems = case.m * case.n + case.m * case.k + case.k * case.n
+    info = {"reference": "diyfa.reference.matmul_ref, float64", "scope": "full"}
+    if elems > options.ref_max_matmul:
+        info["status"] = f"skipped: too large ({elems:,} elements > {options.ref_max_matmul:,})"
+        return info
+    ref = matmul_ref(a, b)
+    info["status"] = "ok"
+    info["out_max_abs"] = float((out.double() - ref).abs().max())
+    info["ref_max_abs"] = float(ref.abs().max())
+    return info
+
+
+# --------------------------------------------------------------------------------- measure
+def _classify(exc: BaseException, caught: list) -> tuple[str, str]:
+    msg = f"{type(exc).__name__}: {exc}".strip()
+    notes = [str(w.message).strip().splitlines()[0] for w in caught
+             if "kernel" in str(w.message).lower() or "not" in str(w.message).lower()]  # fmt: skip
+    if notes:
+        msg += " | " + " | ".join(dict.fromkeys(notes))
+    msg = msg[:600]
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in msg.lower():
+        return "oom", msg
+    if isinstance(exc, NotImplementedError) or "No available kernel" in msg:
+        return "unsupported", msg
+    return "error", msg
+
+
+def _dtype_key(dtype: str) -> str:
+    return "fp8" if dtype.startswith("fp8") else dtype
+
+
+class Harness:
+    """Measures (case, provider, mode) into records for one run."""
+
+    def __init__(self, options: Options | None = None, *, env: dict | None = None,
+                 run_id: str = "", datasheet: dict | None = None,
+                 ceilings: dict | None = None):  # fmt: skip
+        self.options = options or Options()
+        self.env = env if env is not None else _results.environment()
+        self.run_id = run_id
+        self.datasheet = datasheet
+        self.ceilings = ceilings if ceilings and ceilings.get("available") else None
+
+    def measure(self, suite: str, case, provider: str, mode: str) -> dict:
+        prov = _providers.get(case.op, provider)
+        rec = _results.measurement(
+            run_id=self.run_id,
+            env=self.env,
+            suite=suite,
+            case=case,
+            provider=provider,
+            mode=mode,
+            baseline=prov.baseline,
+        )
+        rec["options"]["layout"] = prov.layout if case.op == "attention" else None
+        why = prov.unavailable()
+        if why:
+            rec.update(status="unavailable", reason=why)
+            return rec
+        why = prov.cannot_run(case)
+        if why is None and mode != "fwd" and not prov.backward:
+            why = f"{provider} has no backward"
+        if why:
+            rec.update(status="unsupported", reason=why)
+            return rec
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                self._measure(rec, case, prov, mode)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a record
+                status, reason = _classify(exc, caught)
+                rec.update(status=status, reason=reason)
+            finally:
+                gc.collect()
+                if on_gpu():
+                    torch.cuda.empty_cache()
+        return rec
+
+    # The work of ``measure``: builds fn, checks error on the first call, memory, time.
+    def _measure(self, rec: dict, case, prov, mode: str) -> None:
+        opts = self.options
+        if case.op == "attention":
+            q, k, v = attention_inputs(case, prov.layout, mode != "fwd", opts.seed)
+            dout = None
+            if mode == "fwd":
+
+                def fn():
+                    return prov.fn(case, q, k, v)
+            else:
+                graph_out = prov.fn(case, q, k, v)
+                dout = torch.randn_like(graph_out)
+                if mode == "bwd":
+
+                    def fn():
+                        return torch.autograd.grad(graph_out, (q, k, v), dout, retain_graph=True)
+                else:
+
+                    def fn():
+                        return torch.autograd.grad(prov.fn(case, q, k, v), (q, k, v), dout)
+
+            first = fn()  # untimed: compiles, autotunes
+            if opts.check_error:
+                if mode == "fwd":
+                    out, grads = first, None
+                else:
+                    out, grads = graph_out.detach(), first
+                rec["error"] = _attention_error(case, prov, q, k, v, out, grads, dout, opts)
+        else:
+            a, b = matmul_inputs(case, opts.seed)
+
+            def fn():
+                return prov.fn(case, a, b)
+
+            first = fn()
+            if opts.check_error:
+                rec["error"] = _matmul_error(case, a, b, first, opts)
+        del first
+        if on_gpu() and opts.measure_memory:
+            rec["peak_extra_mem_bytes"] = peak_extra_memory(fn)
+        elif not on_gpu():
+            rec["memory_note"] = "not measured: no CUDA device"
+        med, p20, p80, timer = time_fn(fn, opts)
+        rec.update(median_ms=med, p20_ms=p20, p80_ms=p80, timer=timer, status="ok")
+        self._derive(rec)
+
+    def _derive(self, rec: dict) -> None:
+        """TFLOPS, utilisation and bandwidth from the median time (GPU runs only)."""
+        ms = rec["median_ms"]
+        if not ms or not on_gpu():
+            return
+        rec["tflops"] = rec["flops"]["exact"] / ms / 1e9
+        rec["tflops_published"] = rec["flops"]["published"] / ms / 1e9
+        rec["bandwidth_tbps"] = rec["min_bytes"] / ms / 1e9
+        key = _dtype_key(rec["dtype"])
+        if self.datasheet and self.datasheet.get(key):
+            rec["util_datasheet_pct"] = 100 * rec["tflops"] / self.datasheet[key]
+        if self.ceilings:
+            name = {"fp16": "float16", "bf16": "bfloat16"}.get(rec["dtype"], rec["dtype"])
+            ceiling = self.ceilings.get("matmul_tflops", {}).get(name)
+            if ceiling:
+                rec["util_ceiling_pct"] = 100 * rec["tflops"] / ceiling
+            if self.ceilings.get("copy_tbps"):
+                rec["bandwidth_pct_copy"] = 100 * rec["bandwidth_tbps"] / self.ceilings["copy_tbps"]
+
+
+# ------------------------------------------------------------------------------------- run
+def expand(plans: list[Plan], providers: list[str] | None = None,
+           modes: list[str] | None = None) -> list[tuple[str, object, str, str]]:  # fmt: skip
+    """(suite, case, provider, mode) for every measurement of ``plans``, in run order."""
+    jobs = []
+    for plan in plans:
+        op = plan.cases[0].op if plan.cases else "attention"
+        known = _providers.names(op)
+        if providers:
+            unknown = [
+                p
+                for p in providers
+                if p not in known
+                and not any(p in _providers.names(o) for o in ("attention", "matmul"))
+            ]
+            if unknown:
+                raise ValueError(f"unknown providers {unknown}; attention: "
+                                 f"{_providers.names('attention')}, matmul: "
+                                 f"{_providers.names('matmul')}")  # fmt: skip
+            chosen = [p for p in providers if p in known]
+        else:
+            chosen = list(plan.providers or known)
+        plan_modes = list(modes or plan.modes)
+        if op == "matmul":
+            plan_modes = ["fwd"]
+        for case in plan.cases:
+            for mode in plan_modes:
+                for p in chosen:
+                    jobs.append((plan.suite, case, p, mode))
+    return jobs
+
+
+def run(plans: list[Plan], harness: Harness, *, providers: list[str] | None = None,
+        modes: list[str] | None = None, writer: _results.ResultsWriter | None = None,
+        progress: bool = False) -> list[dict]:  # fmt: skip
+    """Measure every job of ``plans``; write each record as it comes; return the records."""
+    jobs = expand(plans, providers, modes)
+    records = []
+    bar = None
+    if progress:
+        try:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,  # fmt: skip
+                TimeRemainingColumn,
+            )
+
+            bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+        except ImportError:
+            bar = None
+    task = None
+    if bar is not None:
+        bar.start()
+        task = bar.add_task("bench", total=len(jobs))
+    try:
+        for suite, case, provider, mode in jobs:
+            if bar is not None:
+                bar.update(task, description=f"{suite} {provider} {mode} {case.label()}")
+            rec = harness.measure(suite, case, provider, mode)
+            records.append(rec)
+            if writer is not None:
+                writer.write(rec)
+            if bar is not None:
+                bar.advance(task)
+    finally:
+        if bar is not None:
+            bar.stop()
+    return records
+
+
+def summary_rows(records: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Columns, rows and notes of the end-of-run table (unavailable providers as notes)."""
+    columns = ["suite", "case", "mode", "provider", "median ms", "p20-p80", "TFLOPS",
+               "% peak", "% cuBLAS", "TB/s", "max err", "extra MB", "status"]  # fmt: skip
+    rows, unavailable = [], {}
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for r in records:
+        if r["status"] == "unavailable":
+            unavailable[r["provider"]] = r["reason"]
+            continue
+        err = r.get("error") or {}
+        e = err.get("grad_max_abs", err.get("out_max_abs"))
+        err_s = f(e, ".1e") if err.get("status") == "ok" else ("skip" if err else "-")
+        spread = "-" if r["p20_ms"] is None else f"{r['p20_ms']:.3f}-{r['p80_ms']:.3f}"
+        mem = r["peak_extra_mem_bytes"]
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason'][:60]}"
+        rows.append([r["suite"], r["label"], r["mode"], r["provider"], f(r["median_ms"], ".3f"),
+                     spread, f(r["tflops"], ".1f"), f(r["util_datasheet_pct"], ".0f"),
+                     f(r["util_ceiling_pct"], ".0f"), f(r["bandwidth_tbps"], ".2f"), err_s,
+                     "-" if mem is None else f"{mem / 1e6:.1f}", status])  # fmt: skip
+    notes = [f"{p}: unavailable ({why})" for p, why in unavailable.items()]
+    return columns, rows, notes

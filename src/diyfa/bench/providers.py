@@ -1,0 +1,234 @@
+"""Providers: the implementations a benchmark compares, registered by decorator.
+
+A provider is a function ``fn(case, *inputs) -> output`` for one op (``attention`` or
+``matmul``), with the layout it wants its inputs in. Optional providers (flash-attn 2,
+FlashAttention-4's CuTe kernels, cuBLAS fp8) declare what they need; when it is absent the
+provider reports itself unavailable with the reason, and the run goes on without it.
+``check(case)`` returns why a provider cannot run a case (None when it can).
+
+Attention inputs: (batch, heads, seqlen, dim) for layout "bhsd", (batch, seqlen, heads, dim)
+for "bshd"; k/v carry ``kv_heads``. Causal masks align bottom-right (FlashAttention's
+convention); PyTorch's ``is_causal`` aligns top-left, so for seqlen_q != seqlen_k the SDPA
+providers pass ``torch.nn.attention.bias.causal_lower_right`` instead.
+
+Matmul inputs: A (m, k) and B as (k, n), or B stored (n, k) and passed transposed when the
+case says ``trans_b`` (nn.Linear's weight layout). fp8 cases carry e4m3 tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Provider:
+    name: str
+    op: str
+    fn: Callable
+    layout: str = "bhsd"
+    requires: tuple[str, ...] = ()
+    baseline: bool = False
+    backward: bool = True
+    check: Callable | None = None
+    description: str = ""
+    _unavailable: str | None = field(default=None, repr=False)
+    _probed: bool = field(default=False, repr=False)
+
+    def unavailable(self) -> str | None:
+        """Why this provider cannot run at all here (None when it can)."""
+        if not self._probed:
+            self._probed = True
+            for need in self.requires:  # "module" or "module:attribute"
+                module, _, attr = need.partition(":")
+                try:
+                    mod = importlib.import_module(module)
+                    if attr:
+                        getattr(mod, attr)
+                except Exception as e:  # ImportError, or a broken install raising anything
+                    self._unavailable = f"{need} is not importable ({type(e).__name__}: {e})"
+                    break
+        return self._unavailable
+
+    def cannot_run(self, case) -> str | None:
+        return self.check(case) if self.check is not None else None
+
+
+REGISTRY: dict[tuple[str, str], Provider] = {}
+
+
+def register(op: str, name: str, **kwargs) -> Callable:
+    """Decorator: register ``fn(case, *inputs) -> output`` as provider ``name`` for ``op``."""
+
+    def wrap(fn: Callable) -> Callable:
+        doc = (fn.__doc__ or "").strip().splitlines()
+        REGISTRY[(op, name)] = Provider(name=name, op=op, fn=fn,
+                                        description=doc[0] if doc else "", **kwargs)  # fmt: skip
+        return fn
+
+    return wrap
+
+
+def get(op: str, name: str) -> Provider:
+    if (op, name) not in REGISTRY:
+        raise ValueError(f"unknown {op} provider {name!r}; known: {names(op)}")
+    return REGISTRY[(op, name)]
+
+
+def names(op: str) -> list[str]:
+    return [n for (o, n) in REGISTRY if o == op]
+
+
+# ------------------------------------------------------------------------------ attention
+def _sdpa(backend_name: str, case, q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+    kwargs = {}
+    if case.hk != case.heads:
+        kwargs["enable_gqa"] = True
+    if case.causal and case.seqlen_q != case.seqlen_k:
+        from torch.nn.attention.bias import causal_lower_right
+
+        kwargs["attn_mask"] = causal_lower_right(case.seqlen_q, case.seqlen_k)
+    elif case.causal:
+        kwargs["is_causal"] = True
+    with sdpa_kernel(backend):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def _sdpa_check(case) -> str | None:
+    if case.causal and case.seqlen_q != case.seqlen_k and case.hk != case.heads:
+        return "SDPA takes no lower-right causal bias together with enable_gqa"
+    return None
+
+
+def _diyfa_check(case) -> str | None:
+    from diyfa.device import interpreter_enabled
+
+    if not torch.cuda.is_available() and not interpreter_enabled():
+        return "needs a CUDA GPU, or TRITON_INTERPRET=1 (set before diyfa is imported)"
+    return None
+
+
+@register("attention", "diyfa", layout="bhsd", check=_diyfa_check)
+def _diyfa_attention(case, q, k, v):
+    """diyfa.flash_attention (Triton), layout bhsd."""
+    from diyfa.ops.attention import flash_attention
+
+    return flash_attention(q, k, v, causal=case.causal)
+
+
+@register("attention", "sdpa-flash", layout="bhsd", baseline=True, check=_sdpa_check)
+def _sdpa_flash(case, q, k, v):
+    """PyTorch SDPA, FlashAttention-2 backend."""
+    return _sdpa("FLASH_ATTENTION", case, q, k, v)
+
+
+@register("attention", "sdpa-cudnn", layout="bhsd", baseline=True, check=_sdpa_check)
+def _sdpa_cudnn(case, q, k, v):
+    """PyTorch SDPA, cuDNN backend."""
+    return _sdpa("CUDNN_ATTENTION", case, q, k, v)
+
+
+@register("attention", "sdpa-efficient", layout="bhsd", check=_sdpa_check)
+def _sdpa_efficient(case, q, k, v):
+    """PyTorch SDPA, memory-efficient (xformers-style) backend."""
+    return _sdpa("EFFICIENT_ATTENTION", case, q, k, v)
+
+
+@register("attention", "sdpa-math", layout="bhsd", check=_sdpa_check)
+def _sdpa_math(case, q, k, v):
+    """PyTorch SDPA, math backend: standard attention, materialises the score matrix."""
+    return _sdpa("MATH", case, q, k, v)
+
+
+def _needs_cuda(case) -> str | None:
+    return None if torch.cuda.is_available() else "needs a CUDA GPU"
+
+
+@register(
+    "attention",
+    "flash-attn-2",
+    layout="bshd",
+    requires=("flash_attn:flash_attn_func",),
+    baseline=True,
+    check=_needs_cuda,
+)
+def _flash_attn_2(case, q, k, v):
+    """flash_attn.flash_attn_func (FlashAttention-2 package), layout bshd."""
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(q, k, v, causal=case.causal)
+
+
+@register(
+    "attention",
+    "fa4-cute",
+    layout="bshd",
+    requires=("flash_attn.cute:flash_attn_func",),
+    baseline=True,
+    check=_needs_cuda,
+)
+def _fa4_cute(case, q, k, v):
+    """flash_attn.cute.flash_attn_func (FlashAttention-4, CuTe DSL), layout bshd."""
+    from flash_attn.cute import flash_attn_func
+
+    out = flash_attn_func(q, k, v, causal=case.causal)
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --------------------------------------------------------------------------------- matmul
+def _not_fp8(case) -> str | None:
+    if case.dtype.startswith("fp8"):
+        return "torch.matmul has no fp8 path (see provider cublas-fp8)"
+    return None
+
+
+def _fp8_only(case) -> str | None:
+    if not case.dtype.startswith("fp8"):
+        return "cublas-fp8 runs fp8 cases only"
+    if not torch.cuda.is_available():
+        return "torch._scaled_mm needs a CUDA GPU"
+    if not case.trans_b:
+        return "torch._scaled_mm needs B column-major (trans_b=True)"
+    return None
+
+
+@register("matmul", "diyfa", backward=False, requires=("diyfa.ops.matmul:triton_matmul",),
+          check=_diyfa_check)  # fmt: skip
+def _diyfa_matmul(case, a, b):
+    """diyfa.triton_matmul (Triton)."""
+    from diyfa.ops.matmul import triton_matmul
+
+    return triton_matmul(a, b)
+
+
+@register("matmul", "cublas", backward=False, baseline=True, check=_not_fp8)
+def _cublas(case, a, b):
+    """torch.matmul (cuBLAS on the GPU)."""
+    return torch.matmul(a, b)
+
+
+@register("matmul", "cublas-fp8", backward=False, baseline=True, check=_fp8_only)
+def _cublas_fp8(case, a, b):
+    """torch._scaled_mm, e4m3 inputs with unit scales, bf16 output (cuBLASLt fp8)."""
+    one = torch.ones((), device=a.device, dtype=torch.float32)
+    return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+TORCH_DTYPES = {
+    "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+    "fp8_e4m3": getattr(torch, "float8_e4m3fn", None),
+    "fp8_e5m2": getattr(torch, "float8_e5m2", None),
+}  # fmt: skip
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = TORCH_DTYPES.get(name)
+    if dt is None:
+        raise ValueError(f"dtype {name!r} is not available here; accepted: {sorted(TORCH_DTYPES)}")
+    return dt

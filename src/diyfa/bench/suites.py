@@ -1,0 +1,248 @@
+"""Named benchmark sweeps: what to measure, never how.
+
+A suite maps each *target* (``flash``: attention speed, ``matmul``, ``memory``: attention
+peak memory) to a list of cases. ``diyfa bench flash --suite seed,fa-sweep`` runs the
+attention cases of both suites; ``--quick`` trims every suite to a few points (a first GPU
+run). Each case knows its FLOPs (exact, published convention, and the naive seqlen_q^2
+count), its minimum bytes and a short label.
+
+Suites
+    seed        the seed's tables: attention fp16 b4 h8 d64 seq 512..4096 fwd; matmul square
+                1024..8192 fp16/bf16; memory at seq 1024..8192
+    fa-sweep    FlashAttention's sweep: bf16, 16k tokens (batch = 16384 // seqlen), hidden
+                2048 (heads = 2048 // d), d 64/128/256, causal and not, seq 512..16384
+    cross       seqlen_q != seqlen_k, including seed 002's case (q 4096, kv 15360, 16 heads)
+    gqa         32 query heads / 8 kv heads, d 128, seq 1024..8192, ~16k tokens
+    llm-matmul  transformer-layer matmuls (4096 tokens x 4096/6144/14336), bf16 and fp8
+    memory      peak extra memory, standard attention (sdpa-math) vs flash, fp16 b4 h8 d64
+    smoke       tiny shapes for the CPU interpreter (tests, a machine without a GPU)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from diyfa import flops
+
+TARGETS = ("flash", "matmul", "memory")
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One attention shape. ``kv_heads`` < ``heads`` is GQA; causal aligns bottom-right."""
+
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool = False
+    dtype: str = "bf16"
+    kv_heads: int | None = None
+
+    op = "attention"
+
+    @property
+    def hk(self) -> int:
+        return self.kv_heads or self.heads
+
+    def shape(self) -> dict:
+        d = asdict(self)
+        d["kv_heads"] = self.hk
+        d.pop("dtype")
+        d.pop("causal")
+        return d
+
+    def options(self) -> dict:
+        return {"causal": self.causal, "align": "bottom_right"}
+
+    def flops(self, mode: str) -> dict:
+        common = dict(head_dim=self.head_dim, kv_heads=self.hk, causal=self.causal, mode=mode)
+        exact = flops.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
+                                      **common)  # fmt: skip
+        published = flops.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
+                                          convention="published", **common)  # fmt: skip
+        naive = flops.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_q,
+                                      convention="published", **common)  # fmt: skip
+        return {"exact": exact, "published": published, "naive_sq2": naive}
+
+    def min_bytes(self, mode: str) -> int:
+        return flops.attention_bytes(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
+                                     self.head_dim, kv_heads=self.hk, dtype=self.dtype,
+                                     mode=mode)  # fmt: skip
+
+    def label(self) -> str:
+        h = f"h{self.heads}" + (f"/{self.hk}" if self.hk != self.heads else "")
+        c = " causal" if self.causal else ""
+        return (f"b{self.batch} {h} sq{self.seqlen_q} sk{self.seqlen_k} d{self.head_dim}"
+                f"{c} {self.dtype}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MatmulCase:
+    """C[m, n] = A[m, k] @ B[k, n]; ``trans_b`` means B is stored (n, k) (nn.Linear weights)."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str = "bf16"
+    trans_a: bool = False
+    trans_b: bool = False
+
+    op = "matmul"
+
+    def shape(self) -> dict:
+        return {"m": self.m, "n": self.n, "k": self.k}
+
+    def options(self) -> dict:
+        return {"trans_a": self.trans_a, "trans_b": self.trans_b}
+
+    def flops(self, mode: str) -> dict:
+        f = flops.matmul_flops(self.m, self.n, self.k)
+        return {"exact": f, "published": f, "naive_sq2": f}
+
+    def min_bytes(self, mode: str) -> int:
+        out = "bf16" if self.dtype.startswith("fp8") else self.dtype
+        return flops.matmul_bytes(self.m, self.n, self.k, dtype=self.dtype, out_dtype=out)
+
+    def label(self) -> str:
+        t = ("T" if self.trans_a else "N") + ("T" if self.trans_b else "N")
+        return f"{self.m}x{self.n}x{self.k} {t} {self.dtype}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one suite measures for one target: cases x modes x providers."""
+
+    suite: str
+    target: str
+    cases: tuple
+    modes: tuple[str, ...]
+    providers: tuple[str, ...] | None = None  # None: every provider of the op
+
+
+ATTN_PROVIDERS = ("diyfa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math",
+                  "flash-attn-2", "fa4-cute")  # fmt: skip
+MEMORY_PROVIDERS = ("diyfa", "sdpa-math", "sdpa-flash")
+MATMUL_PROVIDERS = ("diyfa", "cublas", "cublas-fp8")
+
+
+def _pick(values: list, quick: bool, keep: list) -> list:
+    return [v for v in values if v in keep] if quick else values
+
+
+def _seed(target: str, quick: bool) -> Plan | None:
+    if target == "flash":
+        seqs = _pick([512, 1024, 2048, 4096], quick, [1024, 4096])
+        cases = [AttentionCase(4, 8, s, s, 64, dtype="fp16") for s in seqs]
+        return Plan("seed", target, tuple(cases), ("fwd",))
+    if target == "matmul":
+        sizes = _pick([1024, 2048, 4096, 8192], quick, [1024, 4096])
+        cases = [MatmulCase(s, s, s, dt) for dt in ("fp16", "bf16") for s in sizes]
+        return Plan("seed", target, tuple(cases), ("fwd",), ("diyfa", "cublas"))
+    return _memory(target, quick, suite="seed")
+
+
+def _fa_sweep(target: str, quick: bool) -> Plan | None:
+    if target != "flash":
+        return None
+    seqs = _pick([512, 1024, 2048, 4096, 8192, 16384], quick, [1024, 4096, 16384])
+    dims = _pick([64, 128, 256], quick, [64, 128])
+    cases = [AttentionCase(16384 // s, 2048 // d, s, s, d, causal, "bf16")
+             for d in dims for causal in (False, True) for s in seqs]  # fmt: skip
+    modes = ("fwd", "bwd") if quick else ("fwd", "bwd", "fwd_bwd")
+    return Plan("fa-sweep", target, tuple(cases), modes)
+
+
+def _cross(target: str, quick: bool) -> Plan | None:
+    if target != "flash":
+        return None
+    cases = [AttentionCase(1, 16, 4096, 15360, 64, False, "bf16"),  # seed 002
+             AttentionCase(1, 16, 4096, 15360, 64, True, "bf16"),
+             AttentionCase(4, 16, 1024, 4096, 128, False, "bf16"),
+             AttentionCase(2, 16, 8192, 1024, 64, False, "bf16")]  # fmt: skip
+    if quick:
+        cases = cases[:2]
+    return Plan("cross", target, tuple(cases), ("fwd", "bwd"))
+
+
+def _gqa(target: str, quick: bool) -> Plan | None:
+    if target != "flash":
+        return None
+    seqs = _pick([1024, 2048, 4096, 8192], quick, [1024, 8192])
+    cases = [AttentionCase(max(1, 16384 // s), 32, s, s, 128, causal, "bf16", kv_heads=8)
+             for causal in (False, True) for s in seqs]  # fmt: skip
+    return Plan("gqa", target, tuple(cases), ("fwd", "bwd"))
+
+
+def _llm_matmul(target: str, quick: bool) -> Plan | None:
+    if target != "matmul":
+        return None
+    tokens = 4096
+    shapes = [(tokens, 6144, 4096),   # fused QKV projection (GQA, 4096 hidden)
+              (tokens, 4096, 4096),   # attention output projection
+              (tokens, 14336, 4096),  # MLP up / gate
+              (tokens, 4096, 14336)]  # MLP down  # fmt: skip
+    if quick:
+        shapes = [shapes[2], shapes[3]]
+    cases = [MatmulCase(m, n, k, "bf16", trans_b=True) for m, n, k in shapes]
+    cases += [MatmulCase(m, n, k, "bf16", trans_b=False) for m, n, k in shapes[-1:]]
+    cases += [MatmulCase(m, n, k, "fp8_e4m3", trans_b=True) for m, n, k in shapes]
+    return Plan("llm-matmul", target, tuple(cases), ("fwd",))
+
+
+def _memory(target: str, quick: bool, suite: str = "memory") -> Plan | None:
+    if target != "memory":
+        return None
+    seqs = _pick([1024, 2048, 4096, 8192], quick, [1024, 4096])
+    cases = [AttentionCase(4, 8, s, s, 64, dtype="fp16") for s in seqs]
+    return Plan(suite, target, tuple(cases), ("fwd",), MEMORY_PROVIDERS)
+
+
+def _smoke(target: str, quick: bool) -> Plan | None:
+    if target == "flash":
+        cases = [AttentionCase(1, 2, 64, 64, 32, False, "fp16"),
+                 AttentionCase(1, 2, 48, 80, 32, True, "fp16")]  # fmt: skip
+        return Plan("smoke", target, tuple(cases), ("fwd", "bwd"), ("diyfa", "sdpa-math"))
+    if target == "matmul":
+        return Plan("smoke", target, (MatmulCase(64, 48, 32, "fp16"),), ("fwd",),
+                    ("cublas",))  # fmt: skip
+    if target == "memory":
+        return Plan("smoke", target, (AttentionCase(1, 2, 64, 64, 32, dtype="fp16"),),
+                    ("fwd",), ("sdpa-math",))  # fmt: skip
+    return None
+
+
+SUITES: dict[str, Callable[[str, bool], Plan | None]] = {
+    "seed": _seed,
+    "fa-sweep": _fa_sweep,
+    "cross": _cross,
+    "gqa": _gqa,
+    "llm-matmul": _llm_matmul,
+    "memory": _memory,
+    "smoke": _smoke,
+}
+DEFAULT_SUITES = {
+    "flash": ("seed", "fa-sweep", "cross", "gqa"),
+    "matmul": ("seed", "llm-matmul"),
+    "memory": ("memory",),
+}
+
+
+def plans(target: str, suites: list[str] | None = None, quick: bool = False) -> list[Plan]:
+    """The plans of ``suites`` (default: the target's) for ``target`` ('all': every target)."""
+    targets = TARGETS if target == "all" else (target,)
+    for t in targets:
+        if t not in TARGETS:
+            raise ValueError(f"unknown target {t!r}; accepted: {TARGETS + ('all',)}")
+    out = []
+    for t in targets:
+        names = suites or DEFAULT_SUITES[t]
+        for name in names:
+            if name not in SUITES:
+                raise ValueError(f"unknown suite {name!r}; accepted: {sorted(SUITES)}")
+            plan = SUITES[name](t, quick)
+            if plan is not None:
+                out.append(plan)
+    return out

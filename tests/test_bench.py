@@ -1,0 +1,325 @@
+"""The benchmark toolkit on the CPU: registry, suites, harness (Triton interpreter), results
+files, the block-size arithmetic, the ncu parser and the CLI. No GPU needed, nothing slow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diyfa.bench import blocksize, harness, profile, providers, results, suites
+from diyfa.bench.suites import AttentionCase, MatmulCase
+
+TINY = AttentionCase(1, 2, 48, 80, 32, True, "fp16")
+FAST = harness.Options(cpu_reps=1)
+
+
+@pytest.fixture
+def scratch_provider():
+    """Register throwaway providers; remove them afterwards."""
+    added = []
+
+    def add(name, fn, **kwargs):
+        providers.register("attention", name, **kwargs)(fn)
+        added.append(("attention", name))
+
+    yield add
+    for key in added:
+        providers.REGISTRY.pop(key, None)
+
+
+def _harness():
+    return harness.Harness(FAST, run_id="test")
+
+
+# ------------------------------------------------------------------------------- registry
+def test_registry_has_every_required_provider():
+    assert set(providers.names("attention")) >= {
+        "diyfa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flash-attn-2",
+        "fa4-cute"}  # fmt: skip
+    assert set(providers.names("matmul")) >= {"diyfa", "cublas", "cublas-fp8"}
+    assert providers.get("attention", "flash-attn-2").layout == "bshd"
+    assert providers.get("attention", "fa4-cute").layout == "bshd"
+    with pytest.raises(ValueError, match="unknown attention provider 'nope'"):
+        providers.get("attention", "nope")
+
+
+def test_absent_optional_provider_says_so(scratch_provider):
+    scratch_provider("needs-missing", lambda case, q, k, v: q, requires=("no_such_module_zz",))
+    rec = _harness().measure("t", TINY, "needs-missing", "fwd")
+    assert rec["status"] == "unavailable"
+    assert "no_such_module_zz" in rec["reason"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_gpu_only_providers_record_why_on_cpu():
+    h = _harness()
+    fa2 = h.measure("t", TINY, "flash-attn-2", "fwd")
+    assert fa2["status"] in ("unavailable", "unsupported") and fa2["reason"]
+    fp8 = h.measure("t", MatmulCase(32, 32, 32, "bf16"), "cublas-fp8", "fwd")
+    assert fp8["status"] == "unsupported" and "fp8" in fp8["reason"]
+
+
+def test_a_failing_provider_becomes_a_record_and_the_run_goes_on(scratch_provider):
+    def boom(case, q, k, v):
+        raise RuntimeError("deliberate failure")
+
+    scratch_provider("boom", boom)
+    plan = suites.Plan("t", "flash", (TINY,), ("fwd",), ("boom", "sdpa-math"))
+    recs = harness.run([plan], _harness())
+    assert [r["status"] for r in recs] == ["error", "ok"]
+    assert "deliberate failure" in recs[0]["reason"]
+
+
+def test_classify_oom_and_unsupported():
+    assert harness._classify(torch.OutOfMemoryError("CUDA out of memory."), [])[0] == "oom"
+    assert harness._classify(RuntimeError("No available kernel. Aborting"), [])[0] == "unsupported"
+    assert harness._classify(ValueError("bad"), [])[0] == "error"
+
+
+# ---------------------------------------------------------------------------------- suites
+def test_suites_shapes():
+    fa = suites.plans("flash", ["fa-sweep"])[0]
+    assert {c.dtype for c in fa.cases} == {"bf16"}
+    assert all(c.batch * c.seqlen_q == 16384 and c.heads * c.head_dim == 2048 for c in fa.cases)
+    assert {c.head_dim for c in fa.cases} == {64, 128, 256}
+    assert {c.causal for c in fa.cases} == {False, True}
+    assert fa.modes == ("fwd", "bwd", "fwd_bwd")
+    quick = suites.plans("flash", ["fa-sweep"], quick=True)[0]
+    assert len(quick.cases) < len(fa.cases)
+    seed = suites.plans("flash", ["seed"])[0]
+    assert [(c.batch, c.heads, c.head_dim, c.dtype, c.seqlen_q) for c in seed.cases] == [
+        (4, 8, 64, "fp16", s) for s in (512, 1024, 2048, 4096)]  # fmt: skip
+    cross = suites.plans("flash", ["cross"])[0]
+    assert AttentionCase(1, 16, 4096, 15360, 64, False, "bf16") in cross.cases
+    gqa = suites.plans("flash", ["gqa"])[0]
+    assert all(c.heads == 32 and c.hk == 8 and c.head_dim == 128 for c in gqa.cases)
+    mem = suites.plans("memory", ["memory"])[0]
+    assert "sdpa-math" in mem.providers and "diyfa" in mem.providers
+    llm = suites.plans("matmul", ["llm-matmul"])[0]
+    assert any(c.dtype == "fp8_e4m3" for c in llm.cases)
+    assert any((c.m, c.n, c.k) == (4096, 4096, 14336) for c in llm.cases)
+    assert {p.target for p in suites.plans("all", ["seed"])} == {"flash", "matmul", "memory"}
+    with pytest.raises(ValueError, match="unknown suite"):
+        suites.plans("flash", ["nope"])
+
+
+def test_case_flops_show_the_naive_count_for_seed_002():
+    f = AttentionCase(1, 16, 4096, 15360, 64).flops("fwd")
+    assert f["exact"] == f["published"] == 4 * 16 * 4096 * 15360 * 64
+    assert f["exact"] / f["naive_sq2"] == pytest.approx(3.75)
+
+
+def test_expand_filters_providers_and_modes():
+    plans = suites.plans("flash", ["cross"], quick=True)
+    jobs = harness.expand(plans, ["diyfa", "sdpa-flash"], ["fwd"])
+    assert {j[2] for j in jobs} == {"diyfa", "sdpa-flash"} and {j[3] for j in jobs} == {"fwd"}
+    with pytest.raises(ValueError, match="unknown providers"):
+        harness.expand(plans, ["nope"])
+    mm = harness.expand(suites.plans("matmul", ["seed"], quick=True), None, ["fwd", "bwd"])
+    assert {j[3] for j in mm} == {"fwd"}
+
+
+# --------------------------------------------------------------------------------- harness
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd_bwd"])
+def test_harness_measures_diyfa_in_the_interpreter(mode):
+    rec = _harness().measure("t", TINY, "diyfa", mode)
+    assert rec["status"] == "ok", rec["reason"]
+    assert rec["median_ms"] > 0 and rec["p20_ms"] <= rec["median_ms"] <= rec["p80_ms"]
+    err = rec["error"]
+    assert err["status"] == "ok" and err["out_max_abs"] < 5e-3
+    if mode != "fwd":
+        assert err["grad_max_abs"] < 2e-2
+    assert rec["flops"]["exact"] == TINY.flops(mode)["exact"]
+    if not torch.cuda.is_available():
+        assert "perf_counter" in rec["timer"] and "interpreter" in rec["timer"]
+        assert rec["env"]["interpreter"] is True
+        assert rec["tflops"] is None and rec["memory_note"]
+
+
+def test_harness_gqa_and_layouts_agree():
+    case = AttentionCase(1, 4, 40, 40, 16, False, "fp16", kv_heads=2)
+    h = _harness()
+    for prov in ("diyfa", "sdpa-math"):
+        rec = h.measure("t", case, prov, "bwd")
+        assert rec["status"] == "ok", rec["reason"]
+        assert rec["error"]["scope"] == "batch 0, q heads 0..1, kv head 0"
+        assert rec["error"]["grad_max_abs"] < 2e-2
+
+
+def test_reference_skipped_above_the_size_limit():
+    h = harness.Harness(harness.Options(cpu_reps=1, ref_max_scores=100), run_id="t")
+    rec = h.measure("t", TINY, "sdpa-math", "fwd")
+    assert rec["status"] == "ok"
+    assert rec["error"]["status"].startswith("skipped: too large")
+
+
+def test_matmul_measurement():
+    rec = _harness().measure("t", MatmulCase(40, 24, 56, "fp32", trans_b=True), "cublas", "fwd")
+    assert rec["status"] == "ok" and rec["error"]["out_max_abs"] < 1e-4
+    assert rec["flops"]["exact"] == 2 * 40 * 24 * 56
+
+
+# --------------------------------------------------------------------------------- results
+def test_results_roundtrip(tmp_path):
+    env = results.environment()
+    assert {"gpu", "driver", "torch", "triton", "commit", "timestamp"} <= set(env)
+    header = results.run_header(env, suites=["smoke"])
+    path = results.default_path(env, ["smoke", "cross"], tmp_path)
+    assert path.name.startswith(env["timestamp"][:10]) and path.name.endswith("_smoke-cross.jsonl")
+    plan = suites.plans("flash", ["smoke"])[0]
+    with results.ResultsWriter(path, header) as w:
+        recs = harness.run([plan], harness.Harness(FAST, env=env, run_id=header["run_id"]),
+                           providers=["sdpa-math"], modes=["fwd"], writer=w)  # fmt: skip
+    runs, loaded = results.load([path])
+    assert len(runs) == 1 and runs[0]["run_id"] == header["run_id"]
+    assert [r["label"] for r in loaded] == [r["label"] for r in recs]
+    for r in loaded:
+        for key in ("shape", "options", "provider", "dtype", "mode", "median_ms", "p20_ms",
+                    "p80_ms", "flops", "tflops", "util_datasheet_pct", "util_ceiling_pct",
+                    "bandwidth_tbps", "error", "peak_extra_mem_bytes", "status", "reason",
+                    "env"):  # fmt: skip
+            assert key in r
+    assert results.latest_files(tmp_path) == [path]
+    path.write_text(path.read_text() + "not json\n")
+    with pytest.raises(ValueError, match="not JSON"):
+        results.load(path)
+
+
+def test_summary_rows_put_unavailable_providers_in_notes(scratch_provider):
+    scratch_provider("absent", lambda case, q, k, v: q, requires=("no_such_module_zz",))
+    recs = harness.run([suites.Plan("t", "flash", (TINY,), ("fwd",), ("absent", "sdpa-math"))],
+                       _harness())  # fmt: skip
+    cols, rows, notes = harness.summary_rows(recs)
+    assert len(rows) == 1 and rows[0][3] == "sdpa-math" and len(rows[0]) == len(cols)
+    assert notes and "absent: unavailable" in notes[0]
+
+
+# ------------------------------------------------------------------------------ block size
+def test_seed_shared_memory_arithmetic():
+    s = blocksize.seed_arithmetic()
+    assert s["tile_bytes"] == 3 * 128 * 64 * 2 == 49152  # 48 KiB, "~49 KB"
+    assert round(s["tile_kb"]) == 49
+    assert s["blocks_single_buffer"] == 4  # shared memory alone would allow 4 on Hopper
+    assert s["blocks_kv_double_buffer"] == 2  # the seed's 2 with a 2-stage K/V pipeline
+    assert s["blocks_8_warps_128_regs"] == 2
+    assert "49,152" in blocksize.format_seed_arithmetic()
+
+
+def test_occupancy_limiters():
+    occ = blocksize.occupancy(smem_per_block=16 * 1024, regs_per_thread=255, num_warps=8)
+    assert occ["limiter"] == "registers" and occ["blocks_per_sm"] == 1
+    occ = blocksize.occupancy(smem_per_block=0, regs_per_thread=16, num_warps=4)
+    assert occ["limiter"] == "threads" and occ["blocks_per_sm"] == 16
+    assert blocksize.occupancy(smem_per_block=300_000, regs_per_thread=32,
+                               num_warps=4)["limiter"] == "does not fit"  # fmt: skip
+
+
+def test_sweep_space_and_winners_table(tmp_path):
+    fwd = blocksize.space("attn_fwd")
+    assert {c["num_warps"] for c in fwd} == {4, 8, 12}
+    assert {c["num_stages"] for c in fwd} == {2, 3, 4}
+    assert all("BLOCK_K" in c for c in blocksize.space("matmul", quick=True))
+    res = [blocksize.Result("attn_fwd", dict(BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=3),
+                            tflops=t) for n, t in ((64, 300.0), (128, 350.0))]  # fmt: skip
+    res.append(
+        blocksize.Result(
+            "attn_fwd",
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+            "does not fit",
+            "smem",
+        )
+    )
+    table = blocksize.winners_table({"attn_fwd": res}, 9, 64)
+    assert table == {9: {"attn_fwd": {64: (128, 128, 8, 3)}}}
+    path = blocksize.write_table(table, tmp_path / "t.json")
+    assert blocksize.load_table(path) == table
+    cols, rows = blocksize.table_rows(res)
+    assert rows[0][7] == "350.0" and rows[-1][-1].startswith("does not fit")
+    png = blocksize.heatmap(res, tmp_path / "h.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert blocksize.compiled_kernels(object()) == {}
+
+
+# --------------------------------------------------------------------------------- profile
+_NCU_HEAD = (
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+    '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+    '"Metric Value"'
+)
+_NCU_ROW = (
+    '"0","123","python","host","_attn_fwd","1","7","(256, 1, 1)","(32, 64, 1)","0","9.0",'
+    '"Command line profiler metrics",'
+)
+NCU_CSV = "\n".join(
+    [
+        "==PROF== Connected to process 123",
+        _NCU_HEAD,
+        _NCU_ROW + '"launch__registers_per_thread","register/thread","168"',
+        _NCU_ROW
+        + '"sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active","%","61.25"',
+        _NCU_ROW + '"launch__shared_mem_per_block_dynamic","byte","98,304"',
+        "==PROF== Disconnected from process 123",
+    ]
+)
+
+
+def test_ncu_parsing_and_command():
+    launches = profile.parse_ncu_csv(NCU_CSV)
+    assert len(launches) == 1
+    k = launches[0]
+    assert k["kernel"] == "_attn_fwd" and k["launch__registers_per_thread"] == 168.0
+    assert k["launch__shared_mem_per_block_dynamic"] == 98304.0
+    cols, rows = profile.table(launches)
+    assert rows[0][cols.index("tensor pipe %")] == "61.2"
+    assert rows[0][cols.index("smem static B")] == "-"
+    cmd = profile.ncu_command(profile.case_program(backward=True), "_attn_bwd")
+    assert cmd[:3] == ["ncu", "--clock-control", "none"] and "regex:_attn_bwd" in cmd
+    assert ",".join(profile.METRICS) in cmd
+    compile(profile.case_program("matmul"), "<ncu case>", "exec")
+    assert profile.parse_ncu_csv("no csv here") == []
+
+
+# ------------------------------------------------------------------------------------- CLI
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_cli_bench_without_gpu_runs_the_smoke_suite(tmp_path, capsys):
+    from diyfa.cli import main
+
+    out = tmp_path / "r.jsonl"
+    assert main(["bench", "memory", "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "No CUDA GPU" in text and "interpreter" in text
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["record"] == "run" and lines[0]["env"]["interpreter"] is True
+    assert all(x["suite"] == "smoke" for x in lines[1:]) and len(lines) > 1
+
+
+def test_cli_tune_and_profile_without_gpu_or_ncu(capsys, monkeypatch):
+    import shutil
+
+    from diyfa.cli import main
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert main(["profile", "--backward"]) == 0
+    text = capsys.readouterr().out
+    assert "ncu (Nsight Compute) is not on PATH" in text and "regex:_attn_bwd" in text
+    if not torch.cuda.is_available():
+        assert main(["tune"]) == 0
+        text = capsys.readouterr().out
+        assert "49,152" in text and "No CUDA GPU" in text and "blocks/SM" in text
+    assert main(["bench", "flash", "--list"]) == 0
+    assert "fa-sweep" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_block_size_example_main_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "block_size_experiment.py"
+    spec = importlib.util.spec_from_file_location("block_size_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--quick"]) == 0
+    assert "4 blocks per SM" in capsys.readouterr().out
