@@ -323,3 +323,25 @@ def test_block_size_example_main_runs(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--quick"]) == 0
     assert "4 blocks per SM" in capsys.readouterr().out
+
+
+def test_matmul_pin_forces_one_config_and_restores():
+    import os
+
+    from diyfa.ops import matmul
+
+    original = matmul.default_config
+    cfg = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    with blocksize._pin_matmul(matmul, cfg):
+        assert os.environ["DIYFA_AUTOTUNE"] == "0"
+        got = matmul.default_config("portable", 2, 2, 9, None)
+        assert (got.BLOCK_M, got.BLOCK_N, got.BLOCK_K, got.num_warps) == (64, 32, 32, 4)
+    assert matmul.default_config is original
+    if torch.cuda.is_available():  # interpreted kernels keep no compiled cache
+        assert len(blocksize._matmul_kernels(matmul).fns) >= 1
+
+
+def test_diyfa_matmul_provider_in_the_interpreter():
+    rec = _harness().measure("t", MatmulCase(64, 48, 32, "fp16", trans_b=True), "diyfa", "fwd")
+    assert rec["status"] == "ok", rec["reason"]
+    assert rec["error"]["out_max_abs"] < 0.05

@@ -17,10 +17,12 @@ Without a GPU only the arithmetic runs (:func:`seed_arithmetic`, :func:`occupanc
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -171,13 +173,14 @@ def _jit_fn(obj):
 
 def compiled_kernels(jit) -> dict:
     """{cache key: CompiledKernel} of a JITFunction, over every device (Triton 3.6)."""
-    fn = _jit_fn(jit)
+    fns = jit.fns if isinstance(jit, _Kernels) else [_jit_fn(jit)]
     out = {}
-    if fn is None:
-        return out
-    for dev, cache in list(fn.device_caches.items()):
-        for key, kernel in cache[0].items():
-            out[(dev, key)] = kernel
+    for i, fn in enumerate(fns):
+        if fn is None:
+            continue
+        for dev, cache in list(fn.device_caches.items()):
+            for key, kernel in cache[0].items():
+                out[(i, dev, key)] = kernel
     return out
 
 
@@ -202,15 +205,46 @@ def _pin(tuning, name: str, cfg: dict):
     return tuning.pinned(name, **kwargs)
 
 
-def _find_matmul_kernel(module):
+@contextlib.contextmanager
+def _pin_matmul(module, cfg: dict):
+    """Force one config on diyfa.ops.matmul: autotuning off and its ``default_config``
+    answering ``cfg`` (GROUP_M 8) while the block runs (it has no ``tuning.pinned`` entry)."""
+    old_env = os.environ.get("DIYFA_AUTOTUNE")
+    original = module.default_config
+
+    def forced(kind, *args, **kwargs):
+        subtile = None if kind == "portable" else False
+        return module.MatmulConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], 8,
+                                   cfg["num_warps"], cfg["num_stages"], subtile)  # fmt: skip
+
+    os.environ["DIYFA_AUTOTUNE"] = "0"
+    module.default_config = forced
+    try:
+        yield
+    finally:
+        module.default_config = original
+        if old_env is None:
+            os.environ.pop("DIYFA_AUTOTUNE", None)
+        else:
+            os.environ["DIYFA_AUTOTUNE"] = old_env
+
+
+class _Kernels:
+    """Several JITFunctions read as one (matmul: the portable and the TMA kernel)."""
+
+    def __init__(self, *fns):
+        self.fns = [f for f in fns if f is not None]
+
+
+def _matmul_kernels(module) -> _Kernels:
     import triton
 
+    fns = []
     for attr in dir(module):
-        obj = getattr(module, attr)
-        fn = _jit_fn(obj)
+        fn = _jit_fn(getattr(module, attr))
         if fn is not None and isinstance(fn, triton.runtime.JITFunction) and "matmul" in attr:
-            return obj
-    return None
+            fns.append(fn)
+    return _Kernels(*fns)
 
 
 def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool = False,
@@ -236,10 +270,7 @@ def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool =
         module = importlib.import_module(modname)
     except ImportError as e:
         return [Result(kernel, {}, "unavailable", f"{modname}: {e}")]
-    jit = getattr(module, attr) if attr else _find_matmul_kernel(module)
-    if tname not in tuning.SPACES and kernel == "matmul":
-        return [Result(kernel, {}, "unavailable",
-                       "diyfa.tuning.pinned has no 'matmul' kernel yet")]  # fmt: skip
+    jit = getattr(module, attr) if attr else _matmul_kernels(module)
     dt = torch_dtype(dtype)
     if kernel == "matmul":
         a = torch.randn(size, size, device="cuda", dtype=dt)
@@ -267,7 +298,8 @@ def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool =
         res = Result(kernel, dict(cfg))
         before = set(compiled_kernels(jit))
         try:
-            with _pin(tuning, tname, cfg):
+            pin = _pin_matmul(module, cfg) if kernel == "matmul" else _pin(tuning, tname, cfg)
+            with pin:
                 fn()
                 torch.cuda.synchronize()
                 res.ms = float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
