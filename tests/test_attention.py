@@ -251,28 +251,6 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         attention.flash_attention(q, q, q)
 
 
-def test_interpreter_bf16_dot_fix_is_applied():
-    # Without diyfa._interpreter's patch, Triton 3.6's interpreter multiplies bf16 bit patterns.
-    if HAS_CUDA:
-        pytest.skip("interpreter-only check")
-    import triton
-    import triton.language as tl
-
-    import diyfa.ops.attention  # noqa: F401  (applies the patch)
-
-    @triton.jit
-    def dot16(A, B, C):
-        o = tl.arange(0, 16)
-        a = tl.load(A + o[:, None] * 16 + o[None, :])
-        b = tl.load(B + o[:, None] * 16 + o[None, :])
-        tl.store(C + o[:, None] * 16 + o[None, :], tl.dot(a, b))
-
-    a, b = (torch.randn(16, 16, dtype=torch.bfloat16) for _ in range(2))
-    c = torch.empty(16, 16)
-    dot16[(1,)](a, b, c)
-    torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-5)
-
-
 # ---------------------------------------------------------------------------------- GPU
 GPU_SHAPES = [
     (2, 8, 8, 1024, 1024, 64), (1, 16, 4, 1023, 4097, 128), (2, 8, 1, 4097, 1000, 96),

@@ -22,33 +22,6 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 FP32_FLOOR = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_rounds_bf16_to_nearest():
-    """The GPU rounds fp32 -> bf16 to nearest even; Triton 3.6's interpreter truncates, which
-    doubles the rounding error of every bf16 output. Patch the interpreter's cast to round as
-    the GPU does (interpreter only; belongs with the other fix in diyfa._interpreter)."""
-    if HAS_CUDA:
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
-            return interpreter.TensorHandle(rounded, tl.bfloat16)
-        return original(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
-    yield
-    builder.cast_impl = original
-
-
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

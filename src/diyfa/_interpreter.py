@@ -6,7 +6,11 @@ bf16 1.0 (0x3F80) enters the product as 16256.0, so every bf16 dot is garbage (v
 upstream triton-lang/triton#11584, declined as "not supported yet"). Loads, stores and the
 bf16 <-> fp32 casts are right. On the GPU a bf16 dot multiplies the bf16 *values* and
 accumulates in fp32, so converting bf16 operands to fp32 before the matmul reproduces exactly
-what the GPU computes. That is all this patch does; fp16/fp32/fp8 dots are untouched.
+what the GPU computes; fp16/fp32/fp8 dots are untouched.
+
+Second, its fp32 -> bf16 cast truncates the mantissa where the GPU rounds to nearest even,
+which doubles the rounding error of every bf16 result (P before P @ V, every bf16 output).
+The patched cast rounds to nearest even, NaN stays NaN.
 """
 
 from __future__ import annotations
@@ -20,8 +24,14 @@ def _bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def _fp32_to_bf16_bits_rne(x: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
 def apply() -> None:
-    """Patch the interpreter's dot once (idempotent)."""
+    """Patch the interpreter's dot and fp32 -> bf16 cast once (idempotent)."""
     global _applied
     if _applied:
         return
@@ -39,5 +49,13 @@ def apply() -> None:
             return interpreter.TensorHandle(out, d.dtype.scalar)
         return original(self, a, b, d, input_precision, max_num_imprecise_acc)
 
+    original_cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_fp32_to_bf16_bits_rne(src.data), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
     builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
     _applied = True

@@ -12,6 +12,7 @@ bandwidth in TB/s, from the vendors' datasheets. They are leads; measured ceilin
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -111,6 +112,25 @@ def device_info(device: int | None = None) -> DeviceInfo:
         datasheet=datasheet_peaks(p.name),
         interpreter=interpreter_enabled(),
     )
+
+
+@functools.cache
+def kernel_limits(device_index: int) -> dict:
+    """What launchers need per launch, cached: the driver queries behind it cost about a
+    millisecond, which uncached would be paid on every kernel launch.
+
+    Returns ``capability_major``, ``max_shared_mem`` (bytes a block may opt into) and
+    ``sm_count`` for the CUDA device ``device_index``.
+    """
+    import torch
+    import triton
+
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return {
+        "capability_major": torch.cuda.get_device_capability(device_index)[0],
+        "max_shared_mem": props["max_shared_mem"],
+        "sm_count": props["multiprocessor_count"],
+    }
 
 
 def check_hopper_features(device: int | None = None) -> dict:

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from diyfa import _interpreter, tuning
-from diyfa.device import interpreter_enabled
+from diyfa.device import interpreter_enabled, kernel_limits
 
 if interpreter_enabled():
     _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
@@ -417,18 +417,15 @@ def _empty(batch, heads, seqlen, dim, layout, like: torch.Tensor) -> torch.Tenso
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def _smem_limit(device: torch.device) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
-
 
 def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **args) -> None:
     """Launch ``kernel_fn`` with the pinned/default config, or autotuned on the GPU."""
     if tuning.autotune_enabled() and name not in tuning._pinned and t.is_cuda:
         tuned = tuning.autotuned(kernel_fn, name, head_dim_pad, t.element_size(),
-                                 _smem_limit(t.device))  # fmt: skip
+                                 kernel_limits(t.device.index)["max_shared_mem"])  # fmt: skip
         tuned[grid](**args)
         return
-    major = torch.cuda.get_device_capability(t.device)[0] if t.is_cuda else None
+    major = kernel_limits(t.device.index)["capability_major"] if t.is_cuda else None
     cfg = tuning.default_config(name, head_dim_pad, major)
     meta = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
     kernel_fn[grid(meta)](**args, **meta, num_warps=cfg["num_warps"],

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from diyfa import _interpreter, tuning
-from diyfa.device import interpreter_enabled
+from diyfa.device import interpreter_enabled, kernel_limits
 
 if interpreter_enabled():
     _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
@@ -438,9 +438,8 @@ def _device_facts(t: torch.Tensor) -> tuple[int | None, int | None, int | None]:
     """(major compute capability, shared memory per block, SM count); Nones off the GPU."""
     if not t.is_cuda or interpreter_enabled():
         return None, None, None
-    props = triton.runtime.driver.active.utils.get_device_properties(t.device.index)
-    return (torch.cuda.get_device_capability(t.device)[0], props["max_shared_mem"],
-            props["multiprocessor_count"])  # fmt: skip
+    lim = kernel_limits(t.device.index)
+    return lim["capability_major"], lim["max_shared_mem"], lim["sm_count"]
 
 
 def _row_major(t: torch.Tensor) -> bool:
