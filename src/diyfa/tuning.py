@@ -30,17 +30,21 @@ from diyfa.device import interpreter_enabled
 # dK/dV: a K/V tile of BLOCK_N keys against Q tiles of BLOCK_M rows.
 # dQ: a Q tile of BLOCK_M rows against K/V tiles of BLOCK_N keys.
 SPACES = {
+    # Winners on an H200 (2026-11-21, benchmarks/results/): 64x64/4 warps below ~2k tokens
+    # per head, 128x64 or 128x128 with 8 warps above.
     "attn_fwd": [
-        (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
-        (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2),
+        (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3),
     ],
+    # dK/dV preferred BLOCK_N = 64 at every length measured.
+    # head_dim 256 (dK and dV accumulators of BLOCK_N x 256 fp32 each) wants 8 warps to
+    # spread the registers: the last configs of each list are for it.
     "attn_bwd_dkdv": [
-        (64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
-        (64, 64, 4, 2), (128, 128, 8, 2), (32, 128, 8, 2), (16, 128, 4, 3),
+        (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2),
+        (32, 64, 8, 2), (64, 64, 8, 2),
     ],
     "attn_bwd_dq": [
-        (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
-        (64, 128, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2),
+        (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2),
+        (64, 64, 8, 2), (128, 32, 8, 2),
     ],
 }  # fmt: skip
 
@@ -48,9 +52,9 @@ SPACES = {
 DEFAULTS = {
     # Hopper (sm90): deeper pipelines, 8 warps on large tiles.
     9: {
-        "attn_fwd": {64: (128, 128, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)},
-        "attn_bwd_dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
-        "attn_bwd_dq": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
+        "attn_fwd": {64: (128, 64, 8, 3), 128: (128, 128, 8, 3), 256: (64, 64, 4, 2)},
+        "attn_bwd_dkdv": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
+        "attn_bwd_dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
     # Ampere (sm80/86/89): the seed guide's smaller shared memory, fewer stages.
     8: {

@@ -29,6 +29,10 @@ STATUSES = ("ok", "unsupported", "unavailable", "oom", "error")
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit; DIYFA_COMMIT names it where the tree travelled without .git
+    (the GPU machine gets a copy of the working tree only)."""
+    if os.environ.get("DIYFA_COMMIT"):
+        return os.environ["DIYFA_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[3]
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],

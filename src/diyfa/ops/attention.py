@@ -418,18 +418,31 @@ def _empty(batch, heads, seqlen, dim, layout, like: torch.Tensor) -> torch.Tenso
 
 
 
+# (kernel, device, dtype, HEAD_DIM_PAD, CAUSAL, SEQ_BUCKET) -> the autotuner's choice. Looked up
+# here rather than through triton's Autotuner.run, whose per-call key building over ~40
+# arguments costs tens of microseconds: the whole kernel time of a small problem.
+_chosen: dict[tuple, tuple[dict, int, int]] = {}
+
+
 def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **args) -> None:
     """Launch ``kernel_fn`` with the pinned/default config, or autotuned on the GPU."""
     if tuning.autotune_enabled() and name not in tuning._pinned and t.is_cuda:
-        tuned = tuning.autotuned(kernel_fn, name, head_dim_pad, t.element_size(),
-                                 kernel_limits(t.device.index)["max_shared_mem"])  # fmt: skip
-        tuned[grid](**args)
-        return
-    major = kernel_limits(t.device.index)["capability_major"] if t.is_cuda else None
-    cfg = tuning.default_config(name, head_dim_pad, major)
-    meta = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
-    kernel_fn[grid(meta)](**args, **meta, num_warps=cfg["num_warps"],
-                          num_stages=cfg["num_stages"])  # fmt: skip
+        key = (name, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"], args["SEQ_BUCKET"])
+        choice = _chosen.get(key)
+        if choice is None:
+            tuned = tuning.autotuned(kernel_fn, name, head_dim_pad, t.element_size(),
+                                     kernel_limits(t.device.index)["max_shared_mem"])  # fmt: skip
+            tuned[grid](**args)  # benchmarks every config once, then runs the best
+            best = tuned.best_config
+            _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
+            return
+        meta, num_warps, num_stages = choice
+    else:
+        major = kernel_limits(t.device.index)["capability_major"] if t.is_cuda else None
+        cfg = tuning.default_config(name, head_dim_pad, major)
+        meta = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+        num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
+    kernel_fn[grid(meta)](**args, **meta, num_warps=num_warps, num_stages=num_stages)
 
 
 def _common(q, k, v, layout, causal, align, softmax_scale):
@@ -579,12 +592,11 @@ class _FlashAttention(torch.autograd.Function):
         out, lse2 = _attention_forward(q, k, v, causal, align, softmax_scale, layout)
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.args = (causal, align, softmax_scale, layout)
-        lse = lse2 * LN2
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(lse2)
+        return out, lse2
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, _dlse2):
         q, k, v, out, lse2 = ctx.saved_tensors
         causal, align, softmax_scale, layout = ctx.args
         dq, dk, dv = _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale,
@@ -617,8 +629,8 @@ def flash_attention(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     _check_inputs(q, k, v, causal, softmax_scale, layout)
-    out, lse = _FlashAttention.apply(q, k, v, causal, "bottom_right", softmax_scale, layout)
-    return (out, lse) if return_lse else out
+    out, lse2 = _FlashAttention.apply(q, k, v, causal, "bottom_right", softmax_scale, layout)
+    return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
 
 
 def flash_attention_with_lse(q, k, v, **kwargs):
