@@ -63,6 +63,8 @@ DEFAULTS = {
         "attn_bwd_dq": {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)},
     },
 }
+# Smaller and smaller configs for when a chosen one does not fit the GPU (OutOfResources).
+FALLBACKS = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)]
 # Small tiles under the interpreter: the tests still cross several blocks on short sequences.
 INTERPRETER_DEFAULT = (32, 32, 4, 1)
 

@@ -43,6 +43,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from diyfa import _interpreter, tuning
 from diyfa.device import interpreter_enabled, kernel_limits
@@ -192,27 +193,6 @@ def _attn_fwd(Q, K, V, O, LSE,
 # Backward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA,
-                    stride_ob, stride_oh, stride_os, stride_od,
-                    stride_dob, stride_doh, stride_dos, stride_dod,
-                    heads, seqlen_q,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O), the softmax-gradient term shared by dK and dQ."""
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // heads).to(tl.int64)
-    off_h = (off_bh % heads).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
-                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
-
-
-@triton.jit
 def _load_row_stats(LSE, DELTA, offs_m, seqlen_q, MASKED: tl.constexpr):
     """LSE (base 2) and delta for rows ``offs_m``; a row that saw no key gets LSE = +inf so
     that P = 2^(s - lse) = 0 for it."""
@@ -351,10 +331,11 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
                  stride_qb, stride_qh, stride_qs, stride_qd,
                  stride_kb, stride_kh, stride_ks, stride_kd,
                  stride_vb, stride_vh, stride_vs, stride_vd,
+                 stride_ob, stride_oh, stride_os, stride_od,
                  stride_dob, stride_doh, stride_dos, stride_dod,
                  stride_dqb, stride_dqh, stride_dqs, stride_dqd,
                  heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
@@ -378,8 +359,14 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
                  + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os
+                + offs_d[None, :] * stride_od, mask=q_mask, other=0.0)
+    # delta = rowsum(dO * O): this kernel runs first and leaves it for the dK/dV kernel.
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     row = off_bh.to(tl.int64) * seqlen_q
-    lse, delta = _load_row_stats(LSE + row, DELTA + row, offs_m, seqlen_q, True)
+    tl.store(DELTA + row + offs_m, delta, mask=m_ok)
+    lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
 
@@ -425,24 +412,43 @@ _chosen: dict[tuple, tuple[dict, int, int]] = {}
 
 
 def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **args) -> None:
-    """Launch ``kernel_fn`` with the pinned/default config, or autotuned on the GPU."""
-    if tuning.autotune_enabled() and name not in tuning._pinned and t.is_cuda:
-        key = (name, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"], args["SEQ_BUCKET"])
-        choice = _chosen.get(key)
-        if choice is None:
+    """Launch ``kernel_fn`` with the pinned/default config, or autotuned on the GPU.
+
+    A config that does not fit the GPU (Triton's OutOfResources, found at compile time before
+    anything runs: e.g. fp32 tiles at head_dim 256) steps down through ``tuning.FALLBACKS``;
+    what worked is remembered per key.
+    """
+    key = (name, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"], args["SEQ_BUCKET"])
+    pinned = name in tuning._pinned
+    choice = None if pinned else _chosen.get(key)
+    if choice is None:
+        if tuning.autotune_enabled() and not pinned and t.is_cuda:
             tuned = tuning.autotuned(kernel_fn, name, head_dim_pad, t.element_size(),
                                      kernel_limits(t.device.index)["max_shared_mem"])  # fmt: skip
-            tuned[grid](**args)  # benchmarks every config once, then runs the best
-            best = tuned.best_config
-            _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
-            return
-        meta, num_warps, num_stages = choice
-    else:
+            try:
+                tuned[grid](**args)  # benchmarks every config once, then runs the best
+                best = tuned.best_config
+                _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
+                return
+            except OutOfResources:
+                pass  # every candidate was too large: fall back below
         major = kernel_limits(t.device.index)["capability_major"] if t.is_cuda else None
         cfg = tuning.default_config(name, head_dim_pad, major)
-        meta = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
-        num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
-    kernel_fn[grid(meta)](**args, **meta, num_warps=num_warps, num_stages=num_stages)
+        choice = ({"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"],
+                  cfg["num_stages"])  # fmt: skip
+    candidates = [choice] + [({"BLOCK_M": bm, "BLOCK_N": bn}, w, st)
+                             for bm, bn, w, st in tuning.FALLBACKS
+                             if bm * bn < choice[0]["BLOCK_M"] * choice[0]["BLOCK_N"]]  # fmt: skip
+    for i, (meta, num_warps, num_stages) in enumerate(candidates):
+        try:
+            kernel_fn[grid(meta)](**args, **meta, num_warps=num_warps, num_stages=num_stages)
+        except OutOfResources:
+            if i == len(candidates) - 1:
+                raise
+            continue
+        if not pinned:
+            _chosen[key] = (meta, num_warps, num_stages)
+        return
 
 
 def _common(q, k, v, layout, causal, align, softmax_scale):
@@ -494,14 +500,18 @@ def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, la
         return dq.zero_(), dk.zero_(), dv.zero_()
     common, scale = _common(q, k, v, layout, causal, align, softmax_scale)
     delta = torch.empty_like(lse2)
-    pre_block = 64 if not q.is_cuda or interpreter_enabled() else 128
-    _bwd_preprocess[(triton.cdiv(sq, pre_block), b * h)](
-        out, do, delta, *_strides(out, layout), *_strides(do, layout), h, sq,
-        HEAD_DIM=d, HEAD_DIM_PAD=common["HEAD_DIM_PAD"], BLOCK_M=pre_block,
-    )
     strides = {**_named("q", _strides(q, layout)), **_named("k", _strides(k, layout)),
                **_named("v", _strides(v, layout)), **_named("do", _strides(do, layout))}  # fmt: skip
     bucket = tuning.seq_bucket(sq, sk)
+
+    def grid_dq(meta):
+        return (triton.cdiv(sq, meta["BLOCK_M"]), b * h)
+
+    # dQ first: it also writes delta = rowsum(dO * O), which dK/dV reads.
+    _launch(_attn_bwd_dq, "attn_bwd_dq", grid_dq, q, common["HEAD_DIM_PAD"],
+            Q=q, K=k, V=v, O=out, DO=do, LSE=lse2, DELTA=delta, DQ=dq, **strides,
+            **_named("o", _strides(out, layout)), **_named("dq", _strides(dq, layout)),
+            sm_scale=scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
 
     def grid_dkdv(meta):
         return (triton.cdiv(sk, meta["BLOCK_N"]), b * hk)
@@ -510,14 +520,6 @@ def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, la
             Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DK=dk, DV=dv, **strides,
             **_named("dk", _strides(dk, layout)), **_named("dv", _strides(dv, layout)),
             sm_scale=scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
-
-    def grid_dq(meta):
-        return (triton.cdiv(sq, meta["BLOCK_M"]), b * h)
-
-    _launch(_attn_bwd_dq, "attn_bwd_dq", grid_dq, q, common["HEAD_DIM_PAD"],
-            Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DQ=dq, **strides,
-            **_named("dq", _strides(dq, layout)), sm_scale=scale, SEQ_BUCKET=bucket,
-            **common)  # fmt: skip
     return dq, dk, dv
 
 
