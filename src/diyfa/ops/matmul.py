@@ -492,11 +492,28 @@ def _ensure_allocator() -> None:
     _allocator_set = True
 
 
+# The autotuner's choice per key, looked up here instead of through triton's Autotuner.run,
+# whose per-call key building costs tens of microseconds: most of a 1024^3 product's time.
+_AUTOTUNE_KEY = ("M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "SCALE_A",
+                 "SCALE_B", "HAS_BIAS", "ACTIVATION", "PRECISION")  # fmt: skip
+_chosen: dict[tuple, tuple[dict, int, int]] = {}
+
+
 def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, smem,
             args: dict) -> None:  # fmt: skip
     """Launch autotuned (GPU) or with the default config (interpreter, DIYFA_AUTOTUNE=0)."""
     if tuning.autotune_enabled() and major is not None:
-        _autotuned(kernel_fn, kind, elem_bytes, out_bytes, smem)[grid](**args)
+        key = (kind, args["A"].dtype, args["B"].dtype, args["C"].dtype, args["A"].device.index,
+               *(args.get(name) for name in _AUTOTUNE_KEY))  # fmt: skip
+        choice = _chosen.get(key)
+        if choice is None:
+            tuned = _autotuned(kernel_fn, kind, elem_bytes, out_bytes, smem)
+            tuned[grid](**args)  # benchmarks the configs once, then runs the best
+            best = tuned.best_config
+            _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
+            return
+        meta, num_warps, num_stages = choice
+        kernel_fn[grid(meta)](**args, **meta, num_warps=num_warps, num_stages=num_stages)
         return
     cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
     kernel_fn[grid(cfg.meta())](**args, **cfg.meta(), num_warps=cfg.num_warps,
