@@ -17,7 +17,7 @@ import torch
 import diyfa
 from diyfa.reference import attention_ref
 
-from .conftest import DEVICE, HAS_CUDA
+from .conftest import DEVICE
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DTYPE_IDS = ["fp16", "bf16", "fp32"]

@@ -105,7 +105,8 @@ def attention_pairs(
     offset = seqlen_k - seqlen_q if align == "bottom_right" else 0
     i = np.arange(seqlen_q, dtype=np.int64)
     lo = np.zeros_like(i) if left < 0 else np.maximum(0, i + offset - left)
-    hi = np.full_like(i, seqlen_k - 1) if right < 0 else np.minimum(seqlen_k - 1, i + offset + right)
+    last = seqlen_k - 1
+    hi = np.full_like(i, last) if right < 0 else np.minimum(last, i + offset + right)
     return int(np.maximum(0, hi - lo + 1).sum())
 
 

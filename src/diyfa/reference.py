@@ -97,5 +97,7 @@ def matmul_ref(
 ) -> torch.Tensor:
     """A @ B in ``compute_dtype`` (fp64 or fp32), 2-D or batched 3-D."""
     if compute_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
+        raise ValueError(
+            f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}"
+        )
     return torch.matmul(a.to(compute_dtype), b.to(compute_dtype))

@@ -501,7 +501,8 @@ def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, la
     common, scale = _common(q, k, v, layout, causal, align, softmax_scale)
     delta = torch.empty_like(lse2)
     strides = {**_named("q", _strides(q, layout)), **_named("k", _strides(k, layout)),
-               **_named("v", _strides(v, layout)), **_named("do", _strides(do, layout))}  # fmt: skip
+               **_named("v", _strides(v, layout)),
+               **_named("do", _strides(do, layout))}  # fmt: skip
     bucket = tuning.seq_bucket(sq, sk)
 
     def grid_dq(meta):
@@ -531,9 +532,10 @@ def _check_inputs(q, k, v, causal, softmax_scale, layout) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
+            axes = "batch, heads, seqlen, head_dim" if layout == "bhsd" else (
+                "batch, seqlen, heads, head_dim")
             raise ValueError(
-                f"{name} must be 4-D ({'batch, heads, seqlen, head_dim' if layout == 'bhsd' else 'batch, seqlen, heads, head_dim'}"
-                f" for layout={layout!r}), got shape {tuple(t.shape)}"
+                f"{name} must be 4-D ({axes} for layout={layout!r}), got shape {tuple(t.shape)}"
             )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
@@ -554,7 +556,9 @@ def _check_inputs(q, k, v, causal, softmax_scale, layout) -> None:
                 "interpreter (set TRITON_INTERPRET=1 before importing diyfa) for small CPU runs"
             )
     elif q.device.type != "cuda":
-        raise ValueError(f"q is on device {q.device}; accepted: cuda (or cpu with TRITON_INTERPRET=1)")
+        raise ValueError(
+            f"q is on device {q.device}; accepted: cuda (or cpu with TRITON_INTERPRET=1)"
+        )
     b, h, sq, d = _dims(q, layout)
     bk, hk, sk, dk = _dims(k, layout)
     bv, hv, sv, dv = _dims(v, layout)
