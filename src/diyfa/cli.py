@@ -185,7 +185,8 @@ def cmd_demo(args) -> int:
         f = attention_flops(batch, heads, s, s, head_dim)
         t_sdpa = timeit(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v))
         t_ours = timeit(lambda q=q, k=k, v=v: diyfa.flash_attention(q, k, v))
-        rows.append([s, f"{t_sdpa:.3f}", f"{t_ours:.3f}", f"{t_sdpa / t_ours:.2f}x",
+        speedup = f"{t_sdpa / t_ours:.2f}x" if on_gpu else "- (interpreter)"
+        rows.append([s, f"{t_sdpa:.3f}", f"{t_ours:.3f}", speedup,
                      f"{f / t_ours / 1e9:.1f}" if on_gpu else "-"])  # fmt: skip
     where = info.name if on_gpu else "CPU, Triton interpreter"
     _print_table(f"attention forward, fp16, batch {batch}, heads {heads}, d {head_dim} ({where})",
