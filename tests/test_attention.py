@@ -245,7 +245,7 @@ def test_bad_input_is_a_clear_error(over, kwargs, err, match):
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     from diyfa.ops import attention
 
-    monkeypatch.setattr(attention, "interpreter_enabled", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.randn(1, 1, 4, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="CPU tensors.*TRITON_INTERPRET=1"):
         attention.flash_attention(q, q, q)

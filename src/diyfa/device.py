@@ -114,6 +114,21 @@ def device_info(device: int | None = None) -> DeviceInfo:
     )
 
 
+def require_kernel_device(t, names: str) -> None:
+    """Raise ValueError unless tensor ``t`` (standing for ``names``, e.g. "q, k, v") is where
+    the Triton kernels can run: a CUDA GPU, or the CPU under the Triton interpreter."""
+    if t.device.type == "cpu":
+        if not interpreter_enabled():
+            raise ValueError(
+                f"{names} are CPU tensors: the Triton kernels need a CUDA GPU, or the Triton "
+                "interpreter (set TRITON_INTERPRET=1 before importing diyfa) for small CPU runs"
+            )
+    elif t.device.type != "cuda":
+        raise ValueError(
+            f"{names} are on device {t.device}; accepted: cuda (or cpu with TRITON_INTERPRET=1)"
+        )
+
+
 @functools.cache
 def kernel_limits(device_index: int) -> dict:
     """What launchers need per launch, cached: the driver queries behind it cost about a

@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from diyfa import _interpreter, tuning
-from diyfa.device import interpreter_enabled, kernel_limits
+from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
 
 if interpreter_enabled():
     _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
@@ -549,16 +549,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, layout) -> None:
         raise ValueError(
             f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
         )
-    if q.device.type == "cpu":
-        if not interpreter_enabled():
-            raise ValueError(
-                "q, k, v are CPU tensors: the Triton kernels need a CUDA GPU, or the Triton "
-                "interpreter (set TRITON_INTERPRET=1 before importing diyfa) for small CPU runs"
-            )
-    elif q.device.type != "cuda":
-        raise ValueError(
-            f"q is on device {q.device}; accepted: cuda (or cpu with TRITON_INTERPRET=1)"
-        )
+    require_kernel_device(q, "q, k, v")
     b, h, sq, d = _dims(q, layout)
     bk, hk, sk, dk = _dims(k, layout)
     bv, hv, sv, dv = _dims(v, layout)

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from diyfa import _interpreter, tuning
-from diyfa.device import interpreter_enabled, kernel_limits
+from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
 
 if interpreter_enabled():
     _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
@@ -612,16 +612,7 @@ def _check_operands(a, b) -> None:
         )
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got a={a.device}, b={b.device}")
-    if a.device.type == "cpu":
-        if not interpreter_enabled():
-            raise ValueError(
-                "a and b are CPU tensors: the Triton kernels need a CUDA GPU, or the Triton "
-                "interpreter (set TRITON_INTERPRET=1 before importing diyfa) for small CPU runs"
-            )
-    elif a.device.type != "cuda":
-        raise ValueError(
-            f"a is on device {a.device}; accepted: cuda (or cpu with TRITON_INTERPRET=1)"
-        )
+    require_kernel_device(a, "a and b")
     if a_fp8 and a.is_cuda:
         cc = torch.cuda.get_device_capability(a.device)
         if cc < (8, 9):
