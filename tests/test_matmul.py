@@ -22,6 +22,21 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 FP32_FLOOR = 1e-6
 
 
+def _check_fp32(m: int, k: int, n: int, precision: str, device) -> None:
+    """fp32 product judged against torch in the same mode: TF32 vs torch's TF32, ieee vs
+    torch's exact fp32."""
+    a = _randn(m, k, dtype=torch.float32, device=device)
+    b = _randn(k, n, dtype=torch.float32, device=device, seed=1)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        baseline = torch.matmul(a, b)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    _check(triton_matmul(a, b, precision=precision), matmul_ref(a, b), baseline,
+           floor=FP32_FLOOR)  # fmt: skip
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -134,16 +149,7 @@ def test_scales_and_out_dtype(device):
 def test_fp32_precision(precision, device):
     """Under the interpreter both precisions are exact; on the GPU TF32 is judged against
     torch's TF32 and ieee against torch's exact fp32."""
-    a = _randn(65, 48, dtype=torch.float32, device=device)
-    b = _randn(48, 33, dtype=torch.float32, device=device, seed=1)
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    try:
-        baseline = torch.matmul(a, b)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-    _check(triton_matmul(a, b, precision=precision), matmul_ref(a, b), baseline,
-           floor=FP32_FLOOR)  # fmt: skip
+    _check_fp32(65, 48, 33, precision, device)
 
 
 def test_empty_and_k_zero(device):
@@ -385,16 +391,7 @@ def test_gpu_tma_path(layout):
     "ieee",
 ])
 def test_gpu_fp32(precision):
-    a = _randn(2048, 1024, dtype=torch.float32, device="cuda")
-    b = _randn(1024, 2048, dtype=torch.float32, device="cuda", seed=1)
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    try:
-        baseline = torch.matmul(a, b)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-    _check(triton_matmul(a, b, precision=precision), matmul_ref(a, b), baseline,
-           floor=FP32_FLOOR)  # fmt: skip
+    _check_fp32(2048, 1024, 2048, precision, "cuda")
 
 
 def _has_fp8() -> bool:
