@@ -46,6 +46,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from diyfa import _interpreter, tuning
+from diyfa._launcher import FastLauncher
 from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
 
 if interpreter_enabled():
@@ -276,26 +277,43 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
         mid_lo = 0
     mid_hi = tl.maximum(seqlen_q // BLOCK_M * BLOCK_M, mid_lo)
 
+    # fp32: each query head of the group sums into fresh accumulators, added to the total
+    # after its loop. One sequential fp32 chain over all kv_group * seqlen_q rows (32k for
+    # MQA with 8 heads at 4097) grew dK's error to ~3.5x PyTorch's, whose matmul sums one
+    # head at a time. fp16/bf16 errors are dominated by input rounding: one chain, fewer
+    # registers.
     for g in range(0, kv_group):  # the query heads that share this K/V head (GQA)
         off_h = off_hk * kv_group + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         row = (off_b * heads + off_h) * seqlen_q
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row,
-                                 stride_qs, stride_qd, stride_dos, stride_dod,
-                                 offs_n, offs_d, lo, mid_lo, seqlen_q, seqlen_k, causal_offset,
-                                 qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, True,
-                                 PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row,
-                                 stride_qs, stride_qd, stride_dos, stride_dod,
-                                 offs_n, offs_d, mid_lo, mid_hi, seqlen_q, seqlen_k,
-                                 causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                 CAUSAL, False, PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row, DELTA + row,
-                                 stride_qs, stride_qd, stride_dos, stride_dod,
-                                 offs_n, offs_d, mid_hi, end, seqlen_q, seqlen_k,
-                                 causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                 CAUSAL, True, PRECISION)
+        if PRECISION == "ieee":
+            dk_g = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+            dv_g = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+        else:
+            dk_g = dk
+            dv_g = dv
+        dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
+                                     stride_qs, stride_qd, stride_dos, stride_dod,
+                                     offs_n, offs_d, lo, mid_lo, seqlen_q, seqlen_k,
+                                     causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                                     CAUSAL, True, PRECISION)
+        dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
+                                     stride_qs, stride_qd, stride_dos, stride_dod,
+                                     offs_n, offs_d, mid_lo, mid_hi, seqlen_q, seqlen_k,
+                                     causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                                     CAUSAL, False, PRECISION)
+        dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
+                                     stride_qs, stride_qd, stride_dos, stride_dod,
+                                     offs_n, offs_d, mid_hi, end, seqlen_q, seqlen_k,
+                                     causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                                     CAUSAL, True, PRECISION)
+        if PRECISION == "ieee":
+            dk += dk_g
+            dv += dv_g
+        else:
+            dk = dk_g
+            dv = dv_g
 
     dk = dk * sm_scale
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks
@@ -409,6 +427,7 @@ def _empty(batch, heads, seqlen, dim, layout, like: torch.Tensor) -> torch.Tenso
 # here rather than through triton's Autotuner.run, whose per-call key building over ~40
 # arguments costs tens of microseconds: the whole kernel time of a small problem.
 _chosen: dict[tuple, tuple[dict, int, int]] = {}
+_fast: dict[str, FastLauncher] = {}  # kernel name -> its lean launcher (GPU, chosen configs)
 
 
 def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **args) -> None:
@@ -416,11 +435,17 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
 
     A config that does not fit the GPU (Triton's OutOfResources, found at compile time before
     anything runs: e.g. fp32 tiles at head_dim 256) steps down through ``tuning.FALLBACKS``;
-    what worked is remembered per key.
+    what worked is remembered per key. Once a key has its config, GPU launches go through
+    ``FastLauncher`` (see diyfa/_launcher.py), which skips Triton's per-call binding.
     """
     key = (name, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"], args["SEQ_BUCKET"])
     pinned = name in tuning._pinned
     choice = None if pinned else _chosen.get(key)
+    if choice is not None and t.is_cuda:
+        meta, num_warps, num_stages = choice
+        launcher = _fast.get(name) or _fast.setdefault(name, FastLauncher(kernel_fn))
+        launcher(grid(meta), {**args, **meta}, num_warps, num_stages)
+        return
     if choice is None:
         if tuning.autotune_enabled() and not pinned and t.is_cuda:
             tuned = tuning.autotuned(kernel_fn, name, head_dim_pad, t.element_size(),
@@ -488,8 +513,13 @@ def _attention_forward(q, k, v, causal, align, softmax_scale, layout):
     return out, lse2
 
 
+_STRIDE_NAMES = {p: tuple(f"stride_{p}{axis}" for axis in "bhsd")
+                 for p in ("q", "k", "v", "o", "do", "dq", "dk", "dv")}  # fmt: skip
+
+
 def _named(prefix: str, strides) -> dict:
-    return {f"stride_{prefix}{axis}": s for axis, s in zip("bhsd", strides, strict=True)}
+    """{"stride_qb": ..., "stride_qh": ..., ...} for tensor ``prefix``."""
+    return dict(zip(_STRIDE_NAMES[prefix], strides, strict=True))
 
 
 def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, layout):
@@ -587,6 +617,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, align, softmax_scale, layout):
         out, lse2 = _attention_forward(q, k, v, causal, align, softmax_scale, layout)
+        ctx.set_materialize_grads(False)  # no zeros tensor (one more launch) for lse2's grad
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.args = (causal, align, softmax_scale, layout)
         ctx.mark_non_differentiable(lse2)
@@ -599,6 +630,14 @@ class _FlashAttention(torch.autograd.Function):
         dq, dk, dv = _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale,
                                          layout)  # fmt: skip
         return dq, dk, dv, None, None, None, None
+
+
+def _attention(q, k, v, causal, align, softmax_scale, layout):
+    """(out, lse2) on checked inputs, through autograd only when a gradient is wanted."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttention.apply(q, k, v, causal, align, softmax_scale, layout)
+    # Inference: no autograd node to build (about 10 us of host time per call).
+    return _attention_forward(q, k, v, causal, align, softmax_scale, layout)
 
 
 def flash_attention(
@@ -626,7 +665,7 @@ def flash_attention(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     _check_inputs(q, k, v, causal, softmax_scale, layout)
-    out, lse2 = _FlashAttention.apply(q, k, v, causal, "bottom_right", softmax_scale, layout)
+    out, lse2 = _attention(q, k, v, causal, "bottom_right", softmax_scale, layout)
     return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
 
 
@@ -676,5 +715,5 @@ def scaled_dot_product_attention(
             "for grouped-query attention"
         )
     _check_inputs(query, key, value, bool(is_causal), scale, "bhsd")
-    out, _ = _FlashAttention.apply(query, key, value, bool(is_causal), "top_left", scale, "bhsd")
+    out, _ = _attention(query, key, value, bool(is_causal), "top_left", scale, "bhsd")
     return out

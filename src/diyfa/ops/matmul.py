@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from diyfa import _interpreter, tuning
+from diyfa._launcher import FastLauncher
 from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
 
 if interpreter_enabled():
@@ -497,27 +498,37 @@ def _ensure_allocator() -> None:
 _AUTOTUNE_KEY = ("M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "SCALE_A",
                  "SCALE_B", "HAS_BIAS", "ACTIVATION", "PRECISION")  # fmt: skip
 _chosen: dict[tuple, tuple[dict, int, int]] = {}
+_fast: dict[str, FastLauncher] = {}  # kernel kind -> its lean launcher (diyfa/_launcher.py)
 
 
 def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, smem,
             args: dict) -> None:  # fmt: skip
-    """Launch autotuned (GPU) or with the default config (interpreter, DIYFA_AUTOTUNE=0)."""
-    if tuning.autotune_enabled() and major is not None:
-        key = (kind, args["A"].dtype, args["B"].dtype, args["C"].dtype, args["A"].device.index,
-               *(args.get(name) for name in _AUTOTUNE_KEY))  # fmt: skip
-        choice = _chosen.get(key)
-        if choice is None:
+    """Launch autotuned (GPU) or with the default config (interpreter, DIYFA_AUTOTUNE=0).
+
+    On the GPU the config chosen for a key is remembered, and later launches go through
+    ``FastLauncher`` (diyfa/_launcher.py), which skips Triton's per-call argument binding.
+    """
+    if major is None:  # interpreter
+        cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
+        kernel_fn[grid(cfg.meta())](**args, **cfg.meta(), num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages)  # fmt: skip
+        return
+    autotune = tuning.autotune_enabled()
+    key = (kind, autotune, args["A"].dtype, args["B"].dtype, args["C"].dtype,
+           args["A"].device.index, *(args.get(name) for name in _AUTOTUNE_KEY))  # fmt: skip
+    choice = _chosen.get(key)
+    if choice is None:
+        if autotune:
             tuned = _autotuned(kernel_fn, kind, elem_bytes, out_bytes, smem)
             tuned[grid](**args)  # benchmarks the configs once, then runs the best
             best = tuned.best_config
             _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
             return
-        meta, num_warps, num_stages = choice
-        kernel_fn[grid(meta)](**args, **meta, num_warps=num_warps, num_stages=num_stages)
-        return
-    cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
-    kernel_fn[grid(cfg.meta())](**args, **cfg.meta(), num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages)  # fmt: skip
+        cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
+        choice = _chosen[key] = (cfg.meta(), cfg.num_warps, cfg.num_stages)
+    meta, num_warps, num_stages = choice
+    launcher = _fast.get(kind) or _fast.setdefault(kind, FastLauncher(kernel_fn))
+    launcher(grid(meta), {**args, **meta}, num_warps, num_stages)
 
 
 def _matmul(a, b, out, scales, bias, activation, precision, kernel) -> None:

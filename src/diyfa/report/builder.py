@@ -290,7 +290,8 @@ def _grid_figure(
     n = len(groups)
     cols = min(3, n)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False,
+                             layout="constrained")
     for ax, g in zip(axes.flat, groups, strict=False):
         for prov, pts in sorted(series[g].items(), key=lambda kv: (kv[0] != "diyfa", kv[0])):
             pts = sorted(pts)
@@ -307,8 +308,7 @@ def _grid_figure(
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig.suptitle(title)  # the constrained layout keeps it clear of the first row
     return fig
 
 

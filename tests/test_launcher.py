@@ -1,0 +1,86 @@
+"""The lean launch path's specialisation key against Triton's own (CPU), and its launches (GPU).
+
+FastLauncher reuses a compiled kernel whenever two calls have equal keys, so the key must
+never merge two argument values that Triton would compile differently.
+"""
+
+import itertools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from diyfa._launcher import FastLauncher, spec_key
+
+
+def _native():
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    return lambda arg: native_specialize_impl(backend, arg, False, True, True)
+
+
+def _values():
+    base = torch.zeros(64, dtype=torch.float16)
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
+            2**40, 2**63 - 16, 2**63, 2**63 + 16, -(2**31), -(2**31) - 1, -(2**40)]  # fmt: skip
+    floats = [0.0, 1.0, 0.125, 16.0, -3.5]
+    tensors = [base, base[1:], base[8:], torch.zeros(8, dtype=torch.bfloat16),
+               torch.zeros(8, dtype=torch.float32), torch.zeros(8, dtype=torch.float8_e4m3fn),
+               torch.zeros(8, dtype=torch.int32)]  # fmt: skip
+    return ints + floats + [True, False, None] + tensors
+
+
+def test_spec_key_never_merges_what_triton_distinguishes():
+    native = _native()
+    values = _values()
+    seen = 0
+    for a, b in itertools.combinations(values, 2):
+        if spec_key(a) == spec_key(b):
+            seen += 1
+            assert native(a) == native(b), (a, b, spec_key(a), native(a), native(b))
+    assert seen > 10  # the check compared real collisions (e.g. 16 and 32, 0.0 and 1.0)
+
+
+def test_spec_key_separates_alignment_width_and_one():
+    base = torch.zeros(64, dtype=torch.float16)
+    assert spec_key(base) != spec_key(base[1:])  # 16-byte aligned vs 2-byte aligned
+    assert spec_key(1) != spec_key(17)  # 1 is compiled in as a constant
+    assert spec_key(16) != spec_key(17)
+    assert spec_key(16) != spec_key(2**32)  # i32 vs i64
+    assert spec_key(2**63) != spec_key(2**62 + 16)  # u64 vs i64
+    assert spec_key(True) != spec_key(1) and spec_key(False) != spec_key(0.0)
+
+
+def _copy(X, Y, n, stride, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs * stride, mask=offs < n), mask=offs < n)
+
+
+_copy_kernel = triton.jit(_copy)
+
+
+def test_fast_launcher_refuses_unmodelled_specialisation():
+    # JITFunction directly: under the interpreter triton.jit returns an interpreted function.
+    from triton.runtime.jit import JITFunction
+
+    with pytest.raises(ValueError, match="n has specialisation options"):
+        FastLauncher(JITFunction(_copy, do_not_specialize=["n"]))
+    assert FastLauncher(JITFunction(_copy)).names == ("X", "Y", "n", "stride", "BLOCK")
+
+
+@pytest.mark.gpu
+def test_fast_launcher_switches_kernels_with_alignment_and_strides():
+    """Aligned, then misaligned and odd-strided arguments: each launch must be right."""
+    launch = FastLauncher(_copy_kernel)
+    x = torch.randn(4096, device="cuda")
+    for offset, stride, n in [(0, 1, 1024), (0, 1, 1024), (1, 1, 1000), (3, 3, 999), (0, 16, 64),
+                              (0, 1, 1024), (5, 1, 1)]:  # fmt: skip
+        src = x[offset:]
+        y = torch.full((n,), -1.0, device="cuda")
+        launch((triton.cdiv(n, 128),), dict(X=src, Y=y, n=n, stride=stride, BLOCK=128), 4, 1)
+        torch.testing.assert_close(y, src[: n * stride : stride], rtol=0, atol=0)
+    assert len(launch._compiled) >= 4  # distinct specialisations were compiled, not merged
