@@ -84,3 +84,25 @@ def test_fast_launcher_switches_kernels_with_alignment_and_strides():
         launch((triton.cdiv(n, 128),), dict(X=src, Y=y, n=n, stride=stride, BLOCK=128), 4, 1)
         torch.testing.assert_close(y, src[: n * stride : stride], rtol=0, atol=0)
     assert len(launch._compiled) >= 4  # distinct specialisations were compiled, not merged
+    before = launch.slow_launches
+    y = torch.empty(1024, device="cuda")
+    for _ in range(3):  # a key seen before takes the fast path
+        launch((8,), dict(X=x, Y=y, n=1024, stride=1, BLOCK=128), 4, 1)
+    assert launch.slow_launches == before
+    torch.testing.assert_close(y, x[:1024], rtol=0, atol=0)
+
+
+def test_launch_hooks_are_detected():
+    from triton import knobs
+
+    from diyfa._launcher import _hooked
+
+    assert not _hooked(knobs.runtime.launch_enter_hook)  # nothing installed by default
+    assert not _hooked(None)
+
+    def hook(*args):
+        pass
+
+    chain = type(knobs.runtime.launch_enter_hook)()
+    chain.add(hook)
+    assert _hooked(chain) and _hooked(hook)

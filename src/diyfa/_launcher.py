@@ -43,6 +43,12 @@ def spec_key(arg) -> object:
     return (cls, arg)
 
 
+def _hooked(hook) -> bool:
+    """Whether a launch hook is installed: Triton 3.6 keeps an always-present ``HookChain``
+    (a list of callables, empty by default); older versions use None for none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class FastLauncher:
     """Launch one ``@triton.jit`` function, caching compiled kernels per specialisation."""
 
@@ -55,6 +61,7 @@ class FastLauncher:
         self.fn = fn
         self.names = tuple(p.name for p in fn.params)
         self._compiled: dict[tuple, object] = {}
+        self.slow_launches = 0  # launches that went through Triton's own path
 
     def __call__(self, grid: tuple, args: dict, num_warps: int, num_stages: int) -> None:
         """Launch with keyword ``args`` naming every kernel parameter, meta-parameters included.
@@ -64,8 +71,9 @@ class FastLauncher:
         values = [args[name] for name in self.names]
         key = (num_warps, num_stages, torch.cuda.current_device(), *map(spec_key, values))
         kernel = self._compiled.get(key)
-        if kernel is None or knobs.runtime.launch_enter_hook is not None or (
-                knobs.runtime.launch_exit_hook is not None):  # fmt: skip
+        if kernel is None or _hooked(knobs.runtime.launch_enter_hook) or (
+                _hooked(knobs.runtime.launch_exit_hook)):  # fmt: skip
+            self.slow_launches += 1
             kernel = self.fn[grid](**args, num_warps=num_warps, num_stages=num_stages)
             self._compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
             return
