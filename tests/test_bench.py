@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from diyfa import tuning
 from diyfa.bench import blocksize, harness, profile, providers, results, suites
 from diyfa.bench.suites import AttentionCase, MatmulCase
 
@@ -233,8 +234,8 @@ def test_sweep_space_and_winners_table(tmp_path):
     )
     table = blocksize.winners_table({"attn_fwd": res}, 9, 64)
     assert table == {9: {"attn_fwd": {64: (128, 128, 8, 3)}}}
-    path = blocksize.write_table(table, tmp_path / "t.json")
-    assert blocksize.load_table(path) == table
+    path = tuning.write_table(table, tmp_path / "t.json")
+    assert tuning.load_table(path) == table
     cols, rows = blocksize.table_rows(res)
     assert rows[0][7] == "350.0" and rows[-1][-1].startswith("does not fit")
     png = blocksize.heatmap(res, tmp_path / "h.png")

@@ -317,10 +317,15 @@ def cmd_tune(args) -> int:
     for k in kernels:
         if k not in blocksize.KERNELS:
             raise ValueError(f"unknown kernel {k!r}; accepted: {sorted(blocksize.KERNELS)}")
+    table_path = args.write_table
+    if table_path == "packaged":
+        from diyfa import tuning
+
+        table_path = tuning.TUNED_TABLE
     summary = blocksize.experiment(kernels, head_dim=args.head_dim, seqlen=args.seqlen,
                                    causal=args.causal, dtype=args.dtype, size=args.size,
                                    quick=args.quick, out_dir=args.out,
-                                   write_table_path=args.write_table)  # fmt: skip
+                                   write_table_path=table_path)  # fmt: skip
     for kernel, res in summary["by_kernel"].items():
         cols, rows = blocksize.table_rows(res)
         _print_table(f"{kernel}: configs ranked by TFLOPS", cols, rows[: args.top], width=200)
@@ -445,8 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="report/blocksize", help="heatmaps and sweep JSON")
     s.add_argument(
         "--write-table",
+        nargs="?",
+        const="packaged",
         default=None,
-        help="write the winners as JSON in diyfa.tuning.DEFAULTS's shape",
+        help="merge the winners into a tuned table (JSON) that the kernels read: with no "
+        "value, diyfa's packaged one (diyfa/tuned_configs.json); else this path (use it "
+        "through DIYFA_TUNED_TABLE=path)",
     )
     s.set_defaults(func=cmd_tune)
 

@@ -5,6 +5,11 @@ Every kernel has
 - a *default table* per architecture (used when autotuning is off, e.g. in tests), and
 - a *pruning predicate* that drops configs whose shared memory cannot fit the device.
 
+Tuned table: ``diyfa tune --write-table`` (the block-size experiment, GPU) writes its winners
+to ``tuned_configs.json`` next to this file (or any path; ``DIYFA_TUNED_TABLE=path`` adds one
+more, read after the packaged one). A tuned entry replaces the hand-set default for its
+architecture, kernel and head-dim bucket, and joins the front of the autotuning space.
+
 Switches:
 - ``DIYFA_AUTOTUNE=0`` turns autotuning off: the default table's entry is used.
 - ``with diyfa.tuning.pinned("attn_fwd", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2):``
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+from pathlib import Path
 
 import triton
 
@@ -104,14 +111,73 @@ def _dim_bucket(head_dim_pad: int) -> int:
     return 64 if head_dim_pad <= 64 else 128 if head_dim_pad <= 128 else 256
 
 
+# --------------------------------------------------------------------------- tuned table
+# {major compute capability: {kernel: {key: entry}}}; attention: key = head-dim bucket (64,
+# 128, 256), entry = (BLOCK_M, BLOCK_N, num_warps, num_stages); matmul kernels ("matmul_tma",
+# "matmul_portable"): key 0, entry in diyfa.ops.matmul's (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+# num_warps, num_stages[, EPILOGUE_SUBTILE]) shape.
+TUNED_TABLE = Path(__file__).with_name("tuned_configs.json")
+
+
+def load_table(path: Path | str) -> dict:
+    """A table file (JSON, keys as strings) in the Python shape (int keys, tuple entries)."""
+    raw = json.loads(Path(path).read_text())
+    return {int(m): {k: {int(d): tuple(c) for d, c in v.items()} for k, v in kern.items()}
+            for m, kern in raw.items()}  # fmt: skip
+
+
+def merge_tables(base: dict, new: dict) -> dict:
+    """``base`` updated entry by entry with ``new`` (neither is modified)."""
+    out = {m: {k: dict(v) for k, v in kern.items()} for m, kern in base.items()}
+    for m, kern in new.items():
+        for k, entries in kern.items():
+            out.setdefault(m, {}).setdefault(k, {}).update(entries)
+    return out
+
+
+def write_table(table: dict, path: Path | str = TUNED_TABLE) -> Path:
+    """Merge ``table`` into the file at ``path`` (created if absent); returns the path."""
+    path = Path(path)
+    if path.is_file():
+        table = merge_tables(load_table(path), table)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    as_json = {str(m): {k: {str(d): list(c) for d, c in sorted(v.items())}
+                        for k, v in sorted(kern.items())}
+               for m, kern in sorted(table.items())}  # fmt: skip
+    path.write_text(json.dumps(as_json, indent=2) + "\n")
+    tuned_table.cache_clear()
+    return path
+
+
+@functools.cache
+def tuned_table() -> dict:
+    """The packaged tuned table merged with ``$DIYFA_TUNED_TABLE`` (read once per process)."""
+    table: dict = {}
+    for path in (TUNED_TABLE, os.environ.get("DIYFA_TUNED_TABLE")):
+        if path and Path(path).is_file():
+            table = merge_tables(table, load_table(path))
+    return table
+
+
+def tuned_entry(kernel: str, capability_major: int | None, key: int) -> tuple | None:
+    """The tuned table's entry, or None."""
+    if capability_major is None:
+        return None
+    return tuned_table().get(capability_major, {}).get(kernel, {}).get(key)
+
+
 def default_config(kernel: str, head_dim_pad: int, capability_major: int | None) -> dict:
-    """The default table's config (no autotuning)."""
+    """The config used without autotuning: pinned, else tuned, else the default table's."""
     if kernel in _pinned:
         return dict(_pinned[kernel])
     if interpreter_enabled() or capability_major is None:
         return _as_dict(INTERPRETER_DEFAULT)
+    bucket = _dim_bucket(head_dim_pad)
+    tuned = tuned_entry(kernel, capability_major, bucket)
+    if tuned is not None:
+        return _as_dict(tuned)
     table = DEFAULTS.get(min(max(capability_major, 8), 9))
-    return _as_dict(table[kernel][_dim_bucket(head_dim_pad)])
+    return _as_dict(table[kernel][bucket])
 
 
 def attention_smem_bytes(kernel: str, cfg: dict, head_dim_pad: int, elem_bytes: int) -> int:
@@ -127,10 +193,16 @@ def attention_smem_bytes(kernel: str, cfg: dict, head_dim_pad: int, elem_bytes: 
     return streamed + resident_rows * head_dim_pad * elem_bytes
 
 
-def configs_for(kernel: str, head_dim_pad: int, elem_bytes: int, smem_limit: int) -> list:
-    """The kernel's space as ``triton.Config`` objects, pruned to what fits ``smem_limit``."""
+def configs_for(kernel: str, head_dim_pad: int, elem_bytes: int, smem_limit: int,
+                capability_major: int | None = None) -> list:  # fmt: skip
+    """The kernel's space as ``triton.Config`` objects, pruned to what fits ``smem_limit``;
+    the tuned table's entry for this architecture and head dim comes first."""
     out = []
-    for cfg in map(_as_dict, SPACES[kernel]):
+    space = list(SPACES[kernel])
+    tuned = tuned_entry(kernel, capability_major, _dim_bucket(head_dim_pad))
+    if tuned is not None:
+        space = [tuned] + [c for c in space if c != tuned]
+    for cfg in map(_as_dict, space):
         # Large head dims with large tiles spill registers: keep the accumulator tile small.
         if head_dim_pad >= 256 and cfg["BLOCK_M"] * cfg["BLOCK_N"] > 64 * 128:
             continue
@@ -142,9 +214,10 @@ def configs_for(kernel: str, head_dim_pad: int, elem_bytes: int, smem_limit: int
 
 
 @functools.cache
-def autotuned(kernel_fn, kernel: str, head_dim_pad: int, elem_bytes: int, smem_limit: int):
+def autotuned(kernel_fn, kernel: str, head_dim_pad: int, elem_bytes: int, smem_limit: int,
+              capability_major: int | None = None):  # fmt: skip
     """An autotuned wrapper of ``kernel_fn`` over its pruned space (built once per key)."""
-    configs = configs_for(kernel, head_dim_pad, elem_bytes, smem_limit)
+    configs = configs_for(kernel, head_dim_pad, elem_bytes, smem_limit, capability_major)
     if not configs:  # never leave autotune empty: fall back to the smallest config
         smallest = min(SPACES[kernel], key=lambda c: c[0] * c[1])
         cfg = _as_dict(smallest)

@@ -219,9 +219,11 @@ def _pin_matmul(module, cfg: dict):
 
     os.environ["DIYFA_AUTOTUNE"] = "0"
     module.default_config = forced
+    module._chosen.clear()  # the launcher remembers the config per key: forget it both ways
     try:
         yield
     finally:
+        module._chosen.clear()
         module.default_config = original
         if old_env is None:
             os.environ.pop("DIYFA_AUTOTUNE", None)
@@ -393,34 +395,26 @@ def heatmap(results: list[Result], path: Path | str, title: str = "") -> Path | 
 
 def winners_table(by_kernel: dict[str, list[Result]], capability_major: int,
                   head_dim: int) -> dict:  # fmt: skip
-    """The best config per kernel in the shape of ``diyfa.tuning.DEFAULTS``:
-    {major: {kernel: {head_dim: (BLOCK_M, BLOCK_N, num_warps, num_stages)}}}."""
+    """The best config per kernel in the shape of the tuned table (``diyfa.tuning``):
+    {major: {kernel: {head_dim: (BLOCK_M, BLOCK_N, num_warps, num_stages)}}}; matmul as
+    {major: {"matmul_tma" (sm90+) or "matmul_portable": {0: (BLOCK_M, BLOCK_N, BLOCK_K,
+    GROUP_M, num_warps, num_stages[, EPILOGUE_SUBTILE])}}}, the kernel the sweep ran."""
     table: dict = {capability_major: {}}
     for kernel, results in by_kernel.items():
         best = [r for r in ranked(results) if r.tflops is not None]
         if not best:
             continue
         c = best[0].config
-        key = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages") if kernel == "matmul" \
-            else ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")  # fmt: skip
-        table[capability_major][kernel] = {head_dim: tuple(c[k] for k in key)}
+        if kernel == "matmul":
+            entry = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], 8, c["num_warps"], c["num_stages"])
+            if capability_major >= 9:
+                table[capability_major]["matmul_tma"] = {0: entry + (False,)}
+            else:
+                table[capability_major]["matmul_portable"] = {0: entry}
+            continue
+        entry = tuple(c[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+        table[capability_major][kernel] = {head_dim: entry}
     return table
-
-
-def write_table(table: dict, path: Path | str) -> Path:
-    """JSON (keys as strings); :func:`load_table` turns it back into the Python shape."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    as_json = {str(m): {k: {str(d): list(c) for d, c in v.items()} for k, v in kern.items()}
-               for m, kern in table.items()}  # fmt: skip
-    path.write_text(json.dumps(as_json, indent=2) + "\n")
-    return path
-
-
-def load_table(path: Path | str) -> dict:
-    raw = json.loads(Path(path).read_text())
-    return {int(m): {k: {int(d): tuple(c) for d, c in v.items()} for k, v in kern.items()}
-            for m, kern in raw.items()}  # fmt: skip
 
 
 def experiment(kernels: list[str], *, head_dim: int = 64, seqlen: int = 4096,
@@ -430,6 +424,8 @@ def experiment(kernels: list[str], *, head_dim: int = 64, seqlen: int = 4096,
     """Run the sweep for ``kernels`` (GPU), save heatmaps and results JSON, return a summary.
     Without a GPU: the occupancy arithmetic only."""
     import torch
+
+    from diyfa import tuning
 
     summary: dict = {"seed_arithmetic": seed_arithmetic(), "results": {}, "heatmaps": []}
     if not torch.cuda.is_available():
@@ -453,6 +449,6 @@ def experiment(kernels: list[str], *, head_dim: int = 64, seqlen: int = 4096,
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"sweep_d{head_dim}.json").write_text(json.dumps(summary, indent=1, default=str))
     if write_table_path:
-        summary["table_path"] = str(write_table(table, write_table_path))
+        summary["table_path"] = str(tuning.write_table(table, write_table_path))
     summary["by_kernel"] = by_kernel
     return summary

@@ -147,9 +147,14 @@ def smem_bytes(cfg: MatmulConfig, elem_bytes: int, out_bytes: int) -> int:
     return total
 
 
-def configs_for(kind: str, elem_bytes: int, out_bytes: int, smem_limit: int) -> list:
-    """The kind's space ("portable" or "tma") pruned to what fits ``smem_limit``."""
+def configs_for(kind: str, elem_bytes: int, out_bytes: int, smem_limit: int,
+                capability_major: int | None = None) -> list:  # fmt: skip
+    """The kind's space ("portable" or "tma") pruned to what fits ``smem_limit``; the tuned
+    table's entry (``diyfa tune``) for this architecture comes first."""
     space = PORTABLE_SPACE if kind == "portable" else TMA_SPACE
+    tuned = tuning.tuned_entry(f"matmul_{kind}", capability_major, 0)
+    if tuned is not None:
+        space = [tuned] + [e for e in space if e != tuned]
     configs = [make_config(e, elem_bytes) for e in space]
     fits = [c for c in configs if smem_bytes(c, elem_bytes, out_bytes) <= smem_limit]
     if not fits:  # never leave nothing: the smallest tile with a 2-stage pipeline
@@ -161,11 +166,13 @@ def configs_for(kind: str, elem_bytes: int, out_bytes: int, smem_limit: int) -> 
 
 def default_config(kind: str, elem_bytes: int, out_bytes: int, capability_major: int | None,
                    smem_limit: int | None) -> MatmulConfig:  # fmt: skip
-    """The config used without autotuning (interpreter, ``DIYFA_AUTOTUNE=0``)."""
+    """The config used without autotuning (interpreter, ``DIYFA_AUTOTUNE=0``): the tuned
+    table's entry for the architecture, else the default table's."""
     if interpreter_enabled() or capability_major is None:
         return make_config(INTERPRETER_DEFAULTS[kind], elem_bytes)
     table = DEFAULTS[kind]
-    entry = table[min(max(capability_major, min(table)), max(table))]
+    entry = tuning.tuned_entry(f"matmul_{kind}", capability_major, 0) or (
+        table[min(max(capability_major, min(table)), max(table))])  # fmt: skip
     cfg = make_config(entry, elem_bytes)
     if smem_limit is not None and smem_bytes(cfg, elem_bytes, out_bytes) > smem_limit:
         cfg = configs_for(kind, elem_bytes, out_bytes, smem_limit)[0]
@@ -173,9 +180,11 @@ def default_config(kind: str, elem_bytes: int, out_bytes: int, capability_major:
 
 
 @functools.cache
-def _autotuned(kernel_fn, kind: str, elem_bytes: int, out_bytes: int, smem_limit: int):
+def _autotuned(kernel_fn, kind: str, elem_bytes: int, out_bytes: int, smem_limit: int,
+               capability_major: int | None):  # fmt: skip
     """``kernel_fn`` autotuned over its pruned space (built once per key)."""
-    configs = [c.triton_config() for c in configs_for(kind, elem_bytes, out_bytes, smem_limit)]
+    configs = [c.triton_config()
+               for c in configs_for(kind, elem_bytes, out_bytes, smem_limit, capability_major)]
     key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "SCALE_A",
            "SCALE_B", "HAS_BIAS", "ACTIVATION"]  # fmt: skip
     return triton.autotune(configs=configs, key=key)(kernel_fn)
@@ -519,7 +528,7 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
     choice = _chosen.get(key)
     if choice is None:
         if autotune:
-            tuned = _autotuned(kernel_fn, kind, elem_bytes, out_bytes, smem)
+            tuned = _autotuned(kernel_fn, kind, elem_bytes, out_bytes, smem, major)
             tuned[grid](**args)  # benchmarks the configs once, then runs the best
             best = tuned.best_config
             _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)

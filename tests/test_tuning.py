@@ -1,0 +1,66 @@
+"""The tuned table: written by `diyfa tune`, read by the kernels' launchers (CPU)."""
+
+import pytest
+
+from diyfa import tuning
+from diyfa.bench import blocksize
+from diyfa.ops import matmul
+
+
+@pytest.fixture
+def tuned_file(tmp_path, monkeypatch):
+    """A tuned table at $DIYFA_TUNED_TABLE, read as if on a GPU (no interpreter)."""
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv("DIYFA_TUNED_TABLE", str(path))
+    monkeypatch.setattr(tuning, "TUNED_TABLE", tmp_path / "packaged-absent.json")
+    monkeypatch.setattr(tuning, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(matmul, "interpreter_enabled", lambda: False)
+    tuning.tuned_table.cache_clear()
+    yield path
+    tuning.tuned_table.cache_clear()
+
+
+def test_write_table_merges_entries(tmp_path):
+    path = tmp_path / "t.json"
+    tuning.write_table({9: {"attn_fwd": {64: (128, 64, 8, 3)}}}, path)
+    tuning.write_table({9: {"attn_fwd": {128: (64, 64, 4, 2)}, "attn_bwd_dq": {64: (64, 32, 4, 2)}},
+                        8: {"attn_fwd": {64: (64, 64, 4, 2)}}}, path)  # fmt: skip
+    tuning.write_table({9: {"attn_fwd": {64: (128, 128, 8, 2)}}}, path)  # replaces one entry
+    assert tuning.load_table(path) == {
+        9: {"attn_fwd": {64: (128, 128, 8, 2), 128: (64, 64, 4, 2)},
+            "attn_bwd_dq": {64: (64, 32, 4, 2)}},
+        8: {"attn_fwd": {64: (64, 64, 4, 2)}},
+    }  # fmt: skip
+
+
+def test_attention_default_and_space_follow_the_tuned_table(tuned_file):
+    hand_set = tuning.default_config("attn_fwd", 64, 9)
+    assert hand_set == tuning._as_dict(tuning.DEFAULTS[9]["attn_fwd"][64])
+    tuning.write_table({9: {"attn_fwd": {64: (64, 128, 4, 4)}}}, tuned_file)
+    assert tuning.default_config("attn_fwd", 64, 9) == dict(BLOCK_M=64, BLOCK_N=128,
+                                                            num_warps=4, num_stages=4)  # fmt: skip
+    assert tuning.default_config("attn_fwd", 32, 9)["BLOCK_N"] == 128  # the same bucket (<= 64)
+    assert tuning.default_config("attn_fwd", 128, 9) == tuning._as_dict(
+        tuning.DEFAULTS[9]["attn_fwd"][128])  # no tuned entry for d128
+    assert tuning.default_config("attn_fwd", 64, 8) == tuning._as_dict(
+        tuning.DEFAULTS[8]["attn_fwd"][64])  # nor for Ampere
+    first = tuning.configs_for("attn_fwd", 64, 2, 232448, 9)[0]
+    assert (first.kwargs, first.num_warps, first.num_stages) == (
+        {"BLOCK_M": 64, "BLOCK_N": 128}, 4, 4)
+    with tuning.pinned("attn_fwd", BLOCK_M=32, BLOCK_N=32):  # a pin still wins
+        assert tuning.default_config("attn_fwd", 64, 9)["BLOCK_M"] == 32
+
+
+def test_matmul_default_follows_the_tuned_table(tuned_file):
+    results = [blocksize.Result("matmul", dict(BLOCK_M=128, BLOCK_N=n, BLOCK_K=64, num_warps=8,
+                                               num_stages=s), tflops=t)
+               for n, s, t in ((256, 3, 600.0), (128, 4, 650.0))]  # fmt: skip
+    table = blocksize.winners_table({"matmul": results}, 9, 64)
+    assert table == {9: {"matmul_tma": {0: (128, 128, 64, 8, 8, 4, False)}}}
+    tuning.write_table(table, tuned_file)
+    cfg = matmul.default_config("tma", 2, 2, 9, 232448)
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages) == (
+        128, 128, 64, 8, 4)
+    assert matmul.configs_for("tma", 2, 2, 232448, 9)[0] == cfg
+    portable = matmul.default_config("portable", 2, 2, 9, 232448)  # untouched
+    assert portable == matmul.make_config(matmul.DEFAULTS["portable"][9], 2)
