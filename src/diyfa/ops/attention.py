@@ -450,7 +450,7 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
         if tuning.autotune_enabled() and not pinned and t.is_cuda:
             limits = kernel_limits(t.device.index)
             tuned = tuning.autotuned(kernel_fn, name, head_dim_pad, t.element_size(),
-                                     limits["max_shared_mem"], limits["capability_major"])  # fmt: skip
+                                     limits["max_shared_mem"], limits["capability_major"])
             try:
                 tuned[grid](**args)  # benchmarks every config once, then runs the best
                 best = tuned.best_config
