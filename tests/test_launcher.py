@@ -106,3 +106,12 @@ def test_launch_hooks_are_detected():
     chain = type(knobs.runtime.launch_enter_hook)()
     chain.add(hook)
     assert _hooked(chain) and _hooked(hook)
+
+
+def test_host_cdiv_and_next_power_of_2_match_triton():
+    from diyfa._launcher import cdiv, next_power_of_2
+
+    for n in [1, 2, 3, 15, 16, 17, 1000, 1023, 1024, 1025, 4097, 2**31 + 5]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -25,6 +25,17 @@ _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _U64_MIN = 2**63
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code: ``triton.cdiv`` is a constexpr function in Triton 3.6, whose
+    call wrapper costs about a microsecond per use on the launch path."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1); host-side ``triton.next_power_of_2``."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def spec_key(arg) -> object:
     """What Triton's specialisation sees of one argument value, as a hashable key.
 
@@ -32,12 +43,12 @@ def spec_key(arg) -> object:
     width (i32 / i64 / u64). Floats: nothing (all fp32). Anything else (constexpr values such
     as bools, strings, None): the value itself, tagged with its type.
     """
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
     cls = type(arg)
     if cls is int:
         width = 0 if _I32_MIN <= arg <= _I32_MAX else (2 if arg >= _U64_MIN else 1)
         return (arg == 1, arg % 16 == 0, width)
+    if cls is torch.Tensor or isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
     if cls is float:
         return float
     return (cls, arg)

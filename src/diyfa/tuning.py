@@ -30,6 +30,7 @@ from pathlib import Path
 
 import triton
 
+from diyfa._launcher import next_power_of_2
 from diyfa.device import interpreter_enabled
 
 # Config = (BLOCK_M, BLOCK_N, num_warps, num_stages).
@@ -230,4 +231,4 @@ def autotuned(kernel_fn, kernel: str, head_dim_pad: int, elem_bytes: int, smem_l
 
 def seq_bucket(seqlen_q: int, seqlen_k: int) -> int:
     """Autotuning key for lengths: the next power of two of the longer side, capped at 16k."""
-    return min(triton.next_power_of_2(max(seqlen_q, seqlen_k)), 16384)
+    return min(next_power_of_2(max(seqlen_q, seqlen_k)), 16384)

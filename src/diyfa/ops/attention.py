@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from diyfa import _interpreter, tuning
-from diyfa._launcher import FastLauncher
+from diyfa._launcher import FastLauncher, cdiv, next_power_of_2
 from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
 
 if interpreter_enabled():
@@ -484,7 +484,7 @@ def _common(q, k, v, layout, causal, align, softmax_scale):
     return dict(
         heads=h, kv_group=h // hk, seqlen_q=sq, seqlen_k=sk,
         causal_offset=(sk - sq) if align == "bottom_right" else 0,
-        qk_scale=scale * LOG2E, HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)),
+        qk_scale=scale * LOG2E, HEAD_DIM=d, HEAD_DIM_PAD=max(16, next_power_of_2(d)),
         CAUSAL=bool(causal), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     ), scale  # fmt: skip
 
@@ -504,7 +504,7 @@ def _attention_forward(q, k, v, causal, align, softmax_scale, layout):
         return out, lse2
 
     def grid(meta):
-        return (triton.cdiv(sq, meta["BLOCK_M"]), b * h)
+        return (cdiv(sq, meta["BLOCK_M"]), b * h)
 
     _launch(_attn_fwd, "attn_fwd", grid, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, O=out, LSE=lse2,
@@ -537,7 +537,7 @@ def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, la
     bucket = tuning.seq_bucket(sq, sk)
 
     def grid_dq(meta):
-        return (triton.cdiv(sq, meta["BLOCK_M"]), b * h)
+        return (cdiv(sq, meta["BLOCK_M"]), b * h)
 
     # dQ first: it also writes delta = rowsum(dO * O), which dK/dV reads.
     _launch(_attn_bwd_dq, "attn_bwd_dq", grid_dq, q, common["HEAD_DIM_PAD"],
@@ -546,7 +546,7 @@ def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, la
             sm_scale=scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
 
     def grid_dkdv(meta):
-        return (triton.cdiv(sk, meta["BLOCK_N"]), b * hk)
+        return (cdiv(sk, meta["BLOCK_N"]), b * hk)
 
     _launch(_attn_bwd_dkdv, "attn_bwd_dkdv", grid_dkdv, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DK=dk, DV=dv, **strides,

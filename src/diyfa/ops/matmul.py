@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from diyfa import _interpreter, tuning
-from diyfa._launcher import FastLauncher
+from diyfa._launcher import FastLauncher, cdiv, next_power_of_2
 from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
 
 if interpreter_enabled():
@@ -87,6 +87,7 @@ PORTABLE_SPACE = [
 # for the store buffer, so one more pipeline stage fits).
 TMA_SPACE = [
     (128, 256, 64, 8, 8, 3, False),
+    (128, 64, 64, 8, 4, 6, False),  # small problems (1024^3: 128 tiles for 132 SMs)
     (128, 256, 64, 8, 8, 4, True),
     (256, 128, 64, 8, 8, 3, True),
     (128, 128, 64, 8, 8, 4, False),
@@ -192,7 +193,7 @@ def _autotuned(kernel_fn, kind: str, elem_bytes: int, out_bytes: int, smem_limit
 
 def _bucket(n: int) -> int:
     """Autotuning key for a length: its next power of two (at least 16)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,8 +496,16 @@ def _ensure_allocator() -> None:
         needs_one = True
     if needs_one:
 
+        scratch: dict = {}  # stream -> the largest buffer handed out on it
+
         def alloc(size: int, alignment: int, stream):
-            return torch.empty(size, device="cuda", dtype=torch.int8)
+            # Kernels on one stream run in order, so one buffer per stream serves them all
+            # (the kernel rewrites its descriptors on every launch); saves an allocation
+            # (~1.6 us on an H200 host) per launch.
+            buf = scratch.get(stream)
+            if buf is None or buf.numel() < size:
+                buf = scratch[stream] = torch.empty(size, device="cuda", dtype=torch.int8)
+            return buf
 
         triton.set_allocator(alloc)
     _allocator_set = True
@@ -572,7 +581,7 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel) -> None:
         num_sms = num_sms or 4  # interpreter: a few programs, each looping over tiles
 
         def grid(meta):
-            tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * batch
+            tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]) * batch
             return (max(1, min(num_sms, tiles)),)
 
         _launch(_matmul_tma_kernel, "tma", grid, elem, out_bytes, major, smem, dict(
@@ -583,7 +592,7 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel) -> None:
         return
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), batch)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), batch)
 
     _launch(_matmul_kernel, "portable", grid, elem, out_bytes, major, smem, dict(
         A=a3, B=b3, stride_ab=a3.stride(0), stride_am=a3.stride(1), stride_ak=a3.stride(2),
