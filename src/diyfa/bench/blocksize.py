@@ -157,7 +157,7 @@ def space(kernel: str, quick: bool = False) -> list[dict]:
         return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
                 for m, n, k, w, s in itertools.product(bms, bns, bks, warps, stages)]  # fmt: skip
     if kernel == "attn_bwd_dkdv":
-        bms, bns = ((32, 64), (128,)) if quick else ((16, 32, 64), (64, 128))
+        bms, bns = ((32, 64), (64, 128)) if quick else ((16, 32, 64), (64, 128))
     else:
         bms, bns = ((128,), (64, 128)) if quick else ((64, 128), (32, 64, 128))
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
