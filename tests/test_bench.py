@@ -346,3 +346,15 @@ def test_diyfa_matmul_provider_in_the_interpreter():
     rec = _harness().measure("t", MatmulCase(64, 48, 32, "fp16", trans_b=True), "diyfa", "fwd")
     assert rec["status"] == "ok", rec["reason"]
     assert rec["error"]["out_max_abs"] < 0.05
+
+
+def test_results_writer_stores_nonfinite_as_null(tmp_path):
+    path = tmp_path / "r.jsonl"
+    with results.ResultsWriter(path, {"record": "run"}) as w:
+        w.write({"record": "measurement", "tflops": float("nan"),
+                 "error": {"out_max_abs": float("inf"), "ok": 1.5}})  # fmt: skip
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    rec = lines[1]
+    assert rec["tflops"] is None and rec["error"]["out_max_abs"] is None
+    assert rec["error"]["ok"] == 1.5
+    assert rec["nonfinite"] == ["tflops=nan", "error.out_max_abs=inf"]

@@ -33,6 +33,7 @@ record with that status and the reason; the run goes on.
 from __future__ import annotations
 
 import gc
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -167,6 +168,9 @@ def _attention_error(case, prov, q, k, v, out, grads, dout, options: Options) ->
         for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref_in, (g, 1, 1), strict=True):
             info[f"{name}_max_abs"] = float((sl(got, n).double() - r.grad).abs().max())
         info["grad_max_abs"] = max(info[f"{n}_max_abs"] for n in ("dq", "dk", "dv"))
+    worst = [info["out_max_abs"]] + ([info["grad_max_abs"]] if grads is not None else [])
+    if not all(math.isfinite(x) for x in worst):
+        info["status"] = "wrong: non-finite values (NaN/inf) in the output or gradients"
     return info
 
 

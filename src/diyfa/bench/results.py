@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import glob
 import json
+import math
 import os
 import platform
 import re
@@ -158,6 +159,10 @@ class ResultsWriter:
         self._write(header)
 
     def _write(self, obj: dict) -> None:
+        bad: list[str] = []
+        obj = _finite(obj, "", bad)
+        if bad:  # JSON has no NaN/inf: store null and say which fields were not finite
+            obj["nonfinite"] = bad
         self._fh.write(json.dumps(obj, default=_json_default, allow_nan=False) + "\n")
         self._fh.flush()
 
@@ -172,6 +177,18 @@ class ResultsWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _finite(obj, path: str, bad: list):
+    """``obj`` with every non-finite float replaced by None; their paths appended to ``bad``."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        bad.append(f"{path}={obj}")
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v, f"{path}.{k}" if path else str(k), bad) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v, f"{path}[{i}]", bad) for i, v in enumerate(obj)]
+    return obj
 
 
 def _json_default(obj):
