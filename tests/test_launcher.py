@@ -63,6 +63,20 @@ def _copy(X, Y, n, stride, BLOCK: tl.constexpr):
 _copy_kernel = triton.jit(_copy)
 
 
+def test_fast_launcher_key_keeps_constexpr_values_apart():
+    """BLOCK is compiled in: 64 and 128 are different kernels though both are multiples of
+    16 (the bug this guards against reused a head_dim-64 kernel for head_dim 128)."""
+    from triton.runtime.jit import JITFunction
+
+    launch = FastLauncher(JITFunction(_copy))
+    x, y = torch.zeros(64), torch.zeros(64)
+    assert launch.key([x, y, 32, 1, 64]) != launch.key([x, y, 32, 1, 128])
+    assert launch.key([x, y, 32, 1, 64]) != launch.key([x, y, 32, 1, True])
+    assert launch.key([x, y, 32, 1, 64]) == launch.key([x, y, 48, 1, 64])  # n: both % 16
+    assert launch.key([x, y, 32, 1, 64]) != launch.key([x, y, 33, 1, 64])
+    assert launch.key([x, y, 32, 1, 64]) != launch.key([x[1:], y, 32, 1, 64])
+
+
 def test_fast_launcher_refuses_unmodelled_specialisation():
     # JITFunction directly: under the interpreter triton.jit returns an interpreted function.
     from triton.runtime.jit import JITFunction
@@ -77,11 +91,13 @@ def test_fast_launcher_switches_kernels_with_alignment_and_strides():
     """Aligned, then misaligned and odd-strided arguments: each launch must be right."""
     launch = FastLauncher(_copy_kernel)
     x = torch.randn(4096, device="cuda")
-    for offset, stride, n in [(0, 1, 1024), (0, 1, 1024), (1, 1, 1000), (3, 3, 999), (0, 16, 64),
-                              (0, 1, 1024), (5, 1, 1)]:  # fmt: skip
+    cases = [(0, 1, 1024, 128), (0, 1, 1024, 128), (1, 1, 1000, 128), (3, 3, 999, 128),
+             (0, 16, 64, 128), (0, 1, 1024, 64), (0, 1, 1024, 128), (5, 1, 1, 128),
+             (0, 1, 1000, 32)]  # (offset, stride, n, BLOCK)
+    for offset, stride, n, block in cases:
         src = x[offset:]
         y = torch.full((n,), -1.0, device="cuda")
-        launch((triton.cdiv(n, 128),), dict(X=src, Y=y, n=n, stride=stride, BLOCK=128), 4, 1)
+        launch((triton.cdiv(n, block),), dict(X=src, Y=y, n=n, stride=stride, BLOCK=block), 4, 1)
         torch.testing.assert_close(y, src[: n * stride : stride], rtol=0, atol=0)
     assert len(launch._compiled) >= 4  # distinct specialisations were compiled, not merged
     before = launch.slow_launches

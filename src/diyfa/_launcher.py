@@ -54,6 +54,11 @@ def spec_key(arg) -> object:
     return (cls, arg)
 
 
+def _constexpr_key(value) -> tuple:
+    """A constexpr argument is compiled in by value; the type tag keeps True apart from 1."""
+    return (type(value), value)
+
+
 def _hooked(hook) -> bool:
     """Whether a launch hook is installed: Triton 3.6 keeps an always-present ``HookChain``
     (a list of callables, empty by default); older versions use None for none."""
@@ -71,8 +76,15 @@ class FastLauncher:
                                  "options FastLauncher does not model")  # fmt: skip
         self.fn = fn
         self.names = tuple(p.name for p in fn.params)
+        # constexpr parameters are compiled in by value (BLOCK_M=64 and 128 are two kernels);
+        # the others by what specialisation sees of them.
+        self._keyers = tuple(_constexpr_key if p.is_constexpr else spec_key for p in fn.params)
         self._compiled: dict[tuple, object] = {}
         self.slow_launches = 0  # launches that went through Triton's own path
+
+    def key(self, values: list) -> tuple:
+        """The specialisation key of the kernel's argument values (in parameter order)."""
+        return tuple(f(v) for f, v in zip(self._keyers, values, strict=True))
 
     def __call__(self, grid: tuple, args: dict, num_warps: int, num_stages: int) -> None:
         """Launch with keyword ``args`` naming every kernel parameter, meta-parameters included.
@@ -80,7 +92,7 @@ class FastLauncher:
         ``grid`` is a tuple of 1..3 ints; the tensors must be on the current CUDA device.
         """
         values = [args[name] for name in self.names]
-        key = (num_warps, num_stages, torch.cuda.current_device(), *map(spec_key, values))
+        key = (num_warps, num_stages, torch.cuda.current_device(), *self.key(values))
         kernel = self._compiled.get(key)
         if kernel is None or _hooked(knobs.runtime.launch_enter_hook) or (
                 _hooked(knobs.runtime.launch_exit_hook)):  # fmt: skip
