@@ -275,6 +275,15 @@ def test_gpu_long_sequence_16k(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_head_dims_and_lengths_interleaved():
+    """Alternating head dims and lengths in one process: each call must run the kernel
+    compiled for its own constants (the lean launch path once reused a d64 kernel for d128,
+    whose configs share warps and stages)."""
+    for d, s in [(64, 1024), (128, 1024), (64, 256), (128, 4096), (64, 1024), (32, 300)]:
+        _run_and_check(*_inputs(1, 4, 4, s, s, d, torch.bfloat16, device="cuda"), False)
+
+
+@pytest.mark.gpu
 def test_gpu_deterministic_backward_large():
     q, k, v = _inputs(2, 16, 4, 4096, 4096, 128, torch.bfloat16, device="cuda")
     grads = []
