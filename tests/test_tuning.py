@@ -64,3 +64,17 @@ def test_matmul_default_follows_the_tuned_table(tuned_file):
     assert matmul.configs_for("tma", 2, 2, 232448, 9)[0] == cfg
     portable = matmul.default_config("portable", 2, 2, 9, 232448)  # untouched
     assert portable == matmul.make_config(matmul.DEFAULTS["portable"][9], 2)
+
+
+def test_winners_are_keyed_by_the_bucket_the_kernels_look_up(tuned_file):
+    res = [blocksize.Result("attn_fwd", dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
+                                             num_stages=2), tflops=1.0)]  # fmt: skip
+    table = blocksize.winners_table({"attn_fwd": res}, 9, 96)  # d 96 pads to 128
+    assert table == {9: {"attn_fwd": {128: (64, 32, 4, 2)}}}
+    tuning.write_table(table, tuned_file)
+    assert tuning.default_config("attn_fwd", 128, 9)["BLOCK_N"] == 32
+    assert [tuning.head_dim_bucket(d) for d in (1, 40, 64, 80, 96, 128, 160, 256)] == [
+        64, 64, 64, 128, 128, 128, 256, 256]
+    mm = [blocksize.Result("matmul", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                                          num_stages=3), tflops=1.0)]  # fmt: skip
+    assert list(blocksize.winners_table({"matmul": mm}, 10, 64)[10]) == ["matmul_portable"]

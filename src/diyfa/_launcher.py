@@ -9,11 +9,15 @@ launcher (``CompiledKernel.run``) is 4.8 us. For a seqlen-1024 attention backwar
 launches, ~120 us of GPU work) that overhead decides whether the GPU ever waits on Python.
 
 ``FastLauncher`` keeps the compiled kernel per *specialisation key* and calls its launcher
-directly. The key is computed here with the same rules as Triton's
-``native_specialize_impl`` (``tests/test_launcher.py`` checks the two agree), and over-
-specifies where that is cheaper (a distinct key can only cause one more trip through the
-normal path, never a wrong kernel). The first call with a new key, and every call while a
-launch hook is installed (profilers such as proton use one), goes through Triton's own path.
+directly. The key holds every constexpr argument's value, what Triton's
+``native_specialize_impl`` sees of the other arguments (``tests/test_launcher.py`` checks the
+two agree), the warps, stages and device, and the Triton settings that change compilation
+(debug, instrumentation, target override, FMA fusion). It over-specifies where that is
+cheaper: a distinct key can only cause one more trip through the normal path, never a wrong
+kernel. The first call with a new key, and every call while a launch hook or a pre-run hook
+is installed (profilers such as proton use them), goes through Triton's own path. Not
+modelled: Triton's check that global variables a kernel read have not changed since it was
+compiled (diyfa's kernels read none).
 """
 
 from __future__ import annotations
@@ -59,6 +63,14 @@ def _constexpr_key(value) -> tuple:
     return (type(value), value)
 
 
+def _compile_knobs() -> tuple:
+    """The Triton settings read at launch that change what gets compiled (Triton's own cache
+    key holds them through the compile options): device asserts, instrumentation, an
+    overridden target architecture, FMA fusion."""
+    return (knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            knobs.runtime.override_arch, knobs.language.default_fp_fusion)  # fmt: skip
+
+
 def _hooked(hook) -> bool:
     """Whether a launch hook is installed: Triton 3.6 keeps an always-present ``HookChain``
     (a list of callables, empty by default); older versions use None for none."""
@@ -92,9 +104,10 @@ class FastLauncher:
         ``grid`` is a tuple of 1..3 ints; the tensors must be on the current CUDA device.
         """
         values = [args[name] for name in self.names]
-        key = (num_warps, num_stages, torch.cuda.current_device(), *self.key(values))
+        key = (num_warps, num_stages, torch.cuda.current_device(), _compile_knobs(),
+               *self.key(values))  # fmt: skip
         kernel = self._compiled.get(key)
-        if kernel is None or _hooked(knobs.runtime.launch_enter_hook) or (
+        if kernel is None or self.fn.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or (
                 _hooked(knobs.runtime.launch_exit_hook)):  # fmt: skip
             self.slow_launches += 1
             kernel = self.fn[grid](**args, num_warps=num_warps, num_stages=num_stages)
@@ -105,3 +118,15 @@ class FastLauncher:
         stream = torch._C._cuda_getCurrentRawStream(key[2])
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
                    None, None, *values)  # fmt: skip
+
+
+_launchers: dict = {}  # jit function -> its FastLauncher
+
+
+def launch(fn, grid: tuple, args: dict, meta: dict, num_warps: int, num_stages: int) -> None:
+    """Launch ``fn`` (a ``@triton.jit`` function) with ``args`` plus the config's ``meta``
+    through its process-wide :class:`FastLauncher`."""
+    launcher = _launchers.get(fn)
+    if launcher is None:
+        launcher = _launchers[fn] = FastLauncher(fn)
+    launcher(grid, {**args, **meta}, num_warps, num_stages)

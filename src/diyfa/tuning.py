@@ -112,6 +112,11 @@ def _dim_bucket(head_dim_pad: int) -> int:
     return 64 if head_dim_pad <= 64 else 128 if head_dim_pad <= 128 else 256
 
 
+def head_dim_bucket(head_dim: int) -> int:
+    """The tables' head-dim key for a head dim (padded to a power of two >= 16): 64, 128, 256."""
+    return _dim_bucket(max(16, next_power_of_2(head_dim)))
+
+
 # --------------------------------------------------------------------------- tuned table
 # {major compute capability: {kernel: {key: entry}}}; attention: key = head-dim bucket (64,
 # 128, 256), entry = (BLOCK_M, BLOCK_N, num_warps, num_stages); matmul kernels ("matmul_tma",
@@ -147,6 +152,7 @@ def write_table(table: dict, path: Path | str = TUNED_TABLE) -> Path:
                for m, kern in sorted(table.items())}  # fmt: skip
     path.write_text(json.dumps(as_json, indent=2) + "\n")
     tuned_table.cache_clear()
+    autotuned.cache_clear()  # its spaces start with the tuned entries
     return path
 
 

@@ -396,9 +396,12 @@ def heatmap(results: list[Result], path: Path | str, title: str = "") -> Path | 
 def winners_table(by_kernel: dict[str, list[Result]], capability_major: int,
                   head_dim: int) -> dict:  # fmt: skip
     """The best config per kernel in the shape of the tuned table (``diyfa.tuning``):
-    {major: {kernel: {head_dim: (BLOCK_M, BLOCK_N, num_warps, num_stages)}}}; matmul as
-    {major: {"matmul_tma" (sm90+) or "matmul_portable": {0: (BLOCK_M, BLOCK_N, BLOCK_K,
-    GROUP_M, num_warps, num_stages[, EPILOGUE_SUBTILE])}}}, the kernel the sweep ran."""
+    {major: {kernel: {head-dim bucket: (BLOCK_M, BLOCK_N, num_warps, num_stages)}}}; matmul
+    as {major: {"matmul_tma" (sm90, where triton_matmul's "auto" runs the TMA kernel on the
+    sweep's operands) or "matmul_portable": {0: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    num_warps, num_stages[, EPILOGUE_SUBTILE])}}}."""
+    from diyfa.tuning import head_dim_bucket
+
     table: dict = {capability_major: {}}
     for kernel, results in by_kernel.items():
         best = [r for r in ranked(results) if r.tflops is not None]
@@ -407,13 +410,13 @@ def winners_table(by_kernel: dict[str, list[Result]], capability_major: int,
         c = best[0].config
         if kernel == "matmul":
             entry = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], 8, c["num_warps"], c["num_stages"])
-            if capability_major >= 9:
+            if capability_major == 9:
                 table[capability_major]["matmul_tma"] = {0: entry + (False,)}
             else:
                 table[capability_major]["matmul_portable"] = {0: entry}
             continue
         entry = tuple(c[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
-        table[capability_major][kernel] = {head_dim: entry}
+        table[capability_major][kernel] = {head_dim_bucket(head_dim): entry}
     return table
 
 

@@ -46,7 +46,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from diyfa import _interpreter, tuning
-from diyfa._launcher import FastLauncher, cdiv, next_power_of_2
+from diyfa._launcher import cdiv, next_power_of_2
+from diyfa._launcher import launch as fast_launch
 from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
 
 if interpreter_enabled():
@@ -427,7 +428,6 @@ def _empty(batch, heads, seqlen, dim, layout, like: torch.Tensor) -> torch.Tenso
 # here rather than through triton's Autotuner.run, whose per-call key building over ~40
 # arguments costs tens of microseconds: the whole kernel time of a small problem.
 _chosen: dict[tuple, tuple[dict, int, int]] = {}
-_fast: dict[str, FastLauncher] = {}  # kernel name -> its lean launcher (GPU, chosen configs)
 
 
 def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **args) -> None:
@@ -438,16 +438,17 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
     what worked is remembered per key. Once a key has its config, GPU launches go through
     ``FastLauncher`` (see diyfa/_launcher.py), which skips Triton's per-call binding.
     """
-    key = (name, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"], args["SEQ_BUCKET"])
+    autotune = tuning.autotune_enabled()
+    key = (name, autotune, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"],
+           args["SEQ_BUCKET"])  # fmt: skip
     pinned = name in tuning._pinned
     choice = None if pinned else _chosen.get(key)
     if choice is not None and t.is_cuda:
         meta, num_warps, num_stages = choice
-        launcher = _fast.get(name) or _fast.setdefault(name, FastLauncher(kernel_fn))
-        launcher(grid(meta), {**args, **meta}, num_warps, num_stages)
+        fast_launch(kernel_fn, grid(meta), args, meta, num_warps, num_stages)
         return
     if choice is None:
-        if tuning.autotune_enabled() and not pinned and t.is_cuda:
+        if autotune and not pinned and t.is_cuda:
             limits = kernel_limits(t.device.index)
             tuned = tuning.autotuned(kernel_fn, name, head_dim_pad, t.element_size(),
                                      limits["max_shared_mem"], limits["capability_major"])
