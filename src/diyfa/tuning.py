@@ -173,6 +173,14 @@ def tuned_entry(kernel: str, capability_major: int | None, key: int) -> tuple | 
     return tuned_table().get(capability_major, {}).get(kernel, {}).get(key)
 
 
+def tuned_first(space: list, kernel: str, capability_major: int | None, key: int) -> list:
+    """``space`` with the tuned table's entry for (kernel, architecture, key) at the front."""
+    tuned = tuned_entry(kernel, capability_major, key)
+    if tuned is None:
+        return list(space)
+    return [tuned] + [entry for entry in space if entry != tuned]
+
+
 def default_config(kernel: str, head_dim_pad: int, capability_major: int | None) -> dict:
     """The config used without autotuning: pinned, else tuned, else the default table's."""
     if kernel in _pinned:
@@ -205,10 +213,7 @@ def configs_for(kernel: str, head_dim_pad: int, elem_bytes: int, smem_limit: int
     """The kernel's space as ``triton.Config`` objects, pruned to what fits ``smem_limit``;
     the tuned table's entry for this architecture and head dim comes first."""
     out = []
-    space = list(SPACES[kernel])
-    tuned = tuned_entry(kernel, capability_major, _dim_bucket(head_dim_pad))
-    if tuned is not None:
-        space = [tuned] + [c for c in space if c != tuned]
+    space = tuned_first(SPACES[kernel], kernel, capability_major, _dim_bucket(head_dim_pad))
     for cfg in map(_as_dict, space):
         # Large head dims with large tiles spill registers: keep the accumulator tile small.
         if head_dim_pad >= 256 and cfg["BLOCK_M"] * cfg["BLOCK_N"] > 64 * 128:

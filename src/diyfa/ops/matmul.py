@@ -153,10 +153,8 @@ def configs_for(kind: str, elem_bytes: int, out_bytes: int, smem_limit: int,
                 capability_major: int | None = None) -> list:  # fmt: skip
     """The kind's space ("portable" or "tma") pruned to what fits ``smem_limit``; the tuned
     table's entry (``diyfa tune``) for this architecture comes first."""
-    space = PORTABLE_SPACE if kind == "portable" else TMA_SPACE
-    tuned = tuning.tuned_entry(f"matmul_{kind}", capability_major, 0)
-    if tuned is not None:
-        space = [tuned] + [e for e in space if e != tuned]
+    space = tuning.tuned_first(PORTABLE_SPACE if kind == "portable" else TMA_SPACE,
+                               f"matmul_{kind}", capability_major, 0)  # fmt: skip
     configs = [make_config(e, elem_bytes) for e in space]
     fits = [c for c in configs if smem_bytes(c, elem_bytes, out_bytes) <= smem_limit]
     if not fits:  # never leave nothing: the smallest tile with a 2-stage pipeline
