@@ -205,6 +205,9 @@ def _pin(tuning, name: str, cfg: dict):
     return tuning.pinned(name, **kwargs)
 
 
+MATMUL_GROUP_M = 8  # the matmul sweep holds the grouped tile order fixed
+
+
 @contextlib.contextmanager
 def _pin_matmul(module, cfg: dict):
     """Force one config on diyfa.ops.matmul: autotuning off and its ``default_config``
@@ -214,7 +217,7 @@ def _pin_matmul(module, cfg: dict):
 
     def forced(kind, *args, **kwargs):
         subtile = None if kind == "portable" else False
-        return module.MatmulConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], 8,
+        return module.MatmulConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], MATMUL_GROUP_M,
                                    cfg["num_warps"], cfg["num_stages"], subtile)  # fmt: skip
 
     os.environ["DIYFA_AUTOTUNE"] = "0"
@@ -409,7 +412,8 @@ def winners_table(by_kernel: dict[str, list[Result]], capability_major: int,
             continue
         c = best[0].config
         if kernel == "matmul":
-            entry = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], 8, c["num_warps"], c["num_stages"])
+            entry = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], MATMUL_GROUP_M, c["num_warps"],
+                     c["num_stages"])  # fmt: skip
             if capability_major == 9:
                 table[capability_major]["matmul_tma"] = {0: entry + (False,)}
             else:
