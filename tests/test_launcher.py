@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from diyfa._launcher import FastLauncher, spec_key
 
@@ -31,7 +32,13 @@ def _values():
     tensors = [base, base[1:], base[8:], torch.zeros(8, dtype=torch.bfloat16),
                torch.zeros(8, dtype=torch.float32), torch.zeros(8, dtype=torch.float8_e4m3fn),
                torch.zeros(8, dtype=torch.int32)]  # fmt: skip
-    return ints + floats + [True, False, None] + tensors
+    m16, b16 = torch.zeros(64, 64, dtype=torch.float16), torch.zeros(64, 64, dtype=torch.bfloat16)
+    descs = [TensorDescriptor.from_tensor(m16, [32, 32]),
+             TensorDescriptor.from_tensor(m16, [32, 64]),
+             TensorDescriptor.from_tensor(m16[:32], [32, 32]),  # same dtype and block: one kernel
+             TensorDescriptor.from_tensor(b16, [32, 32]),
+             TensorDescriptor(m16[None], [1, 64, 64], [4096, 64, 1], [1, 32, 32])]  # fmt: skip
+    return ints + floats + [True, False, None] + tensors + descs
 
 
 def test_spec_key_never_merges_what_triton_distinguishes():

@@ -245,6 +245,39 @@ def test_tma_kernel_fp8(device):
     _check(triton_matmul(a, b, scale_a=sa, scale_b=sb, kernel="tma"), ref, baseline)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="CPU check of the GPU launch path (the GPU runs it for real)")
+@pytest.mark.parametrize("batch", [None, 1, 3])
+def test_gpu_launch_path_under_the_interpreter(batch, monkeypatch):
+    """The code a GPU runs after the first call (config choice remembered, descriptors given
+    the config's block shapes, one lean launch) run on the CPU: the device facts claim an
+    sm90 and the lean launch goes through the interpreter instead of a compiled kernel."""
+    launches = []
+
+    def fake_launch(fn, grid, args, meta, num_warps, num_stages):
+        launches.append(({k: v.block_shape for k, v in args.items() if k.endswith("_desc")},
+                         dict(meta)))  # fmt: skip
+        fn[grid](**args, **meta, num_warps=num_warps, num_stages=num_stages)
+
+    monkeypatch.setattr(mm, "_device_facts", lambda t: (9, 227 * 1024, 3))
+    monkeypatch.setattr(mm, "fast_launch", fake_launch)
+    monkeypatch.setattr(mm.tuning, "autotune_enabled", lambda: False)
+    # under the interpreter default_config takes the interpreter's entry
+    monkeypatch.setitem(mm.INTERPRETER_DEFAULTS, "tma", (32, 64, 32, 2, 4, 1, True, False))
+    monkeypatch.setattr(mm, "_chosen", {})
+    lead = () if batch is None else (batch,)
+    a = _randn(*lead, 72, 40, dtype=torch.float16, device="cpu")
+    b = _randn(*lead, 88, 40, dtype=torch.float16, device="cpu", seed=1).transpose(-1, -2)
+    for _ in range(2):  # the second call takes the remembered choice
+        out = triton_matmul(a, b)
+        _check(out, matmul_ref(a, b), torch.matmul(a, b), what=f"batch={batch}")
+    assert len(launches) == 2 and len(mm._chosen) == 1
+    blocks, meta = launches[-1]
+    lead = [1] if batch not in (None, 1) else []
+    assert meta["BLOCK_K"] == 32 and meta["EPILOGUE_SUBTILE"] is True
+    assert blocks == {"a_desc": lead + [32, 32], "b_desc": lead + [64, 32],
+                      "c_desc": lead + [32, 32]}  # fmt: skip
+
+
 def test_tma_refuses_misaligned(device):
     a = _randn(16, 33, dtype=torch.float16, device=device)  # row stride 66 bytes
     b = _randn(33, 16, dtype=torch.float16, device=device)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _U64_MIN = 2**63
@@ -44,8 +45,9 @@ def spec_key(arg) -> object:
     """What Triton's specialisation sees of one argument value, as a hashable key.
 
     Tensors: dtype and 16-byte alignment. Ints: == 1 (becomes a constant), % 16 == 0, and the
-    width (i32 / i64 / u64). Floats: nothing (all fp32). Anything else (constexpr values such
-    as bools, strings, None): the value itself, tagged with its type.
+    width (i32 / i64 / u64). Floats: nothing (all fp32). Host TMA descriptors: the dtype and
+    the block shape. Anything else (constexpr values such as bools, strings, None): the value
+    itself, tagged with its type.
     """
     cls = type(arg)
     if cls is int:
@@ -55,6 +57,8 @@ def spec_key(arg) -> object:
         return (arg.dtype, arg.data_ptr() % 16 == 0)
     if cls is float:
         return float
+    if cls is TensorDescriptor:
+        return (cls, arg.base.dtype, tuple(arg.block_shape))
     return (cls, arg)
 
 

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from diyfa import _interpreter, tuning
 from diyfa._launcher import cdiv, next_power_of_2
@@ -85,10 +86,13 @@ PORTABLE_SPACE = [
     (64, 128, 64, 8, 4, 4),
 ]
 # TMA entries add EPILOGUE_SUBTILE: store the output tile in two halves (less shared memory
-# for the store buffer, so one more pipeline stage fits).
+# for the store buffer, so one more pipeline stage fits), and may add WARP_SPECIALIZE (Triton's
+# Hopper warp specialisation; 4 warps, no subtiled store; off by default: slower on an H200
+# in every config we measured).
 TMA_SPACE = [
     (128, 256, 64, 8, 8, 3, False),
-    (128, 64, 64, 8, 4, 6, False),  # small problems (1024^3: 128 tiles for 132 SMs)
+    (64, 128, 128, 8, 4, 4, False),  # small problems (1024^3: 128 tiles for 132 SMs)
+    (128, 64, 128, 8, 4, 4, False),
     (128, 256, 64, 8, 8, 4, True),
     (256, 128, 64, 8, 8, 3, True),
     (128, 128, 64, 8, 8, 4, False),
@@ -103,6 +107,9 @@ DEFAULTS = {
     "portable": {8: (128, 256, 64, 8, 8, 3), 9: (128, 256, 64, 8, 8, 4)},
     "tma": {9: (128, 256, 64, 8, 8, 3, False)},
 }
+# Without autotuning, problems with fewer 128x256 tiles than half the SMs take smaller tiles
+# with a longer K step (an H200 at 1024^3: 6.4 us per kernel against 13.7 us for 128x256).
+SMALL_DEFAULTS = {"tma": {9: (64, 128, 128, 8, 4, 4, False)}}
 # Small tiles under the interpreter: the tests still cross several tiles and K steps.
 INTERPRETER_DEFAULTS = {
     "portable": (32, 32, 32, 2, 4, 1),
@@ -119,23 +126,28 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     EPILOGUE_SUBTILE: bool | None = None  # TMA kernel only
+    WARP_SPECIALIZE: bool | None = None  # TMA kernel only
 
     def meta(self) -> dict:
         meta = dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
                     GROUP_M=self.GROUP_M)  # fmt: skip
         if self.EPILOGUE_SUBTILE is not None:
             meta["EPILOGUE_SUBTILE"] = self.EPILOGUE_SUBTILE
+            meta["WARP_SPECIALIZE"] = bool(self.WARP_SPECIALIZE)
         return meta
 
-    def triton_config(self) -> triton.Config:
-        return triton.Config(self.meta(), num_warps=self.num_warps, num_stages=self.num_stages)
+    def triton_config(self, pre_hook=None) -> triton.Config:
+        return triton.Config(self.meta(), num_warps=self.num_warps, num_stages=self.num_stages,
+                             pre_hook=pre_hook)  # fmt: skip
 
 
 def make_config(entry: tuple, elem_bytes: int) -> MatmulConfig:
     """A space or table entry as a config for inputs of ``elem_bytes`` bytes."""
-    bm, bn, bk, group, warps, stages, *subtile = entry
+    bm, bn, bk, group, warps, stages, *tma = entry
     bk = max(16, bk * 2 // elem_bytes)
-    return MatmulConfig(bm, bn, bk, group, warps, stages, subtile[0] if subtile else None)
+    subtile = tma[0] if tma else None
+    ws = (tma[1] if len(tma) > 1 else False) if tma else None
+    return MatmulConfig(bm, bn, bk, group, warps, stages, subtile, ws)
 
 
 def smem_bytes(cfg: MatmulConfig, elem_bytes: int, out_bytes: int) -> int:
@@ -160,19 +172,25 @@ def configs_for(kind: str, elem_bytes: int, out_bytes: int, smem_limit: int,
     if not fits:  # never leave nothing: the smallest tile with a 2-stage pipeline
         small = min(configs, key=lambda c: c.BLOCK_M * c.BLOCK_N)
         fits = [MatmulConfig(small.BLOCK_M, small.BLOCK_N, small.BLOCK_K, small.GROUP_M,
-                             small.num_warps, 2, small.EPILOGUE_SUBTILE)]  # fmt: skip
+                             small.num_warps, 2, small.EPILOGUE_SUBTILE,
+                             small.WARP_SPECIALIZE)]  # fmt: skip
     return fits
 
 
 def default_config(kind: str, elem_bytes: int, out_bytes: int, capability_major: int | None,
-                   smem_limit: int | None) -> MatmulConfig:  # fmt: skip
-    """The config used without autotuning (interpreter, ``DIYFA_AUTOTUNE=0``): the tuned
-    table's entry for the architecture, else the default table's."""
+                   smem_limit: int | None, small: bool = False) -> MatmulConfig:  # fmt: skip
+    """The config used without autotuning (interpreter, ``DIYFA_AUTOTUNE=0``): for ``small``
+    problems the small-problem table's entry, else the tuned table's entry for the
+    architecture, else the default table's."""
     if interpreter_enabled() or capability_major is None:
         return make_config(INTERPRETER_DEFAULTS[kind], elem_bytes)
     table = DEFAULTS[kind]
-    entry = tuning.tuned_entry(f"matmul_{kind}", capability_major, 0) or (
-        table[min(max(capability_major, min(table)), max(table))])  # fmt: skip
+    small_table = SMALL_DEFAULTS.get(kind, {})
+    if small and capability_major in small_table:
+        entry = small_table[capability_major]
+    else:
+        entry = tuning.tuned_entry(f"matmul_{kind}", capability_major, 0) or (
+            table[min(max(capability_major, min(table)), max(table))])  # fmt: skip
     cfg = make_config(entry, elem_bytes)
     if smem_limit is not None and smem_bytes(cfg, elem_bytes, out_bytes) > smem_limit:
         cfg = configs_for(kind, elem_bytes, out_bytes, smem_limit)[0]
@@ -183,7 +201,8 @@ def default_config(kind: str, elem_bytes: int, out_bytes: int, capability_major:
 def _autotuned(kernel_fn, kind: str, elem_bytes: int, out_bytes: int, smem_limit: int,
                capability_major: int | None):  # fmt: skip
     """``kernel_fn`` autotuned over its pruned space (built once per key)."""
-    configs = [c.triton_config()
+    hook = _set_block_shapes if kind == "tma" else None
+    configs = [c.triton_config(pre_hook=hook)
                for c in configs_for(kind, elem_bytes, out_bytes, smem_limit, capability_major)]
     key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "SCALE_A",
            "SCALE_B", "HAS_BIAS", "ACTIVATION"]  # fmt: skip
@@ -304,32 +323,6 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
 # Hopper kernel: persistent, TMA tensor descriptors made on the device
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _operand_desc(base, batch, rows, cols, stride_batch, stride_outer,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MAJOR: tl.constexpr,
-                  BATCHED: tl.constexpr):
-    """A TMA descriptor for a (rows, cols) matrix (per batch) whose rows (ROW_MAJOR) or
-    columns are contiguous: TMA needs the innermost stride to be 1, so a column-major matrix
-    is described as its transpose. ``stride_outer`` is the stride of the other dimension."""
-    if ROW_MAJOR:
-        if BATCHED:
-            desc = tl.make_tensor_descriptor(base, shape=[batch, rows, cols],
-                                             strides=[stride_batch, stride_outer, 1],
-                                             block_shape=[1, BLOCK_R, BLOCK_C])  # fmt: skip
-        else:
-            desc = tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[stride_outer, 1],
-                                             block_shape=[BLOCK_R, BLOCK_C])  # fmt: skip
-    else:
-        if BATCHED:
-            desc = tl.make_tensor_descriptor(base, shape=[batch, cols, rows],
-                                             strides=[stride_batch, stride_outer, 1],
-                                             block_shape=[1, BLOCK_C, BLOCK_R])  # fmt: skip
-        else:
-            desc = tl.make_tensor_descriptor(base, shape=[cols, rows], strides=[stride_outer, 1],
-                                             block_shape=[BLOCK_C, BLOCK_R])  # fmt: skip
-    return desc
-
-
-@triton.jit
 def _load_tile(desc, off_b, off_r, off_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                ROW_MAJOR: tl.constexpr, BATCHED: tl.constexpr):
     """The (BLOCK_R, BLOCK_C) tile at (off_r, off_c) of the matrix ``desc`` describes.
@@ -367,24 +360,22 @@ def _tma_tile_coords(tile_id, tiles_per_batch, num_pid_m, num_pid_n, GROUP_M: tl
 
 
 @triton.jit
-def _matmul_tma_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
                        batch, M, N, K,
-                       stride_ab, stride_a_outer, stride_bb, stride_b_outer,
-                       stride_cb, stride_cm,
                        stride_sab, stride_sam, stride_sbb, stride_sbn, stride_bias,
                        M_BUCKET, N_BUCKET, K_BUCKET,
                        A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
                        BATCHED: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
                        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NUM_SMS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr):
-    # NUM_SMS (the grid size) is fixed per device: constexpr costs no extra compiles.
+                       GROUP_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+                       WARP_SPECIALIZE: tl.constexpr):
+    # The descriptors are made on the host (``_tma_descriptors``) with this config's block
+    # shapes. NUM_SMS (the grid size) is fixed per device: constexpr costs no extra compiles.
     STORE_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
-    a_desc = _operand_desc(A, batch, M, K, stride_ab, stride_a_outer, BLOCK_M, BLOCK_K,
-                           A_ROW_MAJOR, BATCHED)  # fmt: skip
-    b_desc = _operand_desc(B, batch, K, N, stride_bb, stride_b_outer, BLOCK_K, BLOCK_N,
-                           B_ROW_MAJOR, BATCHED)  # fmt: skip
-    c_desc = _operand_desc(C, batch, M, N, stride_cb, stride_cm, BLOCK_M, STORE_N, True, BATCHED)
+    # Warp specialisation (Triton's Hopper pass: producer warps issue the TMA loads, the
+    # others run the MMAs and the epilogue) needs the tile loop unflattened.
+    FLATTEN: tl.constexpr = not WARP_SPECIALIZE
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -394,7 +385,8 @@ def _matmul_tma_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
     # loop variable: with the loops flattened, the pipeliner issues the next tile's loads
     # while this tile's epilogue runs, and a shared value would tie the two together.
     tile_id_c = tl.program_id(0) - NUM_SMS
-    for tile_id in tl.range(tl.program_id(0), tiles_per_batch * batch, NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), tiles_per_batch * batch, NUM_SMS, flatten=FLATTEN,
+                            warp_specialize=WARP_SPECIALIZE):
         off_b, pid_m, pid_n = _tma_tile_coords(tile_id, tiles_per_batch, num_pid_m, num_pid_n,
                                                GROUP_M)  # fmt: skip
         off_m = pid_m * BLOCK_M
@@ -421,19 +413,19 @@ def _matmul_tma_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
             acc0 = _epilogue(acc0, offs_m, offs_n, M, N, scale_a, scale_b, BIAS,
                              stride_sam, stride_sbn, stride_bias,
                              SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
-            _store_tile(c_desc, off_b, off_m, off_n, acc0.to(C.dtype.element_ty),
+            _store_tile(c_desc, off_b, off_m, off_n, acc0.to(c_desc.dtype),
                         BLOCK_M, STORE_N, BATCHED)  # fmt: skip
             acc1 = _epilogue(acc1, offs_m, offs_n + STORE_N, M, N, scale_a, scale_b, BIAS,
                              stride_sam, stride_sbn, stride_bias,
                              SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
-            _store_tile(c_desc, off_b, off_m, off_n + STORE_N, acc1.to(C.dtype.element_ty),
+            _store_tile(c_desc, off_b, off_m, off_n + STORE_N, acc1.to(c_desc.dtype),
                         BLOCK_M, STORE_N, BATCHED)  # fmt: skip
         else:
             offs_n = off_n + tl.arange(0, BLOCK_N)
             acc = _epilogue(acc, offs_m, offs_n, M, N, scale_a, scale_b, BIAS,
                             stride_sam, stride_sbn, stride_bias,
                             SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
-            _store_tile(c_desc, off_b, off_m, off_n, acc.to(C.dtype.element_ty),
+            _store_tile(c_desc, off_b, off_m, off_n, acc.to(c_desc.dtype),
                         BLOCK_M, BLOCK_N, BATCHED)  # fmt: skip
 
 
@@ -477,44 +469,37 @@ def _tma_problem(a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor) -> str 
     return None
 
 
-_allocator_set = False
+def _operand_desc(t3: torch.Tensor, row_major: bool, batched: bool) -> TensorDescriptor:
+    """A host TMA descriptor for a (batch, rows, cols) operand whose rows (row-major) or
+    columns are contiguous: TMA needs the innermost stride to be 1, so a column-major matrix
+    is described as its transpose. Block shapes are filled in per config
+    (``_set_block_shapes``). Unbatched problems get 2-D descriptors."""
+    batch, rows, cols = t3.shape
+    if row_major:
+        shape, strides = [rows, cols], [t3.stride(1), 1]
+    else:
+        shape, strides = [cols, rows], [t3.stride(2), 1]
+    if batched:
+        shape, strides = [batch, *shape], [t3.stride(0), *strides]
+    # Built without TensorDescriptor.__init__'s checks (~2 us each): _tma_problem has checked
+    # alignment and strides, and the block shape is set before any launch.
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.padding = t3, shape, strides, "zero"
+    desc.block_shape = [1] * len(shape)
+    return desc
 
 
-def _ensure_allocator() -> None:
-    """Device-side TMA descriptors live in a global-memory scratch that Triton asks for
-    through ``triton.set_allocator``; give it a torch allocation unless one is set."""
-    global _allocator_set
-    if _allocator_set:
-        return
-    try:
-        from triton.runtime import _allocation
-
-        current = _allocation._allocator.get()
-        needs_one = isinstance(current, _allocation.NullAllocator)
-    except (ImportError, AttributeError):  # private API moved: set ours
-        needs_one = True
-    if needs_one:
-
-        scratch: dict = {}  # (device, stream) -> the largest buffer handed out there
-
-        def alloc(size: int, alignment: int, stream):
-            # Kernels on one stream run in order, so one buffer per (device, stream) serves
-            # them all (the kernel rewrites its descriptors on every launch); this saves an
-            # allocation (~1.6 us on an H200 host) per launch. Stream handles repeat across
-            # devices (the default stream is 0 everywhere), hence the device in the key. A
-            # CUDA graph being captured gets its own allocation: graphs captured on one
-            # stream may replay on different streams.
-            device = torch.cuda.current_device()
-            if torch.cuda.is_current_stream_capturing():
-                return torch.empty(size, device=device, dtype=torch.int8)
-            buf = scratch.get((device, stream))
-            if buf is None or buf.numel() < size:
-                buf = scratch[(device, stream)] = torch.empty(size, device=device,
-                                                              dtype=torch.int8)  # fmt: skip
-            return buf
-
-        triton.set_allocator(alloc)
-    _allocator_set = True
+def _set_block_shapes(args: dict) -> None:
+    """Give the descriptors in ``args`` the block shapes of the config in ``args``
+    (also the autotuner's pre-hook: each config it tries has its own tiles)."""
+    bm, bn, bk = args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]
+    lead = [1] if args["BATCHED"] else []
+    a_block = [bm, bk] if args["A_ROW_MAJOR"] else [bk, bm]
+    b_block = [bk, bn] if args["B_ROW_MAJOR"] else [bn, bk]
+    store_n = bn // 2 if args["EPILOGUE_SUBTILE"] else bn
+    args["a_desc"].block_shape = lead + a_block
+    args["b_desc"].block_shape = lead + b_block
+    args["c_desc"].block_shape = lead + [bm, store_n]
 
 
 # The autotuner's choice per key, looked up here instead of through triton's Autotuner.run,
@@ -525,7 +510,7 @@ _chosen: dict[tuple, tuple[dict, int, int]] = {}
 
 
 def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, smem,
-            args: dict) -> None:  # fmt: skip
+            operands: tuple, args: dict, small: bool = False) -> None:  # fmt: skip
     """Launch autotuned (GPU) or with the default config (interpreter, DIYFA_AUTOTUNE=0).
 
     On the GPU the config chosen for a key is remembered, and later launches go through
@@ -533,12 +518,15 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
     """
     if major is None:  # interpreter
         cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
+        if kind == "tma":
+            _set_block_shapes({**args, **cfg.meta()})
         kernel_fn[grid(cfg.meta())](**args, **cfg.meta(), num_warps=cfg.num_warps,
                                     num_stages=cfg.num_stages)  # fmt: skip
         return
     autotune = tuning.autotune_enabled()
-    key = (kind, autotune, args["A"].dtype, args["B"].dtype, args["C"].dtype,
-           args["A"].device.index, *(args.get(name) for name in _AUTOTUNE_KEY))  # fmt: skip
+    a, b, out = operands
+    key = (kind, autotune, small, a.dtype, b.dtype, out.dtype, a.device.index,
+           *(args.get(name) for name in _AUTOTUNE_KEY))  # fmt: skip
     choice = _chosen.get(key)
     if choice is None:
         if autotune:
@@ -547,9 +535,11 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
             best = tuned.best_config
             _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
             return
-        cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
+        cfg = default_config(kind, elem_bytes, out_bytes, major, smem, small)
         choice = _chosen[key] = (cfg.meta(), cfg.num_warps, cfg.num_stages)
     meta, num_warps, num_stages = choice
+    if kind == "tma":
+        _set_block_shapes({**args, **meta})
     fast_launch(kernel_fn, grid(meta), args, meta, num_warps, num_stages)
 
 
@@ -579,26 +569,26 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel) -> None:
     else:
         use_tma = kernel == "tma"
     if use_tma:
-        if a.is_cuda:
-            _ensure_allocator()
         a_rm, b_rm = common["A_ROW_MAJOR"], common["B_ROW_MAJOR"]
+        batched = batch > 1
         num_sms = num_sms or 4  # interpreter: a few programs, each looping over tiles
 
         def grid(meta):
             tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]) * batch
             return (max(1, min(num_sms, tiles)),)
 
-        _launch(_matmul_tma_kernel, "tma", grid, elem, out_bytes, major, smem, dict(
-            A=a3, B=b3, batch=batch,
-            stride_ab=a3.stride(0), stride_a_outer=a3.stride(1) if a_rm else a3.stride(2),
-            stride_bb=b3.stride(0), stride_b_outer=b3.stride(1) if b_rm else b3.stride(2),
-            BATCHED=a.dim() == 3, NUM_SMS=num_sms, **common))  # fmt: skip
+        small = cdiv(M, 128) * cdiv(N, 256) * batch < num_sms // 2
+        del common["C"], common["stride_cb"], common["stride_cm"]
+        _launch(_matmul_tma_kernel, "tma", grid, elem, out_bytes, major, smem, (a, b, out), dict(
+            a_desc=_operand_desc(a3, a_rm, batched), b_desc=_operand_desc(b3, b_rm, batched),
+            c_desc=_operand_desc(out3, True, batched), batch=batch, BATCHED=batched,
+            NUM_SMS=num_sms, **common), small)  # fmt: skip
         return
 
     def grid(meta):
         return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), batch)
 
-    _launch(_matmul_kernel, "portable", grid, elem, out_bytes, major, smem, dict(
+    _launch(_matmul_kernel, "portable", grid, elem, out_bytes, major, smem, (a, b, out), dict(
         A=a3, B=b3, stride_ab=a3.stride(0), stride_am=a3.stride(1), stride_ak=a3.stride(2),
         stride_bb=b3.stride(0), stride_bk=b3.stride(1), stride_bn=b3.stride(2),
         stride_cn=out3.stride(2), PRECISION=precision, **common))  # fmt: skip
