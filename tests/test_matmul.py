@@ -8,6 +8,8 @@ be exact). On the CPU the real kernels run under the Triton interpreter on small
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -245,37 +247,91 @@ def test_tma_kernel_fp8(device):
     _check(triton_matmul(a, b, scale_a=sa, scale_b=sb, kernel="tma"), ref, baseline)
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="CPU check of the GPU launch path (the GPU runs it for real)")
-@pytest.mark.parametrize("batch", [None, 1, 3])
-def test_gpu_launch_path_under_the_interpreter(batch, monkeypatch):
-    """The code a GPU runs after the first call (config choice remembered, descriptors given
-    the config's block shapes, one lean launch) run on the CPU: the device facts claim an
-    sm90 and the lean launch goes through the interpreter instead of a compiled kernel."""
-    launches = []
-
+def _fake_gpu(monkeypatch, launches: list, replays: list) -> None:
+    """Run the GPU launch path on the CPU: the device facts claim an sm90 with 3 SMs, the
+    lean launch and the replays run the kernel under the interpreter."""
     def fake_launch(fn, grid, args, meta, num_warps, num_stages):
         launches.append(({k: v.block_shape for k, v in args.items() if k.endswith("_desc")},
                          dict(meta)))  # fmt: skip
-        fn[grid](**args, **meta, num_warps=num_warps, num_stages=num_stages)
+        fn[grid](**args, **meta)
+        return fn  # stands in for the compiled kernel
+
+    class InterpretedLauncher:  # FastLauncher's view of a kernel, for interpreted ones
+        def __init__(self, fn):
+            self.names = tuple(inspect.signature(fn.fn).parameters)
+
+        def lean_ok(self):
+            return True
+
+    def fake_run_compiled(fn, grid, device, values):
+        names = InterpretedLauncher(fn).names
+        replays.append(dict(zip(names, values, strict=True)))
+        fn[grid](**replays[-1])
 
     monkeypatch.setattr(mm, "_device_facts", lambda t: (9, 227 * 1024, 3))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(mm, "fast_launch", fake_launch)
+    monkeypatch.setattr(mm, "run_compiled", fake_run_compiled)
+    monkeypatch.setattr(mm, "launcher_for", InterpretedLauncher)
     monkeypatch.setattr(mm.tuning, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(mm, "_chosen", {})
+    monkeypatch.setattr(mm, "_replays", {})
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU check of the GPU launch path (the GPU runs it for real)")
+@pytest.mark.parametrize("batch", [None, 1, 3])
+def test_gpu_launch_path_under_the_interpreter(batch, monkeypatch):
+    """The code a GPU runs after the first call, on the CPU: the config choice remembered,
+    descriptors given the config's block shapes, one lean launch; from the second call on
+    (autotuning off) a replay with the new call's tensors, holding none of the first call's."""
+    launches, replays = [], []
+    _fake_gpu(monkeypatch, launches, replays)
     # under the interpreter default_config takes the interpreter's entry
     monkeypatch.setitem(mm.INTERPRETER_DEFAULTS, "tma", (32, 64, 32, 2, 4, 1, True, False))
-    monkeypatch.setattr(mm, "_chosen", {})
     lead = () if batch is None else (batch,)
-    a = _randn(*lead, 72, 40, dtype=torch.float16, device="cpu")
-    b = _randn(*lead, 88, 40, dtype=torch.float16, device="cpu", seed=1).transpose(-1, -2)
-    for _ in range(2):  # the second call takes the remembered choice
-        out = triton_matmul(a, b)
-        _check(out, matmul_ref(a, b), torch.matmul(a, b), what=f"batch={batch}")
-    assert len(launches) == 2 and len(mm._chosen) == 1
+    for seed in range(4):  # new data each call: a replay must read the new tensors
+        a = _randn(*lead, 72, 40, dtype=torch.float16, device="cpu", seed=seed)
+        b = _randn(*lead, 88, 40, dtype=torch.float16, device="cpu", seed=seed + 9)
+        b = b.transpose(-1, -2)
+        bias = _randn(88, dtype=torch.float32, device="cpu", seed=seed + 5)
+        out = triton_matmul(a, b, bias=bias, activation="relu")
+        _check(out, torch.relu(matmul_ref(a, b) + bias.double()),
+               torch.relu(torch.matmul(a, b) + bias.half()), what=f"batch={batch} call {seed}")
+    assert len(launches) == 1 and len(replays) == 3 and len(mm._chosen) == 1
     blocks, meta = launches[-1]
     lead = [1] if batch not in (None, 1) else []
     assert meta["BLOCK_K"] == 32 and meta["EPILOGUE_SUBTILE"] is True
     assert blocks == {"a_desc": lead + [32, 32], "b_desc": lead + [64, 32],
                       "c_desc": lead + [32, 32]}  # fmt: skip
+    assert replays[-1]["BIAS"] is bias and replays[-1]["a_desc"].base is a
+    (replay,) = mm._replays.values()
+    assert not any(isinstance(v, torch.Tensor) for v in replay.values)
+    assert all(d.base is None for d in replay.descs.values())
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU check of the GPU launch path (the GPU runs it for real)")
+def test_replays_never_skip_a_check(monkeypatch):
+    """A call differing from a replayed one in anything but its data pointers goes through
+    the checks (and a launch of its own)."""
+    launches, replays = [], []
+    _fake_gpu(monkeypatch, launches, replays)
+    a = _randn(40, 48, dtype=torch.bfloat16, device="cpu")
+    b = _randn(48, 56, dtype=torch.bfloat16, device="cpu", seed=1)
+    for _ in range(3):
+        triton_matmul(a, b)
+    assert len(replays) == 2
+    with pytest.raises(ValueError, match="bias must have shape"):
+        triton_matmul(a, b, bias=torch.zeros(55))
+    with pytest.raises(TypeError, match="a and b must share a dtype"):
+        triton_matmul(a, b.half())
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        triton_matmul(a[:, :40], b)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        triton_matmul(a, b, activation="tanh")
+    # a sliced (differently strided, unaligned) a is a new key: validated and launched
+    _check(triton_matmul(a[:, 1:], b[1:]), matmul_ref(a[:, 1:], b[1:]),
+           torch.matmul(a[:, 1:], b[1:]))  # fmt: skip
+    assert len(replays) == 2 and len(launches) == 2
 
 
 def test_tma_refuses_misaligned(device):

@@ -67,7 +67,7 @@ def _constexpr_key(value) -> tuple:
     return (type(value), value)
 
 
-def _compile_knobs() -> tuple:
+def compile_knobs() -> tuple:
     """The Triton settings read at launch that change what gets compiled (Triton's own cache
     key holds them through the compile options): device asserts, instrumentation, an
     overridden target architecture, FMA fusion."""
@@ -102,35 +102,53 @@ class FastLauncher:
         """The specialisation key of the kernel's argument values (in parameter order)."""
         return tuple(f(v) for f, v in zip(self._keyers, values, strict=True))
 
-    def __call__(self, grid: tuple, args: dict, num_warps: int, num_stages: int) -> None:
-        """Launch with keyword ``args`` naming every kernel parameter, meta-parameters included.
+    def __call__(self, grid: tuple, args: dict, num_warps: int, num_stages: int):
+        """Launch with keyword ``args`` naming every kernel parameter, meta-parameters included;
+        returns the compiled kernel that ran.
 
         ``grid`` is a tuple of 1..3 ints; the tensors must be on the current CUDA device.
         """
         values = [args[name] for name in self.names]
-        key = (num_warps, num_stages, torch.cuda.current_device(), _compile_knobs(),
+        key = (num_warps, num_stages, torch.cuda.current_device(), compile_knobs(),
                *self.key(values))  # fmt: skip
         kernel = self._compiled.get(key)
-        if kernel is None or self.fn.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or (
-                _hooked(knobs.runtime.launch_exit_hook)):  # fmt: skip
+        if kernel is None or not self.lean_ok():
             self.slow_launches += 1
             kernel = self.fn[grid](**args, num_warps=num_warps, num_stages=num_stages)
-            self._compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
-            return
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(key[2])
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
-                   None, None, *values)  # fmt: skip
+            kernel = self._compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+            return kernel
+        run_compiled(kernel, grid, key[2], values)
+        return kernel
+
+    def lean_ok(self) -> bool:
+        """Whether a compiled kernel may be called directly: not while a pre-run hook or a
+        launch hook is installed (they run only on Triton's own path)."""
+        return not (self.fn.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook)
+                    or _hooked(knobs.runtime.launch_exit_hook))  # fmt: skip
+
+
+def run_compiled(kernel, grid: tuple, device: int, values: list) -> None:
+    """Call a compiled kernel's launcher on ``device``'s current stream; ``values`` are the
+    kernel's arguments in parameter order, constexprs included."""
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
+               None, None, *values)  # fmt: skip
 
 
 _launchers: dict = {}  # jit function -> its FastLauncher
 
 
-def launch(fn, grid: tuple, args: dict, meta: dict, num_warps: int, num_stages: int) -> None:
-    """Launch ``fn`` (a ``@triton.jit`` function) with ``args`` plus the config's ``meta``
-    through its process-wide :class:`FastLauncher`."""
+def launcher_for(fn) -> FastLauncher:
+    """The process-wide :class:`FastLauncher` of ``fn``."""
     launcher = _launchers.get(fn)
     if launcher is None:
         launcher = _launchers[fn] = FastLauncher(fn)
-    launcher(grid, {**args, **meta}, num_warps, num_stages)
+    return launcher
+
+
+def launch(fn, grid: tuple, args: dict, meta: dict, num_warps: int, num_stages: int):
+    """Launch ``fn`` (a ``@triton.jit`` function) with ``args`` plus the config's ``meta``
+    through its process-wide :class:`FastLauncher`; returns the compiled kernel that ran."""
+    return launcher_for(fn)(grid, {**args, **meta}, num_warps, num_stages)

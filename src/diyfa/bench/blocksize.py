@@ -222,11 +222,11 @@ def _pin_matmul(module, cfg: dict):
 
     os.environ["DIYFA_AUTOTUNE"] = "0"
     module.default_config = forced
-    module._chosen.clear()  # the launcher remembers the config per key: forget it both ways
+    module.forget_choices()  # the launcher remembers the config per key: forget it both ways
     try:
         yield
     finally:
-        module._chosen.clear()
+        module.forget_choices()
         module.default_config = original
         if old_env is None:
             os.environ.pop("DIYFA_AUTOTUNE", None)

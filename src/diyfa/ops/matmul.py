@@ -55,7 +55,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from diyfa import _interpreter, tuning
-from diyfa._launcher import cdiv, next_power_of_2
+from diyfa._launcher import cdiv, compile_knobs, launcher_for, next_power_of_2, run_compiled
 from diyfa._launcher import launch as fast_launch
 from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
 
@@ -514,7 +514,8 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
     """Launch autotuned (GPU) or with the default config (interpreter, DIYFA_AUTOTUNE=0).
 
     On the GPU the config chosen for a key is remembered, and later launches go through
-    ``FastLauncher`` (diyfa/_launcher.py), which skips Triton's per-call argument binding.
+    ``FastLauncher`` (diyfa/_launcher.py), which skips Triton's per-call argument binding;
+    those return (compiled kernel, grid, arguments) for ``_Replay``; the others None.
     """
     if major is None:  # interpreter
         cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
@@ -522,7 +523,7 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
             _set_block_shapes({**args, **cfg.meta()})
         kernel_fn[grid(cfg.meta())](**args, **cfg.meta(), num_warps=cfg.num_warps,
                                     num_stages=cfg.num_stages)  # fmt: skip
-        return
+        return None
     autotune = tuning.autotune_enabled()
     a, b, out = operands
     key = (kind, autotune, small, a.dtype, b.dtype, out.dtype, a.device.index,
@@ -534,17 +535,19 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
             tuned[grid](**args)  # benchmarks the configs once, then runs the best
             best = tuned.best_config
             _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
-            return
+            return None
         cfg = default_config(kind, elem_bytes, out_bytes, major, smem, small)
         choice = _chosen[key] = (cfg.meta(), cfg.num_warps, cfg.num_stages)
     meta, num_warps, num_stages = choice
     if kind == "tma":
         _set_block_shapes({**args, **meta})
-    fast_launch(kernel_fn, grid(meta), args, meta, num_warps, num_stages)
+    g = grid(meta)
+    compiled = fast_launch(kernel_fn, g, args, meta, num_warps, num_stages)
+    return compiled, g, {**args, **meta}
 
 
-def _matmul(a, b, out, scales, bias, activation, precision, kernel) -> None:
-    """Run one kernel on validated inputs, writing ``out``."""
+def _matmul(a, b, out, scales, bias, activation, precision, kernel):
+    """Run one kernel on validated inputs, writing ``out``; returns what ``_launch`` did."""
     a3, b3, out3 = _as_3d(a), _as_3d(b), _as_3d(out)
     batch, M, K = a3.shape
     N = b3.shape[2]
@@ -579,19 +582,104 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel) -> None:
 
         small = cdiv(M, 128) * cdiv(N, 256) * batch < num_sms // 2
         del common["C"], common["stride_cb"], common["stride_cm"]
-        _launch(_matmul_tma_kernel, "tma", grid, elem, out_bytes, major, smem, (a, b, out), dict(
+        ops = (a, b, out)
+        return _launch(_matmul_tma_kernel, "tma", grid, elem, out_bytes, major, smem, ops, dict(
             a_desc=_operand_desc(a3, a_rm, batched), b_desc=_operand_desc(b3, b_rm, batched),
             c_desc=_operand_desc(out3, True, batched), batch=batch, BATCHED=batched,
             NUM_SMS=num_sms, **common), small)  # fmt: skip
-        return
 
     def grid(meta):
         return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), batch)
 
-    _launch(_matmul_kernel, "portable", grid, elem, out_bytes, major, smem, (a, b, out), dict(
+    operands = (a, b, out)
+    return _launch(_matmul_kernel, "portable", grid, elem, out_bytes, major, smem, operands, dict(
         A=a3, B=b3, stride_ab=a3.stride(0), stride_am=a3.stride(1), stride_ak=a3.stride(2),
         stride_bb=b3.stride(0), stride_bk=b3.stride(1), stride_bn=b3.stride(2),
         stride_cn=out3.stride(2), PRECISION=precision, **common))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Replays: a call shape seen before skips validation and argument assembly
+# --------------------------------------------------------------------------------------------
+# A validated call's launch depends on its tensors only through their data pointers once
+# shapes, strides, dtypes, devices, pointer alignment and options are fixed; those form
+# ``_replay_key``. Measured on an H200 host: ~54 us per 1024^3 call before, while the GPU
+# work is ~7 us (torch.matmul's host cost is 8.6 us).
+_REPLAYS_MAX = 256  # a bound on what a long run with many shapes keeps
+_replays: dict[tuple, _Replay] = {}
+
+
+def forget_choices() -> None:
+    """Forget the configs chosen per autotuning key and the replays built on them (for
+    forcing a config, as ``diyfa tune`` does)."""
+    _chosen.clear()
+    _replays.clear()
+
+
+def _tensor_sig(t) -> tuple | None:
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor:
+        return (type(t),)  # not replayed: _replay_key gives None for it
+    return (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % TMA_ALIGN)
+
+
+def _replay_key(a, b, out_dtype, scale_a, scale_b, bias, activation, precision,
+                kernel) -> tuple | None:  # fmt: skip
+    """What decides a call's launch, besides the data pointers; None: not replayable."""
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor or _device_facts(a)[0] is None:
+        return None
+    extras = (_tensor_sig(scale_a), _tensor_sig(scale_b), _tensor_sig(bias))
+    if any(e is not None and len(e) == 1 for e in extras):
+        return None
+    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device,
+            a.data_ptr() % TMA_ALIGN, b.data_ptr() % TMA_ALIGN, out_dtype, activation,
+            precision, kernel, *extras, torch.cuda.current_device(),
+            tuning.autotune_enabled(), compile_knobs())  # fmt: skip
+
+
+class _Replay:
+    """One launch of a validated call, replayed with new tensors of the same kind."""
+
+    _TENSOR_SLOTS = ("A", "B", "C", "a_desc", "b_desc", "c_desc", "SCALE_A_PTR",
+                     "SCALE_B_PTR", "BIAS")  # fmt: skip
+
+    def __init__(self, kernel_fn, compiled, grid, args, out_shape, out_dtype,
+                 scale_a, scale_b, bias) -> None:  # fmt: skip
+        self.launcher = launcher_for(kernel_fn)
+        self.compiled, self.grid = compiled, grid
+        self.out_shape, self.out_dtype = out_shape, out_dtype
+        self.values = [args[name] for name in self.launcher.names]
+        self.slots = {name: self.launcher.names.index(name)
+                      for name in self._TENSOR_SLOTS if name in args}  # fmt: skip
+        self.descs = {}
+        for name in ("a_desc", "b_desc", "c_desc"):
+            if name in args:
+                template = self.descs[name] = TensorDescriptor.__new__(TensorDescriptor)
+                template.__dict__.update(args[name].__dict__)
+                template.base = None
+        for i in self.slots.values():  # hold no tensor of the first call
+            self.values[i] = None
+        # absent scales and bias are pointed at the output (never read)
+        self.present = (scale_a is not None, scale_b is not None, bias is not None)
+
+    def __call__(self, a, b, scale_a, scale_b, bias) -> torch.Tensor | None:
+        if not self.launcher.lean_ok():
+            return None
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)
+        values = list(self.values)
+        tensors = {"A": a, "B": b, "C": out, "SCALE_A_PTR": scale_a if self.present[0] else out,
+                   "SCALE_B_PTR": scale_b if self.present[1] else out,
+                   "BIAS": bias if self.present[2] else out}  # fmt: skip
+        for name, desc in self.descs.items():
+            fresh = TensorDescriptor.__new__(TensorDescriptor)
+            fresh.__dict__.update(desc.__dict__)
+            fresh.base = tensors[name[0].upper()]
+            tensors[name] = fresh
+        for name, i in self.slots.items():
+            values[i] = tensors[name]
+        run_compiled(self.compiled, self.grid, a.device.index, values)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -741,6 +829,12 @@ def triton_matmul(
     Returns:
         A new contiguous (M, N) or (B, M, N) tensor of ``out_dtype``.
     """
+    key = _replay_key(a, b, out_dtype, scale_a, scale_b, bias, activation, precision, kernel)
+    replay = _replays.get(key) if key is not None else None
+    if replay is not None:
+        out = replay(a, b, scale_a, scale_b, bias)
+        if out is not None:
+            return out
     _check_operands(a, b)
     scales = _check_rest(a, b, out_dtype, scale_a, scale_b, bias, activation, precision, kernel)
     if out_dtype is None:
@@ -755,5 +849,11 @@ def triton_matmul(
             raise ValueError(f"kernel='tma' cannot run these inputs: {problem}")
     if out.numel() == 0:
         return out
-    _matmul(a, b, out, scales, bias, activation, precision, kernel)
+    launched = _matmul(a, b, out, scales, bias, activation, precision, kernel)
+    if launched is not None and key is not None:
+        kernel_fn = _matmul_tma_kernel if "a_desc" in launched[2] else _matmul_kernel
+        if len(_replays) >= _REPLAYS_MAX:
+            _replays.clear()
+        _replays[key] = _Replay(kernel_fn, *launched, tuple(out.shape), out.dtype,
+                                scale_a, scale_b, bias)  # fmt: skip
     return out
