@@ -305,7 +305,8 @@ def test_gpu_launch_path_under_the_interpreter(batch, monkeypatch):
                       "c_desc": lead + [32, 32]}  # fmt: skip
     assert replays[-1]["BIAS"] is bias and replays[-1]["a_desc"].base is a
     (replay,) = mm._replays.values()
-    assert not any(isinstance(v, torch.Tensor) for v in replay.values)
+    workspace = [id(t) for bufs in mm._stream_k_buffers.values() for t in bufs]
+    assert all(id(v) in workspace for v in replay.values if isinstance(v, torch.Tensor))
     assert all(d.base is None for d in replay.descs.values())
 
 
@@ -332,6 +333,27 @@ def test_replays_never_skip_a_check(monkeypatch):
     _check(triton_matmul(a[:, 1:], b[1:]), matmul_ref(a[:, 1:], b[1:]),
            torch.matmul(a[:, 1:], b[1:]))  # fmt: skip
     assert len(replays) == 2 and len(launches) == 2
+
+
+@pytest.mark.parametrize("shape", [(72, 200, 88, 1), (224, 72, 32, 1), (40, 104, 136, 3),
+                                   (96, 33 * 8, 96, 2)],
+                         ids=["tail-tile-in-4-parts", "3-tail-tiles", "batched", "batched-2"])
+def test_tma_stream_k_tail(shape, device, monkeypatch):
+    """The TMA kernel's stream-K tail: tiles beyond the last whole wave shared out by K steps
+    (under the interpreter 4 programs and 32x32 tiles: the first case splits its one tail tile
+    over all 4 programs). Every flag raised is lowered again."""
+    if not HAS_CUDA:
+        monkeypatch.setitem(mm.INTERPRETER_DEFAULTS, "tma", (32, 32, 32, 2, 4, 1, False))
+    M, K, N, batch = shape
+    lead = (batch,) if batch > 1 else ()
+    a = _randn(*lead, M, K, dtype=torch.float16, device=device)
+    b = _randn(*lead, K, N, dtype=torch.float16, device=device, seed=1)
+    bias = _randn(N, dtype=torch.float32, device=device, seed=2)
+    out = triton_matmul(a, b, bias=bias, activation="gelu", kernel="tma")
+    _check(out, F.gelu(matmul_ref(a, b) + bias.double(), approximate="tanh"),
+           F.gelu(torch.matmul(a, b) + bias.half(), approximate="tanh"))  # fmt: skip
+    for _, flags in mm._stream_k_buffers.values():
+        assert int(flags.count_nonzero()) == 0
 
 
 def test_tma_refuses_misaligned(device):

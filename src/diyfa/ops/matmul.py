@@ -369,10 +369,10 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
                        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NUM_SMS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
-                       WARP_SPECIALIZE: tl.constexpr):
+                       WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
+                       PARTIALS, FLAGS):
     # The descriptors are made on the host (``_tma_descriptors``) with this config's block
     # shapes. NUM_SMS (the grid size) is fixed per device: constexpr costs no extra compiles.
-    STORE_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
     # Warp specialisation (Triton's Hopper pass: producer warps issue the TMA loads, the
     # others run the MMAs and the epilogue) needs the tile loop unflattened.
     FLATTEN: tl.constexpr = not WARP_SPECIALIZE
@@ -384,8 +384,15 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
     # The epilogue finds its tile from a counter of its own (tile_id_c) rather than from the
     # loop variable: with the loops flattened, the pipeliner issues the next tile's loads
     # while this tile's epilogue runs, and a shared value would tie the two together.
+    total_tiles = tiles_per_batch * batch
+    # With STREAM_K, whole waves of tiles run here and the last, partial wave below (when
+    # there is at least one whole wave).
+    dp_tiles = total_tiles
+    if STREAM_K:
+        if total_tiles > NUM_SMS:
+            dp_tiles = total_tiles // NUM_SMS * NUM_SMS
     tile_id_c = tl.program_id(0) - NUM_SMS
-    for tile_id in tl.range(tl.program_id(0), tiles_per_batch * batch, NUM_SMS, flatten=FLATTEN,
+    for tile_id in tl.range(tl.program_id(0), dp_tiles, NUM_SMS, flatten=FLATTEN,
                             warp_specialize=WARP_SPECIALIZE):
         off_b, pid_m, pid_n = _tma_tile_coords(tile_id, tiles_per_batch, num_pid_m, num_pid_n,
                                                GROUP_M)  # fmt: skip
@@ -401,32 +408,97 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
         tile_id_c += NUM_SMS
         off_b, pid_m, pid_n = _tma_tile_coords(tile_id_c, tiles_per_batch, num_pid_m, num_pid_n,
                                                GROUP_M)  # fmt: skip
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        scale_a = SCALE_A_PTR + off_b.to(tl.int64) * stride_sab
-        scale_b = SCALE_B_PTR + off_b.to(tl.int64) * stride_sbb
-        if EPILOGUE_SUBTILE:
-            halves = tl.reshape(acc, (BLOCK_M, 2, STORE_N)).permute(0, 2, 1)
-            acc0, acc1 = tl.split(halves)
-            offs_n = off_n + tl.arange(0, STORE_N)
-            acc0 = _epilogue(acc0, offs_m, offs_n, M, N, scale_a, scale_b, BIAS,
-                             stride_sam, stride_sbn, stride_bias,
-                             SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
-            _store_tile(c_desc, off_b, off_m, off_n, acc0.to(c_desc.dtype),
-                        BLOCK_M, STORE_N, BATCHED)  # fmt: skip
-            acc1 = _epilogue(acc1, offs_m, offs_n + STORE_N, M, N, scale_a, scale_b, BIAS,
-                             stride_sam, stride_sbn, stride_bias,
-                             SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
-            _store_tile(c_desc, off_b, off_m, off_n + STORE_N, acc1.to(c_desc.dtype),
-                        BLOCK_M, STORE_N, BATCHED)  # fmt: skip
-        else:
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            acc = _epilogue(acc, offs_m, offs_n, M, N, scale_a, scale_b, BIAS,
-                            stride_sam, stride_sbn, stride_bias,
-                            SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
-            _store_tile(c_desc, off_b, off_m, off_n, acc.to(c_desc.dtype),
-                        BLOCK_M, BLOCK_N, BATCHED)  # fmt: skip
+        _tma_epilogue(acc, c_desc, off_b, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                      SCALE_A_PTR, SCALE_B_PTR, BIAS, stride_sab, stride_sam, stride_sbb,
+                      stride_sbn, stride_bias, SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION,
+                      BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE, BATCHED)  # fmt: skip
+
+    if dp_tiles < total_tiles:
+        # The last, partial wave of tiles, shared out by K steps: program q (counted from the
+        # last program, see below) runs steps [q * steps / NUM_SMS, (q + 1) * steps / NUM_SMS)
+        # of the tail's tiles laid end to end. A tile split between programs is finished by
+        # the one holding its first K step; the others leave fp32 partial sums in PARTIALS and
+        # raise their flag. The finisher reaches that step at the end of its range, after the
+        # others passed the tile at the start of theirs: short waits. Programs count from the
+        # last so that a finisher's partners come before it in launch order (the interpreter
+        # runs programs one by one, in that order).
+        q = NUM_SMS - 1 - tl.program_id(0)
+        sk_steps = (total_tiles - dp_tiles) * k_tiles
+        step = q * sk_steps // NUM_SMS
+        step_end = (q + 1) * sk_steps // NUM_SMS
+        rows = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        while step < step_end:
+            tile = step // k_tiles
+            k0 = step - tile * k_tiles
+            k1 = tl.minimum(k_tiles, k0 + step_end - step)
+            off_b, pid_m, pid_n = _tma_tile_coords(dp_tiles + tile, tiles_per_batch,
+                                                   num_pid_m, num_pid_n, GROUP_M)  # fmt: skip
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k0, k1):
+                off_k = ki * BLOCK_K
+                a = _load_tile(a_desc, off_b, off_m, off_k, BLOCK_M, BLOCK_K, A_ROW_MAJOR,
+                               BATCHED)  # fmt: skip
+                b = _load_tile(b_desc, off_b, off_k, off_n, BLOCK_K, BLOCK_N, B_ROW_MAJOR,
+                               BATCHED)  # fmt: skip
+                acc = tl.dot(a, b, acc)
+            if k0 != 0:  # a later part of the tile: leave it for the finisher
+                tl.store(PARTIALS + q.to(tl.int64) * (BLOCK_M * BLOCK_N) + rows, acc)
+                tl.debug_barrier()  # every thread's partial is written before the flag
+                tl.atomic_xchg(FLAGS + q, 1, sem="release", scope="gpu")
+            else:
+                covered = k1
+                partner = q + 1
+                while covered < k_tiles:
+                    partner_end = (partner + 1) * sk_steps // NUM_SMS
+                    if partner_end > partner * sk_steps // NUM_SMS:  # empty ranges raise none
+                        while tl.atomic_cas(FLAGS + partner, 1, 0, sem="acquire",
+                                            scope="gpu") != 1:  # fmt: skip
+                            pass
+                        acc += tl.load(PARTIALS + partner.to(tl.int64) * (BLOCK_M * BLOCK_N)
+                                       + rows, cache_modifier=".cg")  # fmt: skip
+                    covered = partner_end - tile * k_tiles
+                    partner += 1
+                _tma_epilogue(acc, c_desc, off_b, off_m, off_n, M, N, SCALE_A_PTR, SCALE_B_PTR,
+                              BIAS, stride_sab, stride_sam, stride_sbb, stride_sbn, stride_bias,
+                              SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION, BLOCK_M, BLOCK_N,
+                              EPILOGUE_SUBTILE, BATCHED)  # fmt: skip
+            step += k1 - k0
+
+
+@triton.jit
+def _tma_epilogue(acc, c_desc, off_b, off_m, off_n, M, N, SCALE_A_PTR, SCALE_B_PTR, BIAS,
+                  stride_sab, stride_sam, stride_sbb, stride_sbn, stride_bias,
+                  SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EPILOGUE_SUBTILE: tl.constexpr, BATCHED: tl.constexpr):
+    """Epilogue of one output tile, stored by TMA (whole, or in two halves)."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    scale_a = SCALE_A_PTR + off_b.to(tl.int64) * stride_sab
+    scale_b = SCALE_B_PTR + off_b.to(tl.int64) * stride_sbb
+    if EPILOGUE_SUBTILE:
+        STORE_N: tl.constexpr = BLOCK_N // 2
+        halves = tl.reshape(acc, (BLOCK_M, 2, STORE_N)).permute(0, 2, 1)
+        acc0, acc1 = tl.split(halves)
+        offs_n = off_n + tl.arange(0, STORE_N)
+        acc0 = _epilogue(acc0, offs_m, offs_n, M, N, scale_a, scale_b, BIAS,
+                         stride_sam, stride_sbn, stride_bias,
+                         SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
+        _store_tile(c_desc, off_b, off_m, off_n, acc0.to(c_desc.dtype),
+                    BLOCK_M, STORE_N, BATCHED)  # fmt: skip
+        acc1 = _epilogue(acc1, offs_m, offs_n + STORE_N, M, N, scale_a, scale_b, BIAS,
+                         stride_sam, stride_sbn, stride_bias,
+                         SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
+        _store_tile(c_desc, off_b, off_m, off_n + STORE_N, acc1.to(c_desc.dtype),
+                    BLOCK_M, STORE_N, BATCHED)  # fmt: skip
+    else:
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        acc = _epilogue(acc, offs_m, offs_n, M, N, scale_a, scale_b, BIAS,
+                        stride_sam, stride_sbn, stride_bias,
+                        SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION)  # fmt: skip
+        _store_tile(c_desc, off_b, off_m, off_n, acc.to(c_desc.dtype),
+                    BLOCK_M, BLOCK_N, BATCHED)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,6 +559,31 @@ def _operand_desc(t3: torch.Tensor, row_major: bool, batched: bool) -> TensorDes
     desc.base, desc.shape, desc.strides, desc.padding = t3, shape, strides, "zero"
     desc.block_shape = [1] * len(shape)
     return desc
+
+
+# Stream-K: the TMA kernel shares out the last, partial wave of tiles by K steps (see the
+# kernel). Its fp32 partial sums and flags live in one buffer pair per (device, stream), sized
+# for the largest tile: kernels on one stream run one at a time, and every flag raised in a
+# launch is lowered in it. A CUDA graph being captured gets buffers of its own.
+TMA_STREAM_K = True
+_MAX_TILE = 256 * 128
+_stream_k_buffers: dict = {}
+
+
+def _stream_k_workspace(device: torch.device, programs: int) -> tuple:
+    """(partials, flags) for ``programs`` persistent programs on ``device``."""
+    def fresh():
+        return (torch.empty(programs * _MAX_TILE, dtype=torch.float32, device=device),
+                torch.zeros(programs, dtype=torch.int32, device=device))  # fmt: skip
+
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh()
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, stream)
+    bufs = _stream_k_buffers.get(key)
+    if bufs is None or bufs[1].numel() < programs:
+        bufs = _stream_k_buffers[key] = fresh()
+    return bufs
 
 
 def _set_block_shapes(args: dict) -> None:
@@ -583,10 +680,12 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel):
         small = cdiv(M, 128) * cdiv(N, 256) * batch < num_sms // 2
         del common["C"], common["stride_cb"], common["stride_cm"]
         ops = (a, b, out)
+        partials, flags = _stream_k_workspace(a.device, num_sms)
         return _launch(_matmul_tma_kernel, "tma", grid, elem, out_bytes, major, smem, ops, dict(
             a_desc=_operand_desc(a3, a_rm, batched), b_desc=_operand_desc(b3, b_rm, batched),
             c_desc=_operand_desc(out3, True, batched), batch=batch, BATCHED=batched,
-            NUM_SMS=num_sms, **common), small)  # fmt: skip
+            NUM_SMS=num_sms, STREAM_K=TMA_STREAM_K, PARTIALS=partials, FLAGS=flags,
+            **common), small)  # fmt: skip
 
     def grid(meta):
         return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), batch)
