@@ -561,11 +561,13 @@ def _operand_desc(t3: torch.Tensor, row_major: bool, batched: bool) -> TensorDes
     return desc
 
 
-# Stream-K: the TMA kernel shares out the last, partial wave of tiles by K steps (see the
-# kernel). Its fp32 partial sums and flags live in one buffer pair per (device, stream), sized
-# for the largest tile: kernels on one stream run one at a time, and every flag raised in a
-# launch is lowered in it. A CUDA graph being captured gets buffers of its own.
-TMA_STREAM_K = True
+# Stream-K: the TMA kernel can share out the last, partial wave of tiles by K steps (see the
+# kernel). Off by default: on an H200 (2026-11-21, interleaved A/B, autotuned configs) it was
+# slower at 4096^3 (0.89x vs 0.98x cuBLAS, bf16) and at 8192x4096x14336, faster only at
+# 4096x14336x4096 (+1.6%). Its fp32 partial sums and flags live in one buffer pair per
+# (device, stream), sized for the largest tile: kernels on one stream run one at a time, and
+# every flag raised in a launch is lowered in it. A CUDA graph being captured gets its own.
+TMA_STREAM_K = False
 _MAX_TILE = 256 * 128
 _stream_k_buffers: dict = {}
 
@@ -680,7 +682,9 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel):
         small = cdiv(M, 128) * cdiv(N, 256) * batch < num_sms // 2
         del common["C"], common["stride_cb"], common["stride_cm"]
         ops = (a, b, out)
-        partials, flags = _stream_k_workspace(a.device, num_sms)
+        partials = flags = out3  # placeholders, never read without stream-K
+        if TMA_STREAM_K:
+            partials, flags = _stream_k_workspace(a.device, num_sms)
         return _launch(_matmul_tma_kernel, "tma", grid, elem, out_bytes, major, smem, ops, dict(
             a_desc=_operand_desc(a3, a_rm, batched), b_desc=_operand_desc(b3, b_rm, batched),
             c_desc=_operand_desc(out3, True, batched), batch=batch, BATCHED=batched,
@@ -751,6 +755,10 @@ class _Replay:
         self.values = [args[name] for name in self.launcher.names]
         self.slots = {name: self.launcher.names.index(name)
                       for name in self._TENSOR_SLOTS if name in args}  # fmt: skip
+        out = args["C"] if "C" in args else args["c_desc"].base
+        for name in ("PARTIALS", "FLAGS"):  # the output stands in for them without stream-K
+            if args.get(name) is out:
+                self.slots[name] = self.launcher.names.index(name)
         self.descs = {}
         for name in ("a_desc", "b_desc", "c_desc"):
             if name in args:
@@ -769,7 +777,8 @@ class _Replay:
         values = list(self.values)
         tensors = {"A": a, "B": b, "C": out, "SCALE_A_PTR": scale_a if self.present[0] else out,
                    "SCALE_B_PTR": scale_b if self.present[1] else out,
-                   "BIAS": bias if self.present[2] else out}  # fmt: skip
+                   "BIAS": bias if self.present[2] else out, "PARTIALS": out,
+                   "FLAGS": out}  # fmt: skip
         for name, desc in self.descs.items():
             fresh = TensorDescriptor.__new__(TensorDescriptor)
             fresh.__dict__.update(desc.__dict__)
