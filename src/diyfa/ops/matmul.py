@@ -413,58 +413,59 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
                       stride_sbn, stride_bias, SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION,
                       BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE, BATCHED)  # fmt: skip
 
-    if dp_tiles < total_tiles:
-        # The last, partial wave of tiles, shared out by K steps: program q (counted from the
-        # last program, see below) runs steps [q * steps / NUM_SMS, (q + 1) * steps / NUM_SMS)
-        # of the tail's tiles laid end to end. A tile split between programs is finished by
-        # the one holding its first K step; the others leave fp32 partial sums in PARTIALS and
-        # raise their flag. The finisher reaches that step at the end of its range, after the
-        # others passed the tile at the start of theirs: short waits. Programs count from the
-        # last so that a finisher's partners come before it in launch order (the interpreter
-        # runs programs one by one, in that order).
-        q = NUM_SMS - 1 - tl.program_id(0)
-        sk_steps = (total_tiles - dp_tiles) * k_tiles
-        step = q * sk_steps // NUM_SMS
-        step_end = (q + 1) * sk_steps // NUM_SMS
-        rows = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        while step < step_end:
-            tile = step // k_tiles
-            k0 = step - tile * k_tiles
-            k1 = tl.minimum(k_tiles, k0 + step_end - step)
-            off_b, pid_m, pid_n = _tma_tile_coords(dp_tiles + tile, tiles_per_batch,
-                                                   num_pid_m, num_pid_n, GROUP_M)  # fmt: skip
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k0, k1):
-                off_k = ki * BLOCK_K
-                a = _load_tile(a_desc, off_b, off_m, off_k, BLOCK_M, BLOCK_K, A_ROW_MAJOR,
-                               BATCHED)  # fmt: skip
-                b = _load_tile(b_desc, off_b, off_k, off_n, BLOCK_K, BLOCK_N, B_ROW_MAJOR,
-                               BATCHED)  # fmt: skip
-                acc = tl.dot(a, b, acc)
-            if k0 != 0:  # a later part of the tile: leave it for the finisher
-                tl.store(PARTIALS + q.to(tl.int64) * (BLOCK_M * BLOCK_N) + rows, acc)
-                tl.debug_barrier()  # every thread's partial is written before the flag
-                tl.atomic_xchg(FLAGS + q, 1, sem="release", scope="gpu")
-            else:
-                covered = k1
-                partner = q + 1
-                while covered < k_tiles:
-                    partner_end = (partner + 1) * sk_steps // NUM_SMS
-                    if partner_end > partner * sk_steps // NUM_SMS:  # empty ranges raise none
-                        while tl.atomic_cas(FLAGS + partner, 1, 0, sem="acquire",
-                                            scope="gpu") != 1:  # fmt: skip
-                            pass
-                        acc += tl.load(PARTIALS + partner.to(tl.int64) * (BLOCK_M * BLOCK_N)
-                                       + rows, cache_modifier=".cg")  # fmt: skip
-                    covered = partner_end - tile * k_tiles
-                    partner += 1
-                _tma_epilogue(acc, c_desc, off_b, off_m, off_n, M, N, SCALE_A_PTR, SCALE_B_PTR,
-                              BIAS, stride_sab, stride_sam, stride_sbb, stride_sbn, stride_bias,
-                              SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION, BLOCK_M, BLOCK_N,
-                              EPILOGUE_SUBTILE, BATCHED)  # fmt: skip
-            step += k1 - k0
+    if STREAM_K:  # compiled in only when asked for (its atomics need the fp32 workspace)
+        if dp_tiles < total_tiles:
+            # The last, partial wave of tiles, shared out by K steps: program q (counted from the
+            # last program, see below) runs steps [q * steps / NUM_SMS, (q + 1) * steps / NUM_SMS)
+            # of the tail's tiles laid end to end. A tile split between programs is finished by
+            # the one holding its first K step; the others leave fp32 partial sums in PARTIALS and
+            # raise their flag. The finisher reaches that step at the end of its range, after the
+            # others passed the tile at the start of theirs: short waits. Programs count from the
+            # last so that a finisher's partners come before it in launch order (the interpreter
+            # runs programs one by one, in that order).
+            q = NUM_SMS - 1 - tl.program_id(0)
+            sk_steps = (total_tiles - dp_tiles) * k_tiles
+            step = q * sk_steps // NUM_SMS
+            step_end = (q + 1) * sk_steps // NUM_SMS
+            rows = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            while step < step_end:
+                tile = step // k_tiles
+                k0 = step - tile * k_tiles
+                k1 = tl.minimum(k_tiles, k0 + step_end - step)
+                off_b, pid_m, pid_n = _tma_tile_coords(dp_tiles + tile, tiles_per_batch,
+                                                       num_pid_m, num_pid_n, GROUP_M)  # fmt: skip
+                off_m = pid_m * BLOCK_M
+                off_n = pid_n * BLOCK_N
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ki in range(k0, k1):
+                    off_k = ki * BLOCK_K
+                    a = _load_tile(a_desc, off_b, off_m, off_k, BLOCK_M, BLOCK_K, A_ROW_MAJOR,
+                                   BATCHED)  # fmt: skip
+                    b = _load_tile(b_desc, off_b, off_k, off_n, BLOCK_K, BLOCK_N, B_ROW_MAJOR,
+                                   BATCHED)  # fmt: skip
+                    acc = tl.dot(a, b, acc)
+                if k0 != 0:  # a later part of the tile: leave it for the finisher
+                    tl.store(PARTIALS + q.to(tl.int64) * (BLOCK_M * BLOCK_N) + rows, acc)
+                    tl.debug_barrier()  # every thread's partial is written before the flag
+                    tl.atomic_xchg(FLAGS + q, 1, sem="release", scope="gpu")
+                else:
+                    covered = k1
+                    partner = q + 1
+                    while covered < k_tiles:
+                        partner_end = (partner + 1) * sk_steps // NUM_SMS
+                        if partner_end > partner * sk_steps // NUM_SMS:  # empty ranges raise none
+                            while tl.atomic_cas(FLAGS + partner, 1, 0, sem="acquire",
+                                                scope="gpu") != 1:  # fmt: skip
+                                pass
+                            acc += tl.load(PARTIALS + partner.to(tl.int64) * (BLOCK_M * BLOCK_N)
+                                           + rows, cache_modifier=".cg")  # fmt: skip
+                        covered = partner_end - tile * k_tiles
+                        partner += 1
+                    _tma_epilogue(acc, c_desc, off_b, off_m, off_n, M, N, SCALE_A_PTR, SCALE_B_PTR,
+                                  BIAS, stride_sab, stride_sam, stride_sbb, stride_sbn, stride_bias,
+                                  SCALE_A, SCALE_B, HAS_BIAS, ACTIVATION, BLOCK_M, BLOCK_N,
+                                  EPILOGUE_SUBTILE, BATCHED)  # fmt: skip
+                step += k1 - k0
 
 
 @triton.jit
