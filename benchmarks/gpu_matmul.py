@@ -4,7 +4,7 @@ Run on a CUDA GPU: ``python benchmarks/gpu_matmul.py``. It first checks correctn
 shapes (error against a float64 reference at most 2x cuBLAS's), then times every case with
 ``triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")`` after one untimed
 call (which also autotunes). Random normal inputs. One JSON line per measurement goes to
-``$OUT/matmul.jsonl`` when OUT is set; a table (TFLOPS, ours / cuBLAS) is printed last.
+``$OUT/gpu_matmul.jsonl`` when OUT is set; a table (TFLOPS, ours / cuBLAS) is printed last.
 
 fp8: e4m3 with per-tensor scales, b column-major (``torch._scaled_mm`` requires it). Triton's
 fp8 dots on Hopper use the tensor cores' fast accumulation, so both cuBLAS modes are timed:
@@ -139,7 +139,7 @@ def main() -> int:
     cases += [(M, N, K, torch.bfloat16) for M, N, K in LLM_SHAPES]
 
     out_dir = os.environ.get("OUT")
-    out_file = open(os.path.join(out_dir, "matmul.jsonl"), "a") if out_dir else None
+    out_file = open(os.path.join(out_dir, "gpu_matmul.jsonl"), "a") if out_dir else None
     rows = []
     print("timing:")
     try:

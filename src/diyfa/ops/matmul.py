@@ -28,10 +28,12 @@ Kernels
     - ``_matmul_kernel`` (portable, every GPU): one program per output tile, pointer loads,
       grouped tile order so that consecutive programs share rows of a and columns of b in L2.
     - ``_matmul_tma_kernel`` (Hopper, sm90): persistent (one program per SM looping over
-      tiles, in the same grouped order), operands and output moved by TMA through
-      tensor descriptors made on the device (``tl.make_tensor_descriptor``). Used for
-      fp16/bf16/fp8 when every operand is row- or column-major with 16-byte aligned strides
-      and base addresses (TMA's rule); otherwise the portable kernel runs.
+      tiles, in the same grouped order), operands and output moved by TMA through tensor
+      descriptors built on the host (``TensorDescriptor``, block shapes set per config).
+      Used for fp16/bf16/fp8 when every operand is row- or column-major with 16-byte
+      aligned strides and base addresses (TMA's rule); otherwise the portable kernel runs.
+      Options, off by default (measured slower): Triton's warp specialisation, a stream-K
+      tail.
     Both share the tile-order and epilogue helpers.
 
 Launch configuration
