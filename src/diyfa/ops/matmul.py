@@ -595,6 +595,8 @@ def _set_block_shapes(args: dict) -> None:
     """Give the descriptors in ``args`` the block shapes of the config in ``args``
     (also the autotuner's pre-hook: each config it tries has its own tiles)."""
     bm, bn, bk = args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]
+    if args["STREAM_K"] and bm * bn > _MAX_TILE:  # the workspace holds one tile per program
+        raise ValueError(f"stream-K needs BLOCK_M * BLOCK_N <= {_MAX_TILE}, got {bm}x{bn}")
     lead = [1] if args["BATCHED"] else []
     a_block = [bm, bk] if args["A_ROW_MAJOR"] else [bk, bm]
     b_block = [bk, bn] if args["B_ROW_MAJOR"] else [bn, bk]
