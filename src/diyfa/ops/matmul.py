@@ -564,6 +564,14 @@ def _operand_desc(t3: torch.Tensor, row_major: bool, batched: bool) -> TensorDes
     return desc
 
 
+def _desc_on(desc: TensorDescriptor, base) -> TensorDescriptor:
+    """A copy of ``desc`` (shape, strides, block shape) describing ``base`` instead."""
+    copy = TensorDescriptor.__new__(TensorDescriptor)
+    copy.__dict__.update(desc.__dict__)
+    copy.base = base
+    return copy
+
+
 # Stream-K: the TMA kernel can share out the last, partial wave of tiles by K steps (see the
 # kernel). Off by default: on an H200 (2026-11-21, interleaved A/B, autotuned configs) it was
 # slower at 4096^3 (0.89x vs 0.98x cuBLAS, bf16) and at 8192x4096x14336, faster only at
@@ -767,9 +775,7 @@ class _Replay:
         self.descs = {}
         for name in ("a_desc", "b_desc", "c_desc"):
             if name in args:
-                template = self.descs[name] = TensorDescriptor.__new__(TensorDescriptor)
-                template.__dict__.update(args[name].__dict__)
-                template.base = None
+                self.descs[name] = _desc_on(args[name], None)
         for i in self.slots.values():  # hold no tensor of the first call
             self.values[i] = None
         # absent scales and bias are pointed at the output (never read)
@@ -785,10 +791,7 @@ class _Replay:
                    "BIAS": bias if self.present[2] else out, "PARTIALS": out,
                    "FLAGS": out}  # fmt: skip
         for name, desc in self.descs.items():
-            fresh = TensorDescriptor.__new__(TensorDescriptor)
-            fresh.__dict__.update(desc.__dict__)
-            fresh.base = tensors[name[0].upper()]
-            tensors[name] = fresh
+            tensors[name] = _desc_on(desc, tensors[name[0].upper()])
         for name, i in self.slots.items():
             values[i] = tensors[name]
         run_compiled(self.compiled, self.grid, a.device.index, values)
