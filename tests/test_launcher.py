@@ -10,6 +10,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from diyfa._launcher import FastLauncher, spec_key
@@ -38,7 +40,15 @@ def _values():
              TensorDescriptor.from_tensor(m16[:32], [32, 32]),  # same dtype and block: one kernel
              TensorDescriptor.from_tensor(b16, [32, 32]),
              TensorDescriptor(m16[None], [1, 64, 64], [4096, 64, 1], [1, 32, 32])]  # fmt: skip
-    return ints + floats + [True, False, None] + tensors + descs
+    # Gluon's descriptors also carry the shared-memory layout, part of the kernel's type
+    lay = gl.NVMMASharedLayout.get_default_for
+    gluon_descs = [GluonDescriptor.from_tensor(m16, [32, 32], lay([32, 32], gl.float16)),
+                   GluonDescriptor.from_tensor(m16[:32], [32, 32], lay([32, 32], gl.float16)),
+                   GluonDescriptor.from_tensor(m16, [32, 64], lay([32, 64], gl.float16)),
+                   GluonDescriptor.from_tensor(m16, [32, 64], lay([32, 32], gl.float16)),
+                   GluonDescriptor.from_tensor(m16, [32, 32], lay([32, 32], gl.float16, True)),
+                   GluonDescriptor.from_tensor(b16, [32, 32], lay([32, 32], gl.bfloat16))]
+    return ints + floats + [True, False, None] + tensors + descs + gluon_descs
 
 
 def test_spec_key_never_merges_what_triton_distinguishes():

@@ -9,6 +9,10 @@ be exact). On the CPU the real kernels run under the Triton interpreter on small
 from __future__ import annotations
 
 import inspect
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from diyfa.ops import matmul as mm
+from diyfa.ops import matmul_ws as mm_ws
 from diyfa.ops.matmul import triton_matmul
 from diyfa.reference import matmul_ref
 
@@ -269,6 +274,7 @@ def _fake_gpu(monkeypatch, launches: list, replays: list) -> None:
         fn[grid](**replays[-1])
 
     monkeypatch.setattr(mm, "_device_facts", lambda t: (9, 227 * 1024, 3))
+    monkeypatch.setattr(mm, "ws_small", lambda M, N, num_sms: True)  # Gluon: GPU only
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(mm, "fast_launch", fake_launch)
     monkeypatch.setattr(mm, "run_compiled", fake_run_compiled)
@@ -307,6 +313,106 @@ def test_gpu_launch_path_under_the_interpreter(batch, monkeypatch):
     (replay,) = mm._replays.values()
     assert not any(isinstance(v, torch.Tensor) for v in replay.values)
     assert all(d.base is None for d in replay.descs.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Warp-specialised Gluon kernel (matmul_ws.py): GPU only; on the CPU its compile and dispatch
+# --------------------------------------------------------------------------------------------
+_WS_COMPILE = """
+import json, sys, torch
+from diyfa.ops import matmul_ws as w
+k = w.compile_for_hopper(getattr(torch, sys.argv[1]), sys.argv[2] == "kmajor")
+print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
+"""
+
+
+@pytest.mark.parametrize("b_layout", ["row-major", "kmajor"])
+def test_ws_kernel_compiles_for_hopper(b_layout):
+    """The Gluon kernel compiles for sm90a (no GPU needed), fits an H100/H200 block's shared
+    memory (227 KB), and is what it says: wgmma MMAs, TMA loads, per-partition register
+    budgets, nothing spilled. In a fresh process: running kernels under the interpreter leaves
+    Triton's language module patched for the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    dtype = "bfloat16" if b_layout == "kmajor" else "float16"
+    done = subprocess.run([sys.executable, "-c", _WS_COMPILE, dtype, b_layout], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["shared"] <= 227 * 1024
+    ptx = result["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # TMA loads
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{mm_ws.CONSUMER_REGS};" in ptx
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{mm_ws.LOADER_REGS};" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx  # nothing spilled to local memory
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU check of the dispatch (the GPU runs it for real)")
+def test_ws_dispatch(monkeypatch):
+    """On an sm90 with 132 SMs, "auto" sends plain fp16/bf16 products with enough tiles to the
+    warp-specialised kernel, with the right descriptors; fused epilogues, fp8, batches and
+    small problems go to the Triton TMA kernel; kernel="ws" refuses what it cannot run."""
+    launched = []
+
+    def fake_launch(fn, grid, args, meta, num_warps, num_stages):
+        launched.append((fn, grid, {**args, **meta}, num_warps))
+        return fn
+
+    monkeypatch.setattr(mm, "_device_facts", lambda t: (9, 227 * 1024, 132))
+    monkeypatch.setattr(mm, "fast_launch", fake_launch)
+    monkeypatch.setattr(mm.tuning, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(mm, "_chosen", {})
+    monkeypatch.setattr(mm, "_replays", {})
+    monkeypatch.setattr(mm, "_Replay", lambda *args: None)  # nothing launched to replay
+    a = torch.empty(2048, 1024, dtype=torch.bfloat16)
+    w = torch.empty(3072, 1024, dtype=torch.bfloat16)  # nn.Linear weight: b = w.t()
+    b = torch.empty(1024, 3072, dtype=torch.bfloat16)
+
+    def kernel_of(*args, **kwargs):
+        mm.forget_choices()
+        triton_matmul(*args, **kwargs)
+        return launched[-1]
+
+    fn, grid, args, num_warps = kernel_of(a, b)
+    assert fn is mm._matmul_ws_kernel and grid == (132,) and num_warps == 4
+    assert args["B_KMAJOR"] is False and args["b_desc"].block_shape == [64, 256]
+    assert args["a_desc"].block_shape == [128, 64] and args["c_desc"].block_shape == [64, 256]
+    assert (args["M"], args["N"], args["K"]) == (2048, 3072, 1024)
+    fn, _, args, _ = kernel_of(a, w.t())
+    assert fn is mm._matmul_ws_kernel and args["B_KMAJOR"] is True
+    assert args["b_desc"].shape == [3072, 1024] and args["b_desc"].block_shape == [256, 64]
+    assert kernel_of(a.unsqueeze(0), b.unsqueeze(0))[0] is mm._matmul_ws_kernel  # batch of 1
+    one = torch.ones(())
+    for kwargs in ({"bias": torch.zeros(3072)}, {"activation": "relu"},
+                   {"scale_a": one, "scale_b": one}, {"out_dtype": torch.float32}):
+        assert kernel_of(a, b, **kwargs)[0] is mm._matmul_tma_kernel, kwargs
+    assert kernel_of(a.t().contiguous().t(), b)[0] is mm._matmul_tma_kernel  # column-major a
+    assert kernel_of(a[:512, :512], b[:512, :512])[0] is mm._matmul_tma_kernel  # small
+    assert kernel_of(a.expand(2, -1, -1), b.expand(2, -1, -1))[0] is mm._matmul_tma_kernel
+    f8 = a.to(torch.float8_e4m3fn)
+    assert kernel_of(f8, b.to(torch.float8_e4m3fn), scale_a=one,
+                     scale_b=one)[0] is mm._matmul_tma_kernel  # fmt: skip
+    # kernel="ws" takes small problems too, and refuses what it cannot run
+    assert kernel_of(a[:512, :512], b[:512, :512], kernel="ws")[0] is mm._matmul_ws_kernel
+    with pytest.raises(ValueError, match="kernel='ws' cannot run these inputs: it has no "
+                                         "scales, bias or activation"):
+        triton_matmul(a, b, bias=torch.zeros(3072, dtype=torch.bfloat16), kernel="ws")
+    with pytest.raises(ValueError, match="kernel='ws' cannot run these inputs: a must be "
+                                         "row-major"):
+        triton_matmul(a.t().contiguous().t(), b, kernel="ws")
+    with pytest.raises(ValueError, match="cannot run these inputs: .* not a multiple of 16"):
+        triton_matmul(torch.empty(2048, 1004, dtype=torch.bfloat16), b[:1004], kernel="ws")
+    monkeypatch.setattr(mm, "_device_facts", lambda t: (8, 163 * 1024, 108))
+    with pytest.raises(ValueError, match=r"kernel='ws' needs a Hopper GPU \(sm90\), got sm8x"):
+        triton_matmul(a, b, kernel="ws")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU case is test_gpu_ws_kernel")
+def test_ws_needs_a_gpu():
+    a = torch.ones(64, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel='ws' needs a Hopper GPU .* the interpreter"):
+        triton_matmul(a, a, kernel="ws")
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU check of the GPU launch path (the GPU runs it for real)")
@@ -507,6 +613,45 @@ def test_gpu_tma_path(layout):
                             kernel="tma")  # fmt: skip
     _check(batched, matmul_ref(a.view(2, 1024, 1024), b[:, :1024].expand(2, 1024, 1024)),
            torch.matmul(a.view(2, 1024, 1024), b[:, :1024]), what="batched")  # fmt: skip
+
+
+def _hopper() -> bool:
+    return HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_layout", ["row-major", "column-major"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_name)
+@pytest.mark.parametrize("shape", [(4096, 4096, 4096), (1000, 3000, 2056), (257, 136, 72),
+                                   (8192, 512, 8200), (130, 8192, 64)],
+                         ids=lambda s: "x".join(map(str, s)))  # fmt: skip
+def test_gpu_ws_kernel(shape, dtype, b_layout):
+    """The warp-specialised kernel on edge tiles (M, N, K not multiples of the tile), a long
+    K, a short one; b read in both layouts. The second call (new data) is a replay."""
+    if not _hopper():
+        pytest.skip("the warp-specialised kernel is the Hopper (sm90) path")
+    M, N, K = shape
+    for seed in (0, 1):
+        a = _randn(M, K, dtype=dtype, device="cuda", seed=seed)
+        b = _randn(K, N, dtype=dtype, device="cuda", seed=seed + 5)
+        if b_layout == "column-major":
+            b = b.t().contiguous().t()
+        _check(triton_matmul(a, b, kernel="ws"), matmul_ref(a, b), torch.matmul(a, b),
+               what=f"{shape} call {seed}")  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_ws_is_the_default_for_large_plain_products():
+    if not _hopper():
+        pytest.skip("the warp-specialised kernel is the Hopper (sm90) path")
+    mm.forget_choices()
+    a = _randn(4096, 2048, dtype=torch.bfloat16, device="cuda")
+    w = _randn(4096, 2048, dtype=torch.bfloat16, device="cuda", seed=1)
+    big = _randn(4096, 2048 + 64, dtype=torch.bfloat16, device="cuda", seed=2)[:, :2048]
+    for x in (a, big, a.unsqueeze(0)):  # contiguous, a strided view, a batch of one
+        y = w.t() if x.dim() == 2 else w.t().unsqueeze(0)
+        _check(triton_matmul(x, y), matmul_ref(x, y), torch.matmul(x, y))
+    assert [r.launcher.fn for r in mm._replays.values()] == [mm._matmul_ws_kernel] * 3
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from triton import knobs
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
@@ -46,8 +47,8 @@ def spec_key(arg) -> object:
 
     Tensors: dtype and 16-byte alignment. Ints: == 1 (becomes a constant), % 16 == 0, and the
     width (i32 / i64 / u64). Floats: nothing (all fp32). Host TMA descriptors: the dtype and
-    the block shape. Anything else (constexpr values such as bools, strings, None): the value
-    itself, tagged with its type.
+    the block shape, and for Gluon's the shared-memory layout. Anything else (constexpr
+    values such as bools, strings, None): the value itself, tagged with its type.
     """
     cls = type(arg)
     if cls is int:
@@ -59,6 +60,8 @@ def spec_key(arg) -> object:
         return float
     if cls is TensorDescriptor:
         return (cls, arg.base.dtype, tuple(arg.block_shape))
+    if cls is GluonDescriptor:
+        return (cls, arg.base.dtype, tuple(arg.block_shape), arg.layout)
     return (cls, arg)
 
 
@@ -82,7 +85,8 @@ def _hooked(hook) -> bool:
 
 
 class FastLauncher:
-    """Launch one ``@triton.jit`` function, caching compiled kernels per specialisation."""
+    """Launch one ``@triton.jit`` (or ``@gluon.jit``) function, caching compiled kernels per
+    specialisation."""
 
     def __init__(self, fn) -> None:
         for p in fn.params:

@@ -35,6 +35,10 @@ Kernels
       Options, off by default (measured slower): Triton's warp specialisation, a stream-K
       tail.
     Both share the tile-order and epilogue helpers.
+    - ``_matmul_ws_kernel`` (matmul_ws.py, Hopper, Gluon): persistent and warp-specialised (a
+      loader warp, two MMA warpgroups). Runs plain fp16/bf16 products (no scales, bias or
+      activation) of one matrix pair with row-major a, when there are at least half as many
+      128x256 tiles as SMs.
 
 Launch configuration
     Config spaces, per-architecture defaults and shared-memory pruning are at the top of this
@@ -60,6 +64,7 @@ from diyfa import _interpreter, tuning
 from diyfa._launcher import cdiv, compile_knobs, launcher_for, next_power_of_2, run_compiled
 from diyfa._launcher import launch as fast_launch
 from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
+from diyfa.ops.matmul_ws import _matmul_ws_kernel, ws_args, ws_problem, ws_small
 
 if interpreter_enabled():
     _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
@@ -69,7 +74,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = (None, "relu", "gelu", "silu")
 PRECISIONS = ("tf32", "ieee")
-KERNELS = ("auto", "portable", "tma")
+KERNELS = ("auto", "portable", "tma", "ws")
 TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and strides
 
 
@@ -564,9 +569,11 @@ def _operand_desc(t3: torch.Tensor, row_major: bool, batched: bool) -> TensorDes
     return desc
 
 
-def _desc_on(desc: TensorDescriptor, base) -> TensorDescriptor:
-    """A copy of ``desc`` (shape, strides, block shape) describing ``base`` instead."""
-    copy = TensorDescriptor.__new__(TensorDescriptor)
+def _desc_on(desc, base):
+    """A copy of ``desc`` (shape, strides, block shape; a Triton or a Gluon descriptor)
+    describing ``base`` instead. The launcher reads only ``base``'s data pointer, so a view
+    (``b.t()``, ``a[0]``) may be given as the tensor it views."""
+    copy = type(desc).__new__(type(desc))
     copy.__dict__.update(desc.__dict__)
     copy.base = base
     return copy
@@ -627,7 +634,8 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
 
     On the GPU the config chosen for a key is remembered, and later launches go through
     ``FastLauncher`` (diyfa/_launcher.py), which skips Triton's per-call argument binding;
-    those return (compiled kernel, grid, arguments) for ``_Replay``; the others None.
+    those return (kernel function, compiled kernel, grid, arguments) for ``_Replay``; the
+    others None.
     """
     if major is None:  # interpreter
         cfg = default_config(kind, elem_bytes, out_bytes, major, smem)
@@ -655,7 +663,13 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
         _set_block_shapes({**args, **meta})
     g = grid(meta)
     compiled = fast_launch(kernel_fn, g, args, meta, num_warps, num_stages)
-    return compiled, g, {**args, **meta}
+    return kernel_fn, compiled, g, {**args, **meta}
+
+
+def _ws_problem(a3, b3, out3, scales, bias, activation) -> str | None:
+    """Why the warp-specialised kernel cannot run this call (None when it can)."""
+    plain = scales[0][0] == scales[1][0] == "none" and bias is None and activation is None
+    return _tma_problem(a3, b3, out3) or ws_problem(a3, b3, out3, plain)
 
 
 def _matmul(a, b, out, scales, bias, activation, precision, kernel):
@@ -679,6 +693,11 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel):
     major, smem, num_sms = _device_facts(a)
     elem, out_bytes = a.element_size(), out.element_size()
 
+    if kernel == "ws" or (kernel == "auto" and major == 9 and not ws_small(M, N, num_sms)
+                          and _ws_problem(a3, b3, out3, scales, bias, activation) is None):
+        grid, args, num_warps = ws_args(a3[0], b3[0], out3[0], num_sms)
+        compiled = fast_launch(_matmul_ws_kernel, grid, args, {}, num_warps, 1)
+        return _matmul_ws_kernel, compiled, grid, args
     if kernel == "auto":
         use_tma = major == 9 and _tma_problem(a3, b3, out3) is None
     else:
@@ -939,8 +958,10 @@ def triton_matmul(
         bias: (N,), fp16/bf16/fp32, added to every row after the scales.
         activation: None, "relu", "gelu" (tanh approximation) or "silu".
         precision: fp32 inputs only: "tf32" (tensor cores, default) or "ieee" (exact fp32).
-        kernel: "auto" (the Hopper TMA kernel where it applies, else the portable one),
-            "portable", or "tma" (raises if TMA cannot read the operands).
+        kernel: "auto" (on Hopper the warp-specialised kernel where it applies, else the TMA
+            kernel where it applies; else the portable one), "portable", "tma" (raises if
+            TMA cannot read the operands) or "ws" (raises where it cannot run: it needs a
+            Hopper GPU, fp16/bf16, no scales, bias or activation, see ``matmul_ws.py``).
 
     Returns:
         A new contiguous (M, N) or (B, M, N) tensor of ``out_dtype``.
@@ -963,13 +984,20 @@ def triton_matmul(
         problem = _tma_problem(_as_3d(a), _as_3d(b), _as_3d(out))
         if problem is not None:
             raise ValueError(f"kernel='tma' cannot run these inputs: {problem}")
+    if kernel == "ws":
+        major = _device_facts(a)[0]
+        if major != 9:
+            where = "the interpreter or a CPU tensor" if major is None else f"sm{major}x"
+            raise ValueError(f"kernel='ws' needs a Hopper GPU (sm90), got {where}")
+        problem = _ws_problem(_as_3d(a), _as_3d(b), _as_3d(out), scales, bias, activation)
+        if problem is not None:
+            raise ValueError(f"kernel='ws' cannot run these inputs: {problem}")
     if out.numel() == 0:
         return out
     launched = _matmul(a, b, out, scales, bias, activation, precision, kernel)
     if launched is not None and key is not None:
-        kernel_fn = _matmul_tma_kernel if "a_desc" in launched[2] else _matmul_kernel
         if len(_replays) >= _REPLAYS_MAX:
             _replays.clear()
-        _replays[key] = _Replay(kernel_fn, *launched, tuple(out.shape), out.dtype,
+        _replays[key] = _Replay(*launched, tuple(out.shape), out.dtype,
                                 scale_a, scale_b, bias)  # fmt: skip
     return out
