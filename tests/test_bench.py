@@ -338,6 +338,8 @@ def test_matmul_pin_forces_one_config_and_restores():
         got = matmul.default_config("portable", 2, 2, 9, None)
         assert (got.BLOCK_M, got.BLOCK_N, got.BLOCK_K, got.num_warps) == (64, 32, 32, 4)
     assert matmul.default_config is original
+    # the Gluon kernel (a JITFunction on the CPU too) has no swept config
+    assert matmul._matmul_ws_kernel not in blocksize._matmul_kernels(matmul).fns
     if torch.cuda.is_available():  # interpreted kernels keep no compiled cache
         assert len(blocksize._matmul_kernels(matmul).fns) >= 1
 

@@ -247,7 +247,8 @@ def _matmul_kernels(module) -> _Kernels:
     fns = []
     for attr in dir(module):
         fn = _jit_fn(getattr(module, attr))
-        if fn is not None and isinstance(fn, triton.runtime.JITFunction) and "matmul" in attr:
+        if (fn is not None and isinstance(fn, triton.runtime.JITFunction) and "matmul" in attr
+                and not fn.is_gluon()):  # the Gluon kernel has no swept config
             fns.append(fn)
     return _Kernels(*fns)
 
@@ -281,7 +282,10 @@ def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool =
         a = torch.randn(size, size, device="cuda", dtype=dt)
         b = torch.randn(size, size, device="cuda", dtype=dt)
         fl = flops.matmul_flops(size, size, size)
-        fn = lambda: module.triton_matmul(a, b)  # noqa: E731
+        # the Triton kernels' configs are swept: not the warp-specialised kernel that "auto"
+        # takes for plain fp16/bf16 products on Hopper (its config is fixed)
+        kind = "tma" if torch.cuda.get_device_capability()[0] == 9 else "portable"
+        fn = lambda: module.triton_matmul(a, b, kernel=kind)  # noqa: E731
     else:
         batch, heads = max(1, 16384 // seqlen), 2048 // head_dim
         bwd = kernel != "attn_fwd"
@@ -400,8 +404,8 @@ def winners_table(by_kernel: dict[str, list[Result]], capability_major: int,
                   head_dim: int) -> dict:  # fmt: skip
     """The best config per kernel in the shape of the tuned table (``diyfa.tuning``):
     {major: {kernel: {head-dim bucket: (BLOCK_M, BLOCK_N, num_warps, num_stages)}}}; matmul
-    as {major: {"matmul_tma" (sm90, where triton_matmul's "auto" runs the TMA kernel on the
-    sweep's operands) or "matmul_portable": {0: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    as {major: {"matmul_tma" (sm90, where the sweep runs the TMA kernel) or
+    "matmul_portable": {0: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
     num_warps, num_stages[, EPILOGUE_SUBTILE])}}}."""
     from diyfa.tuning import head_dim_bucket
 
