@@ -321,20 +321,22 @@ def test_gpu_launch_path_under_the_interpreter(batch, monkeypatch):
 _WS_COMPILE = """
 import json, sys, torch
 from diyfa.ops import matmul_ws as w
-k = w.compile_for_hopper(getattr(torch, sys.argv[1]), sys.argv[2] == "kmajor")
+k = w.compile_for_hopper(getattr(torch, sys.argv[1]), sys.argv[2] == "kmajor",
+                         sys.argv[3] == "stream-k")
 print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
 """
 
 
-@pytest.mark.parametrize("b_layout", ["row-major", "kmajor"])
-def test_ws_kernel_compiles_for_hopper(b_layout):
+@pytest.mark.parametrize("b_layout, tail", [("row-major", "dp"), ("kmajor", "dp"),
+                                            ("row-major", "stream-k")])
+def test_ws_kernel_compiles_for_hopper(b_layout, tail):
     """The Gluon kernel compiles for sm90a (no GPU needed), fits an H100/H200 block's shared
     memory (227 KB), and is what it says: wgmma MMAs, TMA loads, per-partition register
     budgets, nothing spilled. In a fresh process: running kernels under the interpreter leaves
     Triton's language module patched for the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     dtype = "bfloat16" if b_layout == "kmajor" else "float16"
-    done = subprocess.run([sys.executable, "-c", _WS_COMPILE, dtype, b_layout], env=env,
+    done = subprocess.run([sys.executable, "-c", _WS_COMPILE, dtype, b_layout, tail], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -345,6 +347,7 @@ def test_ws_kernel_compiles_for_hopper(b_layout):
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{mm_ws.CONSUMER_REGS};" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{mm_ws.LOADER_REGS};" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx  # nothing spilled to local memory
+    assert ("atom.global.gpu.release.exch" in ptx) == (tail == "stream-k")  # the tail's flags
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU check of the dispatch (the GPU runs it for real)")
@@ -638,6 +641,33 @@ def test_gpu_ws_kernel(shape, dtype, b_layout):
             b = b.t().contiguous().t()
         _check(triton_matmul(a, b, kernel="ws"), matmul_ref(a, b), torch.matmul(a, b),
                what=f"{shape} call {seed}")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096, 4096), (4096, 4096, 520), (4224, 4352, 1000),
+                                   (1000, 3000, 2056)],
+                         ids=lambda s: "x".join(map(str, s)))  # fmt: skip
+def test_gpu_ws_stream_k_tail(shape, monkeypatch):
+    """The warp-specialised kernel's stream-K tail (off by default): 4096^3 splits 116 tail
+    tiles over 132 programs; K 520 (9 steps) splits tiles over up to three programs; 96 tiles
+    (fewer than the SMs) take no tail. Every flag raised is lowered again."""
+    if not _hopper():
+        pytest.skip("the warp-specialised kernel is the Hopper (sm90) path")
+    monkeypatch.setattr(mm, "WS_STREAM_K", True)
+    mm.forget_choices()  # replays hold the workspace (or its absence) of their launch
+    M, N, K = shape
+    try:
+        for b_layout in ("row-major", "column-major"):
+            a = _randn(M, K, dtype=torch.bfloat16, device="cuda")
+            b = _randn(K, N, dtype=torch.bfloat16, device="cuda", seed=1)
+            if b_layout == "column-major":
+                b = b.t().contiguous().t()
+            _check(triton_matmul(a, b, kernel="ws"), matmul_ref(a, b), torch.matmul(a, b),
+                   what=b_layout)  # fmt: skip
+            for _, flags in mm._stream_k_buffers.values():
+                assert int(flags.count_nonzero()) == 0
+    finally:
+        mm.forget_choices()
 
 
 @pytest.mark.gpu

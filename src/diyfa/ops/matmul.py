@@ -38,7 +38,8 @@ Kernels
     - ``_matmul_ws_kernel`` (matmul_ws.py, Hopper, Gluon): persistent and warp-specialised (a
       loader warp, two MMA warpgroups). Runs plain fp16/bf16 products (no scales, bias or
       activation) of one matrix pair with row-major a, when there are at least half as many
-      128x256 tiles as SMs.
+      128x256 tiles as SMs. Option, off by default (measured slower at 4096^3): a stream-K
+      tail (``WS_STREAM_K``).
 
 Launch configuration
     Config spaces, per-architecture defaults and shared-memory pruning are at the top of this
@@ -586,22 +587,26 @@ def _desc_on(desc, base):
 # (device, stream), sized for the largest tile: kernels on one stream run one at a time, and
 # every flag raised in a launch is lowered in it. A CUDA graph being captured gets its own.
 TMA_STREAM_K = False
+# The same for the warp-specialised kernel (matmul_ws.py): off by default, see docs/matmul.md.
+WS_STREAM_K = False
 _MAX_TILE = 256 * 128
 _stream_k_buffers: dict = {}
 
 
 def _stream_k_workspace(device: torch.device, programs: int) -> tuple:
-    """(partials, flags) for ``programs`` persistent programs on ``device``."""
+    """(partials, flags) for ``programs`` persistent programs on ``device``: a tile of
+    partial sums per program; two flags per program (the warp-specialised kernel's consumers
+    raise one each)."""
     def fresh():
         return (torch.empty(programs * _MAX_TILE, dtype=torch.float32, device=device),
-                torch.zeros(programs, dtype=torch.int32, device=device))  # fmt: skip
+                torch.zeros(2 * programs, dtype=torch.int32, device=device))  # fmt: skip
 
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return fresh()
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (device, stream)
     bufs = _stream_k_buffers.get(key)
-    if bufs is None or bufs[1].numel() < programs:
+    if bufs is None or bufs[1].numel() < 2 * programs:
         bufs = _stream_k_buffers[key] = fresh()
     return bufs
 
@@ -695,7 +700,8 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel):
 
     if kernel == "ws" or (kernel == "auto" and major == 9 and not ws_small(M, N, num_sms)
                           and _ws_problem(a3, b3, out3, scales, bias, activation) is None):
-        grid, args, num_warps = ws_args(a3[0], b3[0], out3[0], num_sms)
+        workspace = _stream_k_workspace(a.device, num_sms) if WS_STREAM_K else None
+        grid, args, num_warps = ws_args(a3[0], b3[0], out3[0], num_sms, stream_k=workspace)
         compiled = fast_launch(_matmul_ws_kernel, grid, args, {}, num_warps, 1)
         return _matmul_ws_kernel, compiled, grid, args
     if kernel == "auto":
