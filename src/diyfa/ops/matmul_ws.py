@@ -87,14 +87,26 @@ def _b_operand(b, B_KMAJOR: gl.constexpr):
 
 
 @gluon.jit
-def _data_parallel_tiles(total, programs, STREAM_K: gl.constexpr):
-    """Tiles handed out whole (round robin); with STREAM_K the last, partial wave is left to
-    the stream-K tail (when there is at least one whole wave)."""
+def _schedule(M, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STREAM_K: gl.constexpr):
+    """The work of every program, as the loader and the consumers walk it: (tile rows, tile
+    columns, K steps per tile, dp, tail steps, this program's first and end tail step). Tiles
+    [0, dp) are handed out whole, round robin; with STREAM_K the last, partial wave (when
+    there is at least one whole wave) is the tail: its tiles' K steps laid end to end and cut
+    into one equal range per program."""
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    total = num_pid_m * num_pid_n
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
     dp = total
     if STREAM_K:
         if total > programs:
             dp = total // programs * programs
-    return dp
+    steps = (total - dp) * k_tiles
+    return (num_pid_m, num_pid_n, k_tiles, dp, steps, pid * steps // programs,
+            (pid + 1) * steps // programs)  # fmt: skip
 
 
 @gluon.jit
@@ -142,22 +154,14 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = _pick(B_KMAJOR, b_desc.block_type.shape[0],
                                   b_desc.block_type.shape[1])  # fmt: skip
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    total = num_pid_m * num_pid_n
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    dp = _data_parallel_tiles(total, programs, STREAM_K)
+    num_pid_m, num_pid_n, k_tiles, dp, _, step, end = _schedule(M, N, K, BLOCK_M, BLOCK_N,
+                                                                BLOCK_K, STREAM_K)
     it = 0
-    for tile_id in range(pid, dp, programs):
+    for tile_id in range(gl.program_id(0), dp, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         it = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M,
                          pid_n * BLOCK_N, 0, k_tiles, it, B_KMAJOR)  # fmt: skip
     if STREAM_K:
-        steps = (total - dp) * k_tiles
-        step = pid * steps // programs
-        end = (pid + 1) * steps // programs
         while step < end:
             tile, k0, k1 = _segment(step, end, k_tiles)
             pid_m, pid_n = _tile_coords(dp + tile, num_pid_m, num_pid_n, GROUP_M)
@@ -214,13 +218,10 @@ def _consumer(c_desc, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, PARTIALS, F
     # The wgmma accumulator layout: 4 warps stacked along M, one m64nBLOCK_Nk16 instruction.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    total = num_pid_m * num_pid_n
+    num_pid_m, num_pid_n, k_tiles, dp, steps, step, end = _schedule(M, N, K, BLOCK_M, BLOCK_N,
+                                                                    BLOCK_K, STREAM_K)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    dp = _data_parallel_tiles(total, programs, STREAM_K)
     c_buf = c_bufs.index(HALF)
     it = 0
     for tile_id in range(pid, dp, programs):
@@ -239,9 +240,6 @@ def _consumer(c_desc, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, PARTIALS, F
         rows = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         offs = rows[:, None] * BLOCK_N + cols[None, :]
-        steps = (total - dp) * k_tiles
-        step = pid * steps // programs
-        end = (pid + 1) * steps // programs
         while step < end:
             tile, k0, k1 = _segment(step, end, k_tiles)
             pid_m, pid_n = _tile_coords(dp + tile, num_pid_m, num_pid_n, GROUP_M)
