@@ -1,7 +1,7 @@
 """Test setup: without a GPU, kernels run under the Triton interpreter; `gpu` tests skip.
 
-TRITON_INTERPRET must be set before any kernel module (diyfa.ops.*) is imported: Triton
-decides at decoration time whether a kernel is compiled or interpreted.
+TRITON_INTERPRET must be set before any kernel module (diyfa.ops.*, diyfa.attention.portable)
+is imported: Triton decides at decoration time whether a kernel is compiled or interpreted.
 """
 
 import os

@@ -242,7 +242,7 @@ def test_bad_input_is_a_clear_error(over, kwargs, err, match):
 
 
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
-    from diyfa.ops import attention
+    from diyfa import attention
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.randn(1, 1, 4, 16, dtype=torch.float16)
@@ -280,7 +280,7 @@ def test_gpu_head_dims_and_lengths_interleaved():
     compiled for its own constants (the lean launch path once reused a d64 kernel for d128,
     whose configs share warps and stages)."""
     from diyfa import _launcher
-    from diyfa.ops import attention
+    from diyfa.attention import portable
 
     cases = [(64, 1024), (128, 1024), (64, 256), (128, 4096), (64, 1024), (32, 300)]
     slow_before = {}
@@ -290,9 +290,9 @@ def test_gpu_head_dims_and_lengths_interleaved():
                            for fn, launcher in _launcher._launchers.items()}  # fmt: skip
         for d, s in cases:
             _run_and_check(*_inputs(1, 4, 4, s, s, d, torch.bfloat16, device="cuda"), False)
-    fwd = _launcher._launchers[attention._attn_fwd]
+    fwd = _launcher._launchers[portable._attn_fwd]
     # rounds 2 and 3 made 12 forward calls; at most one per distinct key (5) was slow
-    assert fwd.slow_launches - slow_before.get(attention._attn_fwd, 0) <= 5
+    assert fwd.slow_launches - slow_before.get(portable._attn_fwd, 0) <= 5
 
 
 @pytest.mark.gpu
@@ -354,7 +354,7 @@ def test_launch_steps_down_when_a_config_does_not_fit(monkeypatch):
     the launcher try smaller ones from tuning.FALLBACKS, and remember the one that worked."""
     from triton.runtime.errors import OutOfResources
 
-    from diyfa.ops import attention
+    from diyfa.attention import portable
 
     launched = []
 
@@ -366,18 +366,18 @@ def test_launch_steps_down_when_a_config_does_not_fit(monkeypatch):
                 launched.append((kw["BLOCK_M"], kw["BLOCK_N"]))
             return run
 
-    monkeypatch.setattr(attention.tuning, "autotune_enabled", lambda: False)
-    monkeypatch.setattr(attention, "_chosen", {})
+    monkeypatch.setattr(portable.tuning, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(portable, "_chosen", {})
     t = torch.empty(1, dtype=torch.float32)
     args = dict(CAUSAL=False, SEQ_BUCKET=1024)
     with diyfa.tuning.pinned("attn_fwd", BLOCK_M=128, BLOCK_N=128):
-        attention._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)
+        portable._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)
     assert launched == [(32, 32)]
     # Unpinned: the default (here the interpreter's 32x32) fits and is remembered.
-    attention._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)
-    assert attention._chosen[("attn_fwd", False, None, torch.float32, 256, False, 1024)][0] == {
+    portable._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)
+    assert portable._chosen[("attn_fwd", False, None, torch.float32, 256, False, 1024)][0] == {
         "BLOCK_M": 32, "BLOCK_N": 32}
     with pytest.raises(OutOfResources):
         with diyfa.tuning.pinned("attn_fwd", BLOCK_M=64, BLOCK_N=64):
-            monkeypatch.setattr(attention.tuning, "FALLBACKS", [(64, 32, 4, 1)])
-            attention._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)
+            monkeypatch.setattr(portable.tuning, "FALLBACKS", [(64, 32, 4, 1)])
+            portable._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)

@@ -15,7 +15,7 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    import diyfa.ops.attention  # noqa: F401  (importing a kernel module applies the fixes)
+    import diyfa.attention.portable  # noqa: F401  (importing a kernel module applies the fixes)
 
     @triton.jit
     def dot16(A, B, C):

@@ -12,9 +12,9 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (loaded lazily)
 _LAZY = {
-    "flash_attention": "diyfa.ops.attention",
-    "flash_attention_with_lse": "diyfa.ops.attention",
-    "scaled_dot_product_attention": "diyfa.ops.attention",
+    "flash_attention": "diyfa.attention",
+    "flash_attention_with_lse": "diyfa.attention",
+    "scaled_dot_product_attention": "diyfa.attention",
     "triton_matmul": "diyfa.ops.matmul",
     "check_hopper_features": "diyfa.device",
     "device_info": "diyfa.device",

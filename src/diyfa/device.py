@@ -148,6 +148,16 @@ def kernel_limits(device_index: int) -> dict:
     }
 
 
+@functools.cache
+def cuda_capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of the CUDA device ``device_index``, cached (read on
+    every attention call to choose a kernel family)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return (major, minor)
+
+
 def check_hopper_features(device: int | None = None) -> dict:
     """The seed's API: which Hopper features the present GPU has.
 

@@ -123,9 +123,9 @@ def format_seed_arithmetic() -> str:
 
 # --------------------------------------------------------------------------------- the sweep
 KERNELS = {  # experiment name -> (tuning name, Triton kernel attribute, module)
-    "attn_fwd": ("attn_fwd", "_attn_fwd", "diyfa.ops.attention"),
-    "attn_bwd_dkdv": ("attn_bwd_dkdv", "_attn_bwd_dkdv", "diyfa.ops.attention"),
-    "attn_bwd_dq": ("attn_bwd_dq", "_attn_bwd_dq", "diyfa.ops.attention"),
+    "attn_fwd": ("attn_fwd", "_attn_fwd", "diyfa.attention.portable"),
+    "attn_bwd_dkdv": ("attn_bwd_dkdv", "_attn_bwd_dkdv", "diyfa.attention.portable"),
+    "attn_bwd_dq": ("attn_bwd_dq", "_attn_bwd_dq", "diyfa.attention.portable"),
     "matmul": ("matmul", None, "diyfa.ops.matmul"),
 }
 
@@ -291,7 +291,7 @@ def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool =
         bwd = kernel != "attn_fwd"
         q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dt,
                                requires_grad=bwd) for _ in range(3))  # fmt: skip
-        from diyfa.ops.attention import flash_attention
+        from diyfa.attention import flash_attention
 
         mode = "bwd" if bwd else "fwd"
         fl = flops.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal,

@@ -117,7 +117,7 @@ def _diyfa_check(case) -> str | None:
 @register("attention", "diyfa", layout="bhsd", check=_diyfa_check)
 def _diyfa_attention(case, q, k, v):
     """diyfa.flash_attention (Triton), layout bhsd."""
-    from diyfa.ops.attention import flash_attention
+    from diyfa.attention import flash_attention
 
     return flash_attention(q, k, v, causal=case.causal)
 

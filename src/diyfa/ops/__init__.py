@@ -1,1 +1,1 @@
-"""Triton kernels, one module per op: attention, matmul."""
+"""Matmul kernels (matmul.py, matmul_ws.py); attention has its own package, diyfa.attention."""

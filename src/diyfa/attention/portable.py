@@ -1,4 +1,7 @@
-"""FlashAttention forward and backward in Triton (FlashAttention-2 style).
+"""The "portable" kernel family: FlashAttention forward and backward in Triton
+(FlashAttention-2 style). It runs every problem that passes diyfa.attention.checks, on
+any CUDA GPU Triton supports and in the Triton interpreter; the dispatcher
+(dispatch.py) falls back to it when no faster family supports a problem.
 
 Layout and shapes
     q: (batch, heads, seqlen_q, head_dim)      for layout="bhsd" (PyTorch SDPA's layout)
@@ -30,15 +33,12 @@ Work split
     The backward is deterministic: dK/dV for a K/V block are summed by one program, over the
     query heads of its group (GQA) too; dQ is computed by a second kernel. No atomics.
 
-Limits
+Limits (enforced by checks.py)
     head_dim 1..256 (q, k and v share it; non-powers of two are padded to the next power of
     two inside the kernel); fp16, bf16, fp32; no dropout, no arbitrary additive masks.
 """
 
 from __future__ import annotations
-
-import logging
-import math
 
 import torch
 import triton
@@ -48,18 +48,14 @@ from triton.runtime.errors import OutOfResources
 from diyfa import _interpreter, tuning
 from diyfa._launcher import cdiv, next_power_of_2
 from diyfa._launcher import launch as fast_launch
-from diyfa.device import interpreter_enabled, kernel_limits, require_kernel_device
+from diyfa.attention.dispatch import Family
+from diyfa.attention.problem import Problem, bhsd_strides
+from diyfa.device import interpreter_enabled, kernel_limits
 
 if interpreter_enabled():
     _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-LAYOUTS = ("bhsd", "bshd")
-
-log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,21 +403,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-def _strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    """Strides of ``t`` in (batch, heads, seqlen, dim) order."""
-    sb, s1, s2, sd = t.stride()
-    return (sb, s1, s2, sd) if layout == "bhsd" else (sb, s2, s1, sd)
-
-
-def _dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    b, d1, d2, d = t.shape
-    return (b, d1, d2, d) if layout == "bhsd" else (b, d2, d1, d)
-
-
 def _empty(batch, heads, seqlen, dim, layout, like: torch.Tensor) -> torch.Tensor:
     shape = (batch, heads, seqlen, dim) if layout == "bhsd" else (batch, seqlen, heads, dim)
     return torch.empty(shape, dtype=like.dtype, device=like.device)
-
 
 
 # (kernel, device, dtype, HEAD_DIM_PAD, CAUSAL, SEQ_BUCKET) -> the autotuner's choice. Looked up
@@ -478,39 +462,39 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
         return
 
 
-def _common(q, k, v, layout, causal, align, softmax_scale):
-    b, h, sq, d = _dims(q, layout)
-    _, hk, sk, _ = _dims(k, layout)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+def _common(problem: Problem) -> dict:
+    """Arguments every kernel takes, from the problem."""
+    p = problem
+    d = p.head_dim
     return dict(
-        heads=h, kv_group=h // hk, seqlen_q=sq, seqlen_k=sk,
-        causal_offset=(sk - sq) if align == "bottom_right" else 0,
-        qk_scale=scale * LOG2E, HEAD_DIM=d, HEAD_DIM_PAD=max(16, next_power_of_2(d)),
-        CAUSAL=bool(causal), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    ), scale  # fmt: skip
+        heads=p.heads, kv_group=p.kv_group, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+        causal_offset=p.causal_offset, qk_scale=p.softmax_scale * LOG2E, HEAD_DIM=d,
+        HEAD_DIM_PAD=max(16, next_power_of_2(d)), CAUSAL=p.causal,
+        PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
 
 
-def _attention_forward(q, k, v, causal, align, softmax_scale, layout):
+def _attention_forward(q, k, v, problem: Problem):
     """Run the forward kernel. Returns (out, lse2) with lse2 in base 2, (batch, heads, seqlen_q)."""
-    b, h, sq, d = _dims(q, layout)
-    sk = _dims(k, layout)[2]
-    out = _empty(b, h, sq, d, layout, q)
+    p = problem
+    b, h, sq, sk = p.batch, p.heads, p.seqlen_q, p.seqlen_k
+    out = _empty(b, h, sq, p.head_dim, p.layout, q)
     lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     if sk == 0:  # nothing to attend to
         out.zero_()
         lse2.fill_(float("-inf"))
         return out, lse2
-    common, _ = _common(q, k, v, layout, causal, align, softmax_scale)
     if sq == 0 or b * h == 0:
         return out, lse2
+    common = _common(p)
 
     def grid(meta):
         return (cdiv(sq, meta["BLOCK_M"]), b * h)
 
     _launch(_attn_fwd, "attn_fwd", grid, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, O=out, LSE=lse2,
-            **_named("q", _strides(q, layout)), **_named("k", _strides(k, layout)),
-            **_named("v", _strides(v, layout)), **_named("o", _strides(out, layout)),
+            **_named("q", p.q_strides), **_named("k", p.k_strides),
+            **_named("v", p.v_strides), **_named("o", bhsd_strides(out, p.layout)),
             SEQ_BUCKET=tuning.seq_bucket(sq, sk), **common)  # fmt: skip
     return out, lse2
 
@@ -524,17 +508,19 @@ def _named(prefix: str, strides) -> dict:
     return dict(zip(_STRIDE_NAMES[prefix], strides, strict=True))
 
 
-def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, layout):
-    b, h, sq, d = _dims(q, layout)
-    hk, sk = _dims(k, layout)[1:3]
+def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
+    """Run the two backward kernels. Returns (dq, dk, dv)."""
+    p = problem
+    b, h, hk, sq, sk = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k
+    layout = p.layout
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if sq == 0 or sk == 0 or b * h == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    common, scale = _common(q, k, v, layout, causal, align, softmax_scale)
+    common = _common(p)
     delta = torch.empty_like(lse2)
-    strides = {**_named("q", _strides(q, layout)), **_named("k", _strides(k, layout)),
-               **_named("v", _strides(v, layout)),
-               **_named("do", _strides(do, layout))}  # fmt: skip
+    strides = {**_named("q", p.q_strides), **_named("k", p.k_strides),
+               **_named("v", p.v_strides),
+               **_named("do", bhsd_strides(do, layout))}  # fmt: skip
     bucket = tuning.seq_bucket(sq, sk)
 
     def grid_dq(meta):
@@ -543,179 +529,26 @@ def _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale, la
     # dQ first: it also writes delta = rowsum(dO * O), which dK/dV reads.
     _launch(_attn_bwd_dq, "attn_bwd_dq", grid_dq, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, O=out, DO=do, LSE=lse2, DELTA=delta, DQ=dq, **strides,
-            **_named("o", _strides(out, layout)), **_named("dq", _strides(dq, layout)),
-            sm_scale=scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
+            **_named("o", bhsd_strides(out, layout)), **_named("dq", bhsd_strides(dq, layout)),
+            sm_scale=p.softmax_scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
 
     def grid_dkdv(meta):
         return (cdiv(sk, meta["BLOCK_N"]), b * hk)
 
     _launch(_attn_bwd_dkdv, "attn_bwd_dkdv", grid_dkdv, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DK=dk, DV=dv, **strides,
-            **_named("dk", _strides(dk, layout)), **_named("dv", _strides(dv, layout)),
-            sm_scale=scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
+            **_named("dk", bhsd_strides(dk, layout)), **_named("dv", bhsd_strides(dv, layout)),
+            sm_scale=p.softmax_scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
     return dq, dk, dv
 
 
 # --------------------------------------------------------------------------------------------
-# Input checks
+# The family
 # --------------------------------------------------------------------------------------------
-def _check_inputs(q, k, v, causal, softmax_scale, layout) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            axes = "batch, heads, seqlen, head_dim" if layout == "bhsd" else (
-                "batch, seqlen, heads, head_dim")
-            raise ValueError(
-                f"{name} must be 4-D ({axes} for layout={layout!r}), got shape {tuple(t.shape)}"
-            )
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32"
-            )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
-        )
-    require_kernel_device(q, "q, k, v")
-    b, h, sq, d = _dims(q, layout)
-    bk, hk, sk, dk = _dims(k, layout)
-    bv, hv, sv, dv = _dims(v, layout)
-    if not (b == bk == bv):
-        raise ValueError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")
-    if not (hk == hv and sk == sv):
-        raise ValueError(
-            f"k and v must have the same heads and seqlen, got k (heads={hk}, seqlen={sk}) "
-            f"and v (heads={hv}, seqlen={sv})"
-        )
-    if not (d == dk == dv):
-        raise ValueError(
-            f"q, k, v must share head_dim, got q={d}, k={dk}, v={dv} (a different value dim "
-            "is not supported by the kernel)"
-        )
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
-    if hk == 0 or h % hk:
-        raise ValueError(
-            f"q heads ({h}) must be a multiple of k/v heads ({hk}) for GQA/MQA"
-        )
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+def _supports(problem: Problem) -> str | None:
+    """Everything that passed diyfa.attention.checks runs here."""
+    return None
 
 
-# --------------------------------------------------------------------------------------------
-# Autograd and public API
-# --------------------------------------------------------------------------------------------
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, align, softmax_scale, layout):
-        out, lse2 = _attention_forward(q, k, v, causal, align, softmax_scale, layout)
-        ctx.set_materialize_grads(False)  # no zeros tensor (one more launch) for lse2's grad
-        ctx.save_for_backward(q, k, v, out, lse2)
-        ctx.args = (causal, align, softmax_scale, layout)
-        ctx.mark_non_differentiable(lse2)
-        return out, lse2
-
-    @staticmethod
-    def backward(ctx, do, _dlse2):
-        q, k, v, out, lse2 = ctx.saved_tensors
-        causal, align, softmax_scale, layout = ctx.args
-        dq, dk, dv = _attention_backward(do, q, k, v, out, lse2, causal, align, softmax_scale,
-                                         layout)  # fmt: skip
-        return dq, dk, dv, None, None, None, None
-
-
-def _attention(q, k, v, causal, align, softmax_scale, layout):
-    """(out, lse2) on checked inputs, through autograd only when a gradient is wanted."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttention.apply(q, k, v, causal, align, softmax_scale, layout)
-    # Inference: no autograd node to build (about 10 us of host time per call).
-    return _attention_forward(q, k, v, causal, align, softmax_scale, layout)
-
-
-def flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    layout: str = "bhsd",
-    return_lse: bool = False,
-):
-    """FlashAttention: softmax(q k^T * softmax_scale [+ causal mask]) v, differentiable.
-
-    Args:
-        q: (batch, heads, seqlen_q, head_dim) for layout="bhsd",
-           (batch, seqlen_q, heads, head_dim) for layout="bshd". fp16, bf16 or fp32.
-        k, v: the same with kv_heads (dividing heads: GQA/MQA) and seqlen_k.
-        causal: mask aligned bottom-right (query i sees keys j <= i + seqlen_k - seqlen_q).
-        softmax_scale: default 1/sqrt(head_dim).
-        layout: "bhsd" or "bshd"; the output has the same layout.
-        return_lse: also return the natural-log log-sum-exp, (batch, heads, seqlen_q) fp32
-            (-inf for rows that see no key).
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    _check_inputs(q, k, v, causal, softmax_scale, layout)
-    out, lse2 = _attention(q, k, v, causal, "bottom_right", softmax_scale, layout)
-    return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
-
-
-def flash_attention_with_lse(q, k, v, **kwargs):
-    """``flash_attention(..., return_lse=True)``: returns (out, lse)."""
-    return flash_attention(q, k, v, return_lse=True, **kwargs)
-
-
-_fallback_logged: set[str] = set()
-
-
-def _fallback(reason: str, *args, **kwargs):
-    if reason not in _fallback_logged:
-        _fallback_logged.add(reason)
-        log.warning("diyfa.scaled_dot_product_attention: %s; using PyTorch's SDPA", reason)
-    return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
-
-
-def scaled_dot_product_attention(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-    enable_gqa=False,
-):
-    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (layout bhsd).
-
-    Runs the diyfa kernel when it can; falls back to PyTorch's SDPA, with one logged warning
-    per reason, for what the kernel does not do: ``attn_mask``, ``dropout_p > 0``, inputs
-    that are not 4-D, different q/k and v head dims, head_dim > 256, and devices other than
-    CUDA. ``is_causal`` follows PyTorch: top-left aligned when seqlen_q != seqlen_k.
-    """
-    args = (query, key, value)
-    kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                  enable_gqa=enable_gqa)  # fmt: skip
-    if attn_mask is not None:
-        return _fallback("attn_mask is not supported by the kernel", *args, **kwargs)
-    if dropout_p > 0.0:
-        return _fallback("dropout is not supported by the kernel", *args, **kwargs)
-    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in args):
-        return _fallback("only 4-D (batch, heads, seqlen, dim) inputs run on the kernel",
-                         *args, **kwargs)  # fmt: skip
-    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] > 256:
-        return _fallback("head dims differ or exceed 256", *args, **kwargs)
-    if query.device.type != "cuda" and not interpreter_enabled():
-        return _fallback(f"device {query.device.type} has no Triton kernel", *args, **kwargs)
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(
-            f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
-            "for grouped-query attention"
-        )
-    _check_inputs(query, key, value, bool(is_causal), scale, "bhsd")
-    out, _ = _attention(query, key, value, bool(is_causal), "top_left", scale, "bhsd")
-    return out
+FAMILY = Family("portable", supports=_supports, forward=_attention_forward,
+                backward=_attention_backward)

@@ -1,0 +1,120 @@
+"""FlashAttention: the public functions.
+
+A call goes checks -> problem -> dispatch -> family:
+
+    checks.py    ``check_inputs``: every input check; returns the call's ``Problem``
+    problem.py   ``Problem``: one frozen description of the call (shapes, strides, dtype,
+                 device, layout, masking, resolved scale, compute capability)
+    dispatch.py  the kernel families in priority order; ``select`` picks one ("auto" or by
+                 name), ``explain`` says which families can run a problem and why not
+    function.py  the autograd Function: forward and backward of the chosen family
+    portable.py  the "portable" family: the Triton kernels (FlashAttention-2 style) that run
+                 on any CUDA GPU and in the Triton interpreter; numerics, masking and limits
+                 are described in its docstring
+
+Importing this package compiles, launches and imports no kernels: a family's module is
+imported on the first call that consults it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from diyfa.attention.checks import check_inputs
+from diyfa.attention.dispatch import select
+from diyfa.attention.function import run
+from diyfa.device import interpreter_enabled
+
+__all__ = ["flash_attention", "flash_attention_with_lse", "scaled_dot_product_attention"]
+
+LN2 = 0.6931471805599453
+
+log = logging.getLogger(__name__)
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """FlashAttention: softmax(q k^T * softmax_scale [+ causal mask]) v, differentiable.
+
+    Args:
+        q: (batch, heads, seqlen_q, head_dim) for layout="bhsd",
+           (batch, seqlen_q, heads, head_dim) for layout="bshd". fp16, bf16 or fp32.
+        k, v: the same with kv_heads (dividing heads: GQA/MQA) and seqlen_k.
+        causal: mask aligned bottom-right (query i sees keys j <= i + seqlen_k - seqlen_q).
+        softmax_scale: default 1/sqrt(head_dim).
+        layout: "bhsd" or "bshd"; the output has the same layout.
+        return_lse: also return the natural-log log-sum-exp, (batch, heads, seqlen_q) fp32
+            (-inf for rows that see no key).
+        backend: which kernel family runs the call. "auto" (default): the first family that
+            supports the problem; "portable": the Triton kernels that run everywhere (the
+            only family for now; a Hopper family will be added). A named family that cannot
+            run the problem raises ValueError with the reason; so does an unknown name.
+            ``diyfa.attention.dispatch.explain`` lists the families and their reasons.
+    """
+    problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                           align="bottom_right")  # fmt: skip
+    out, lse2 = run(q, k, v, problem, select(problem, backend))
+    return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
+
+
+def flash_attention_with_lse(q, k, v, **kwargs):
+    """``flash_attention(..., return_lse=True)``: returns (out, lse)."""
+    return flash_attention(q, k, v, return_lse=True, **kwargs)
+
+
+_fallback_logged: set[str] = set()
+
+
+def _fallback(reason: str, *args, **kwargs):
+    if reason not in _fallback_logged:
+        _fallback_logged.add(reason)
+        log.warning("diyfa.scaled_dot_product_attention: %s; using PyTorch's SDPA", reason)
+    return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    enable_gqa=False,
+):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (layout bhsd).
+
+    Runs the diyfa kernel when it can (backend "auto"); falls back to PyTorch's SDPA, with
+    one logged warning per reason, for what the kernel does not do: ``attn_mask``,
+    ``dropout_p > 0``, inputs that are not 4-D, different q/k and v head dims, head_dim > 256,
+    and devices other than CUDA. ``is_causal`` follows PyTorch: top-left aligned when
+    seqlen_q != seqlen_k.
+    """
+    args = (query, key, value)
+    kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                  enable_gqa=enable_gqa)  # fmt: skip
+    if attn_mask is not None:
+        return _fallback("attn_mask is not supported by the kernel", *args, **kwargs)
+    if dropout_p > 0.0:
+        return _fallback("dropout is not supported by the kernel", *args, **kwargs)
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in args):
+        return _fallback("only 4-D (batch, heads, seqlen, dim) inputs run on the kernel",
+                         *args, **kwargs)  # fmt: skip
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] > 256:
+        return _fallback("head dims differ or exceed 256", *args, **kwargs)
+    if query.device.type != "cuda" and not interpreter_enabled():
+        return _fallback(f"device {query.device.type} has no Triton kernel", *args, **kwargs)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+            "for grouped-query attention"
+        )
+    problem = check_inputs(query, key, value, causal=bool(is_causal), softmax_scale=scale,
+                           layout="bhsd", align="top_left")  # fmt: skip
+    out, _ = run(query, key, value, problem, select(problem))
+    return out

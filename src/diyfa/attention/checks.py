@@ -1,0 +1,94 @@
+"""Every input check of the attention functions, in one place: :func:`check_inputs`.
+
+What passes here is what the portable kernel family runs (any kernel family may accept less:
+it says so in its ``supports``). Errors are TypeError for a wrong kind of value (not a tensor,
+a dtype, a flag that is not a bool) and ValueError for a wrong value (shapes, layout, device).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from diyfa.attention.problem import (
+    ALIGNS,
+    LAYOUTS,
+    Problem,
+    bhsd_shape,
+    bhsd_strides,
+    device_capability,
+)
+from diyfa.device import require_kernel_device
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_inputs(q, k, v, *, causal, softmax_scale, layout, align) -> Problem:
+    """Check q, k, v and the options; return the call's :class:`Problem`.
+
+    ``layout`` is "bhsd" or "bshd"; ``align`` ("bottom_right" or "top_left") is chosen by
+    the public function, not by its caller. Raises TypeError or ValueError naming what is
+    wrong.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if align not in ALIGNS:
+        raise ValueError(f"align must be one of {ALIGNS}, got {align!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            axes = "batch, heads, seqlen, head_dim" if layout == "bhsd" else (
+                "batch, seqlen, heads, head_dim")
+            raise ValueError(
+                f"{name} must be 4-D ({axes} for layout={layout!r}), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
+        )
+    require_kernel_device(q, "q, k, v")
+    b, h, sq, d = bhsd_shape(q, layout)
+    bk, hk, sk, dk = bhsd_shape(k, layout)
+    bv, hv, sv, dv = bhsd_shape(v, layout)
+    if not (b == bk == bv):
+        raise ValueError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")
+    if not (hk == hv and sk == sv):
+        raise ValueError(
+            f"k and v must have the same heads and seqlen, got k (heads={hk}, seqlen={sk}) "
+            f"and v (heads={hv}, seqlen={sv})"
+        )
+    if not (d == dk == dv):
+        raise ValueError(
+            f"q, k, v must share head_dim, got q={d}, k={dk}, v={dv} (a different value dim "
+            "is not supported by the kernel)"
+        )
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
+    if hk == 0 or h % hk:
+        raise ValueError(
+            f"q heads ({h}) must be a multiple of k/v heads ({hk}) for GQA/MQA"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    device = q.device
+    # Positional, in field order: keywords cost ~0.6 us more on every call.
+    return Problem(b, h, hk, sq, sk, d, q.dtype, device, layout, causal, align, scale,
+                   bhsd_strides(q, layout), bhsd_strides(k, layout), bhsd_strides(v, layout),
+                   device_capability(device))  # fmt: skip

@@ -1,0 +1,95 @@
+"""Kernel families and the choice among them.
+
+A *family* is one implementation of attention (its kernels and launch code), described by a
+:class:`Family`: its ``name``, ``supports(problem)`` (None when it can run the problem, else
+the reason it cannot, in words), ``forward(q, k, v, problem) -> (out, lse2)`` and
+``backward(do, q, k, v, out, lse2, problem) -> (dq, dk, dv)``. ``lse2`` is the base-2
+log-sum-exp per query row, (batch, heads, seqlen_q) fp32, -inf for a row that sees no key.
+
+:data:`FAMILY_MODULES` lists the families in priority order. ``select(problem)`` ("auto")
+takes the first that supports the problem; ``select(problem, name)`` forces one.
+
+Adding a family: write ``diyfa/attention/<name>.py`` with its kernels and a module-level
+``FAMILY = Family(...)``, and put ``"diyfa.attention.<name>"`` in :data:`FAMILY_MODULES`
+above the families it should win over. Family modules are imported on the first call that
+consults them, never by ``import diyfa.attention``: a family's Triton or Gluon code costs
+nothing until attention runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from diyfa.attention.problem import Problem
+
+log = logging.getLogger(__name__)
+
+# Kernel families, best first: each module defines FAMILY. "portable" runs every problem
+# that passes the input checks, so it stays last.
+FAMILY_MODULES = (
+    "diyfa.attention.portable",
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kernel family (see the module docstring for the contract of each callable)."""
+
+    name: str
+    supports: Callable[[Problem], str | None]
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@functools.cache
+def families() -> tuple[Family, ...]:
+    """The families of :data:`FAMILY_MODULES`, in priority order (imported on first use)."""
+    return tuple(importlib.import_module(m).FAMILY for m in FAMILY_MODULES)
+
+
+def backend_names() -> tuple[str, ...]:
+    """What ``backend=`` accepts: "auto" and each family's name."""
+    return ("auto",) + tuple(f.name for f in families())
+
+
+def select(problem: Problem, backend: str = "auto") -> Family:
+    """The family that runs ``problem``.
+
+    "auto": the first family that supports it; each one passed over is logged at DEBUG
+    level with its reason. A family's name: that family, or ValueError with the reason it
+    cannot run the problem. Anything else: ValueError listing the accepted names.
+    """
+    fams = families()
+    if backend == "auto":
+        for family in fams:
+            reason = family.supports(problem)
+            if reason is None:
+                return family
+            log.debug("attention backend %r skipped: %s", family.name, reason)
+        raise ValueError(  # unreachable while "portable" (which supports everything) is listed
+            "no attention backend can run this problem: "
+            + "; ".join(f"{name}: {why}" for name, why in explain(problem))
+        )
+    for family in fams:
+        if family.name == backend:
+            reason = family.supports(problem)
+            if reason is not None:
+                raise ValueError(f"attention backend {backend!r} cannot run this problem: "
+                                 f"{reason}")  # fmt: skip
+            return family
+    raise ValueError(
+        f"unknown attention backend {backend!r}; accepted: "
+        + ", ".join(repr(n) for n in backend_names())
+    )
+
+
+def explain(problem: Problem) -> list[tuple[str, str | None]]:
+    """Each family's name, in priority order, with the reason it cannot run ``problem``
+    (None: it can)."""
+    return [(family.name, family.supports(problem)) for family in families()]

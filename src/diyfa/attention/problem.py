@@ -1,0 +1,81 @@
+"""One attention call, described once: :class:`Problem`.
+
+:func:`diyfa.attention.checks.check_inputs` builds it from q, k, v and the options once they
+have passed every check; the dispatcher (``dispatch.py``) asks each kernel family whether it
+supports it, and the chosen family's forward and backward read shapes, strides and options
+from it rather than from the tensors again.
+
+Building one is on the path of every call, so it is cheap: shape and stride reads and a
+compute capability that is queried from the driver once per device and cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diyfa.device import cuda_capability, interpreter_enabled
+
+LAYOUTS = ("bhsd", "bshd")
+ALIGNS = ("bottom_right", "top_left")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Shapes, dtype, device, layout, masking and scale of one attention call.
+
+    ``heads`` are the query heads, ``kv_heads`` the key/value heads (fewer: GQA/MQA).
+    ``causal`` with ``align="bottom_right"`` lets query i see key j iff
+    j <= i + seqlen_k - seqlen_q (FlashAttention's convention); ``"top_left"`` uses offset 0
+    (PyTorch's ``is_causal``). ``softmax_scale`` is resolved: 1/sqrt(head_dim) unless given.
+    Strides are in (batch, heads, seqlen, dim) order whatever the layout. ``capability`` is
+    the CUDA device's (major, minor); None on the CPU and under the Triton interpreter.
+    """
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    layout: str
+    causal: bool
+    align: str
+    softmax_scale: float
+    q_strides: tuple[int, int, int, int]
+    k_strides: tuple[int, int, int, int]
+    v_strides: tuple[int, int, int, int]
+    capability: tuple[int, int] | None
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per key/value head (1 without GQA)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def causal_offset(self) -> int:
+        """Query i sees key j iff j <= i + causal_offset (when causal)."""
+        return self.seqlen_k - self.seqlen_q if self.align == "bottom_right" else 0
+
+
+def bhsd_shape(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """Shape of ``t`` in (batch, heads, seqlen, dim) order."""
+    b, d1, d2, d = t.shape
+    return (b, d1, d2, d) if layout == "bhsd" else (b, d2, d1, d)
+
+
+def bhsd_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """Strides of ``t`` in (batch, heads, seqlen, dim) order."""
+    sb, s1, s2, sd = t.stride()
+    return (sb, s1, s2, sd) if layout == "bhsd" else (sb, s2, s1, sd)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, cached per device; None for the CPU or when kernels
+    run in the Triton interpreter."""
+    if device.type != "cuda" or interpreter_enabled():
+        return None
+    return cuda_capability(device.index)
