@@ -91,4 +91,5 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align) -> Problem:
     # Positional, in field order: keywords cost ~0.6 us more on every call.
     return Problem(b, h, hk, sq, sk, d, q.dtype, device, layout, causal, align, scale,
                    bhsd_strides(q, layout), bhsd_strides(k, layout), bhsd_strides(v, layout),
-                   device_capability(device))  # fmt: skip
+                   device_capability(device),
+                   not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16))  # fmt: skip

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # Kernel families, best first: each module defines FAMILY. "portable" runs every problem
 # that passes the input checks, so it stays last.
 FAMILY_MODULES = (
+    "diyfa.attention.hopper_fwd",
     "diyfa.attention.portable",
 )
 

@@ -31,6 +31,7 @@ class Problem:
     (PyTorch's ``is_causal``). ``softmax_scale`` is resolved: 1/sqrt(head_dim) unless given.
     Strides are in (batch, heads, seqlen, dim) order whatever the layout. ``capability`` is
     the CUDA device's (major, minor); None on the CPU and under the Triton interpreter.
+    ``aligned16``: every data pointer is a multiple of 16 bytes.
     """
 
     batch: int
@@ -49,6 +50,7 @@ class Problem:
     k_strides: tuple[int, int, int, int]
     v_strides: tuple[int, int, int, int]
     capability: tuple[int, int] | None
+    aligned16: bool  # q, k and v all start on a 16-byte boundary (TMA's rule)
 
     @property
     def kv_group(self) -> int:

@@ -116,10 +116,19 @@ def _diyfa_check(case) -> str | None:
 
 @register("attention", "diyfa", layout="bhsd", check=_diyfa_check)
 def _diyfa_attention(case, q, k, v):
-    """diyfa.flash_attention (Triton), layout bhsd."""
+    """diyfa.flash_attention, layout bhsd, backend "auto" (the Hopper forward on sm90)."""
     from diyfa.attention import flash_attention
 
     return flash_attention(q, k, v, causal=case.causal)
+
+
+@register("attention", "diyfa-portable", layout="bhsd", check=_diyfa_check)
+def _diyfa_portable(case, q, k, v):
+    """diyfa.flash_attention forced onto the portable Triton kernels (every run shows what
+    the Hopper family gains over them)."""
+    from diyfa.attention import flash_attention
+
+    return flash_attention(q, k, v, causal=case.causal, backend="portable")
 
 
 @register("attention", "sdpa-flash", layout="bhsd", baseline=True, check=_sdpa_check)

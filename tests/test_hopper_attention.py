@@ -1,0 +1,237 @@
+"""The Hopper forward family (diyfa/attention/hopper_fwd.py, Gluon).
+
+CPU (CI): the kernel compiles for sm90a with Triton's bundled ptxas and fits (shared memory,
+registers, nothing spilled); ``supports`` sends each call where it should and says why;
+``backend="hopper"`` refuses with the reason. GPU (``gpu``): the attention correctness matrix
+through the Hopper path explicitly, by the same rule as test_attention.py (2x PyTorch's own
+error against float64; gradients, which run the portable backward on the Hopper forward's
+LSE, 3x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import diyfa
+from diyfa.attention import dispatch
+from diyfa.attention.checks import check_inputs
+
+from .conftest import HAS_CUDA
+from .test_attention import _inputs, _run_and_check
+
+_COMPILE = """
+import json, os, subprocess, sys, tempfile, torch, triton
+from diyfa.attention import hopper_fwd as hf
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+out = []
+for d in (64, 128, 256):
+    for causal in (False, True):
+        k = hf.compile_for_hopper(d, getattr(torch, sys.argv[1]), causal)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True)
+        out.append({"d": d, "causal": causal, "shared": k.metadata.shared, "ptx": k.asm["ptx"],
+                    "ptxas": done.stderr})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_hopper_kernel_compiles_and_fits(dtype):
+    """For each padded head dim (64, 128, 256), causal or not: the Gluon kernel compiles for
+    sm90a without a GPU, fits an H100/H200 block's 227 KB of shared memory, and is what its
+    docstring says: wgmma for S = QK^T (m64 x BLOCK_N) and O += PV (m64 x head dim, P from
+    registers), 4-D TMA loads and stores, the registers moved from the loader warp to the
+    consumers, and nothing spilled (ptxas's own report). In a fresh process: running kernels
+    under the interpreter leaves Triton's language module patched."""
+    from diyfa.attention.hopper_fwd import HOPPER_CONFIGS
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, dtype], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    kinds = {"bfloat16": "bf16", "float16": "f16"}
+    for r in json.loads(done.stdout.strip().splitlines()[-1]):
+        consumers, block_n, stages, _, c_regs, l_regs = HOPPER_CONFIGS[r["d"]]
+        where = f"d{r['d']} causal={r['causal']}"
+        assert r["shared"] <= 227 * 1024, where
+        ptx = r["ptx"]
+        assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{kinds[dtype]}" in ptx, where
+        assert f"wgmma.mma_async.sync.aligned.m64n{r['d']}k16.f32.{kinds[dtype]}" in ptx, where
+        assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx, where  # TMA loads
+        assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx, where  # TMA store of O
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx, where
+        assert f"setmaxnreg.dec.sync.aligned.u32 \t{l_regs};" in ptx, where
+        assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (where, r["ptxas"])
+
+
+def _problem(b=2, h=4, hk=2, sq=300, sk=257, d=128, dtype=torch.bfloat16, layout="bhsd",
+             scale=None, causal=False, **replace):
+    """A Problem as check_inputs builds it, as if on an H100 (capability 9.0) unless
+    ``replace`` says otherwise."""
+    shape = (lambda hh, s: (b, hh, s, d)) if layout == "bhsd" else (lambda hh, s: (b, s, hh, d))
+    q = torch.empty(shape(h, sq), dtype=dtype)
+    k = torch.empty(shape(hk, sk), dtype=dtype)
+    p = check_inputs(q, k, torch.empty_like(k), causal=causal, softmax_scale=scale,
+                     layout=layout, align="bottom_right")  # fmt: skip
+    return dataclasses.replace(p, **{"capability": (9, 0), **replace})
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(dtype=torch.float16, d=80), dict(d=64, causal=True), dict(d=256, hk=1),
+    dict(d=96, layout="bshd"), dict(d=192, sq=1, sk=1), dict(capability=(9, 0), d=72),
+], ids=["bf16-d128", "fp16-d80", "d64-causal", "d256-mqa", "d96-bshd", "d192-one-row", "d72"])
+def test_auto_picks_hopper_where_it_applies(kwargs):
+    assert dispatch.select(_problem(**kwargs)).name == "hopper"
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(capability=(8, 0)), "needs a Hopper GPU \\(sm90\\), got sm80"),
+    (dict(capability=(10, 0)), "needs a Hopper GPU \\(sm90\\), got sm100"),
+    (dict(capability=None), "needs a Hopper GPU \\(sm90\\), got no CUDA device"),
+    (dict(dtype=torch.float32), "fp16 or bf16, not float32"),
+    (dict(d=60), "head dims 64..256 that are multiples of 8, not 60"),
+    (dict(d=48), "head dims 64..256 that are multiples of 8, not 48"),
+    (dict(scale=-0.5), "positive softmax_scale, not -0.5"),
+    (dict(aligned16=False), "16-byte boundaries"),
+    (dict(q_strides=(300 * 4 * 256, 300 * 256, 256, 2)), "q's head dim is not contiguous"),
+    (dict(k_strides=(2 * 257 * 133, 257 * 133, 133, 1)), "k's strides .* 16 bytes"),
+    (dict(b=20000, h=4, hk=4, sq=1, sk=1), "batch \\* heads = 80000 exceeds 65535"),
+], ids=["sm80", "sm100", "cpu", "fp32", "d60", "d48", "negative-scale", "misaligned",
+        "strided-dim", "odd-stride", "grid-y"])
+def test_supports_says_why_not(kwargs, reason):
+    import re
+
+    problem = _problem(**kwargs)
+    family = dispatch.select(problem)
+    assert family.name == "portable"
+    assert re.search(reason, dict(dispatch.explain(problem))["hopper"])
+    with pytest.raises(ValueError, match="backend 'hopper' cannot run this problem: .*" + reason):
+        dispatch.select(problem, "hopper")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU's refusal (a GPU runs the family for real)")
+def test_backend_hopper_on_the_cpu_is_a_clear_error():
+    q, k, v = _inputs(1, 2, 2, 16, 16, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="backend 'hopper' cannot run this problem: it needs "
+                                         "a Hopper GPU"):  # fmt: skip
+        diyfa.flash_attention(q, k, v, backend="hopper")
+
+
+def test_descriptors_address_the_bhsd_view():
+    """4-D descriptors over (batch, heads, seqlen, dim) with the tensor's own strides, blocks
+    of (1, 1, rows, padded head dim); the grid covers the query rows in tiles of
+    consumers x 64 rows per (batch, head)."""
+    from diyfa.attention import hopper_fwd as hf
+
+    q = torch.empty(3, 700, 8, 96, dtype=torch.bfloat16)  # bshd
+    k = torch.empty(3, 500, 2, 96, dtype=torch.bfloat16)
+    q4, k4 = hf.bhsd_view(q, "bshd"), hf.bhsd_view(k, "bshd")
+    lse = torch.empty(3, 8, 700)
+    grid, args, num_warps = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True)
+    consumers, block_n, stages, _, _, _ = hf.HOPPER_CONFIGS[128]
+    assert grid == (-(-700 // (consumers * 64)), 24) and num_warps == 4
+    qd, kd = args["q_desc"], args["k_desc"]
+    assert list(qd.shape) == [3, 8, 700, 96] and list(qd.strides) == list(q4.stride())
+    assert list(qd.block_shape) == [1, 1, 64, 128] and list(kd.block_shape) == [1, 1, block_n, 128]
+    assert args["kv_group"] == 4 and args["causal_offset"] == -200 and args["STAGES"] == stages
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the correctness matrix through the Hopper path
+# --------------------------------------------------------------------------------------------
+HOPPER_SHAPES = [
+    (2, 8, 8, 1024, 1024, 64), (1, 16, 4, 1023, 4097, 128), (2, 8, 1, 4097, 1000, 96),
+    (1, 4, 4, 4096, 4096, 256), (4, 8, 2, 113, 1023, 192), (1, 8, 8, 1000, 1000, 80),
+    (2, 6, 2, 333, 77, 128), (1, 4, 4, 1, 500, 64), (1, 4, 2, 777, 1, 256), (3, 2, 1, 65, 129, 72),
+]
+
+
+def _hopper_only(monkeypatch):
+    """Make every flash_attention call of the test run the Hopper forward (a call it does not
+    support then raises instead of quietly running the portable kernel)."""
+    import diyfa.attention as attention
+
+    select = dispatch.select
+    monkeypatch.setattr(attention, "select", lambda problem, backend="auto": select(
+        problem, "hopper" if backend == "auto" else backend))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", HOPPER_SHAPES, ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_hopper_matrix(shape, dtype, causal, monkeypatch):
+    _hopper_only(monkeypatch)
+    b, h, hk, sq, sk, d = shape
+    _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_hopper_16k(dtype, monkeypatch):
+    _hopper_only(monkeypatch)
+    _run_and_check(*_inputs(1, 2, 1, 16384, 16384, 128, dtype, device="cuda"), True)
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_bshd_custom_scale_and_lse(monkeypatch):
+    from diyfa.reference import attention_ref
+
+    _hopper_only(monkeypatch)
+    q, k, v = _inputs(2, 8, 2, 999, 1537, 128, torch.bfloat16, layout="bshd", device="cuda")
+    _run_and_check(q, k, v, True, layout="bshd", scale=0.3)
+    out, lse = diyfa.flash_attention(q, k, v, causal=True, layout="bshd", return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, layout="bshd", return_lse=True)
+    assert (lse - ref_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_rows_that_see_no_key(monkeypatch):
+    """Causal with seqlen_q > seqlen_k: the first rows see no key: zeros, LSE -inf, no NaN."""
+    _hopper_only(monkeypatch)
+    q, k, v = _inputs(1, 2, 2, 300, 100, 64, torch.bfloat16, device="cuda")
+    out, lse = diyfa.flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.isfinite(out).all() and (out[:, :, :200] == 0).all()
+    assert (lse[:, :, :200] == float("-inf")).all() and torch.isfinite(lse[:, :, 200:]).all()
+    _run_and_check(q, k, v, True)
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_packed_qkv_views(monkeypatch):
+    """Slices of a packed (b, s, 3, h, d) QKV tensor run through TMA without copies."""
+    _hopper_only(monkeypatch)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    qkv = torch.randn(2, 1000, 3, 8, 128, generator=g).to("cuda", torch.bfloat16)
+    q, k, v = (qkv[:, :, i].detach().requires_grad_() for i in range(3))
+    _run_and_check(q, k, v, False, layout="bshd")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_routes_by_support():
+    """On an H100/H200, "auto" runs fp16/bf16 on the Hopper forward, fp32, odd head dims and
+    misaligned views on the portable kernel, and both agree with the reference."""
+    q, k, v = _inputs(1, 4, 4, 256, 256, 128, torch.bfloat16, device="cuda")
+    p = check_inputs(q, k, v, causal=False, softmax_scale=None, layout="bhsd",
+                     align="bottom_right")  # fmt: skip
+    if p.capability[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    assert dispatch.select(p).name == "hopper"
+    flat = torch.randn(4 * 256 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    q_odd = flat[1:].view(1, 4, 256, 128)  # 2-byte offset: not 16-byte aligned
+    p = check_inputs(q_odd, k, v, causal=False, softmax_scale=None, layout="bhsd",
+                     align="bottom_right")  # fmt: skip
+    assert "16-byte boundaries" in dict(dispatch.explain(p))["hopper"]
+    _run_and_check(q_odd.detach().requires_grad_(), k, v, False)
+    q32, k32, v32 = _inputs(1, 4, 4, 256, 256, 128, torch.float32, device="cuda")
+    p = check_inputs(q32, k32, v32, causal=False, softmax_scale=None, layout="bhsd",
+                     align="bottom_right")  # fmt: skip
+    assert dispatch.select(p).name == "portable"
