@@ -92,7 +92,7 @@ def _problem(b=2, h=4, hk=2, sq=300, sk=257, d=128, dtype=torch.bfloat16, layout
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(), dict(dtype=torch.float16, d=80), dict(d=64, causal=True), dict(d=256, hk=1),
+    dict(), dict(dtype=torch.float16, d=80), dict(d=64, causal=True, sk=4096), dict(d=256, hk=1),
     dict(d=96, layout="bshd"), dict(d=192, sq=1, sk=1), dict(capability=(9, 0), d=72),
 ], ids=["bf16-d128", "fp16-d80", "d64-causal", "d256-mqa", "d96-bshd", "d192-one-row", "d72"])
 def test_auto_picks_hopper_where_it_applies(kwargs):
@@ -121,6 +121,40 @@ def test_supports_says_why_not(kwargs, reason):
     assert re.search(reason, dict(dispatch.explain(problem))["hopper"])
     with pytest.raises(ValueError, match="backend 'hopper' cannot run this problem: .*" + reason):
         dispatch.select(problem, "hopper")
+
+
+@pytest.mark.parametrize("d, sk, picked", [(64, 4095, "portable"), (64, 4096, "hopper"),
+                                            (64, 100, "portable"), (72, 100, "hopper"),
+                                            (128, 1, "hopper"), (256, 100, "hopper")])
+def test_auto_leaves_short_d64_to_the_portable_kernel(d, sk, picked):
+    """Head dims <= 64 with fewer than 4096 keys, where the portable kernel measured faster:
+    "auto" passes the Hopper family over and says why; naming it still runs it."""
+    problem = _problem(d=d, sk=sk)
+    assert dispatch.select(problem).name == picked
+    reason = dict(dispatch.explain(problem))["hopper"]
+    assert (reason is None) == (picked == "hopper")
+    if picked == "portable":
+        assert "measured faster" in reason
+    assert dispatch.select(problem, "hopper").name == "hopper"
+
+
+def test_descriptors_built_without_the_constructor_match_it():
+    """_desc sets a descriptor's fields directly (the constructor's checks cost host time on
+    every call): field for field what the checked constructor builds, and the same launcher
+    key."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from diyfa._launcher import spec_key
+    from diyfa.attention import hopper_fwd as hf
+
+    for shape, rows in (((2, 700, 8, 96), 64), ((1, 33, 2, 256), 128), ((3, 5, 1, 64), 64)):
+        t4 = torch.empty(shape, dtype=torch.float16).transpose(1, 2)
+        block = [1, 1, rows, hf.head_dim_pad(shape[3])]
+        ref = TensorDescriptor(t4, list(t4.shape), list(t4.stride()), block,
+                               hf.gl.NVMMASharedLayout.get_default_for(block, hf.gl.float16))
+        ours = hf._desc(t4, rows)
+        assert type(ours) is TensorDescriptor and ours == ref
+        assert spec_key(ours) == spec_key(ref)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU's refusal (a GPU runs the family for real)")

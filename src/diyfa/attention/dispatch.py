@@ -3,11 +3,15 @@
 A *family* is one implementation of attention (its kernels and launch code), described by a
 :class:`Family`: its ``name``, ``supports(problem)`` (None when it can run the problem, else
 the reason it cannot, in words), ``forward(q, k, v, problem) -> (out, lse2)`` and
-``backward(do, q, k, v, out, lse2, problem) -> (dq, dk, dv)``. ``lse2`` is the base-2
-log-sum-exp per query row, (batch, heads, seqlen_q) fp32, -inf for a row that sees no key.
+``backward(do, q, k, v, out, lse2, problem) -> (dq, dk, dv)``; optionally
+``prefer(problem)``: None, or why "auto" should pass over a problem the family can run
+(a family measured slower there than the ones below it); a named backend ignores it.
+``lse2`` is the base-2 log-sum-exp per query row, (batch, heads, seqlen_q) fp32, -inf for a
+row that sees no key.
 
 :data:`FAMILY_MODULES` lists the families in priority order. ``select(problem)`` ("auto")
-takes the first that supports the problem; ``select(problem, name)`` forces one.
+takes the first that supports the problem and does not ``prefer`` to pass it over;
+``select(problem, name)`` forces one.
 
 Adding a family: write ``diyfa/attention/<name>.py`` with its kernels and a module-level
 ``FAMILY = Family(...)``, and put ``"diyfa.attention.<name>"`` in :data:`FAMILY_MODULES`
@@ -46,6 +50,14 @@ class Family:
     supports: Callable[[Problem], str | None]
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    prefer: Callable[[Problem], str | None] | None = None
+
+    def auto_reason(self, problem: Problem) -> str | None:
+        """Why "auto" passes this family over for ``problem`` (None: it takes it)."""
+        reason = self.supports(problem)
+        if reason is None and self.prefer is not None:
+            reason = self.prefer(problem)
+        return reason
 
 
 @functools.cache
@@ -69,7 +81,7 @@ def select(problem: Problem, backend: str = "auto") -> Family:
     fams = families()
     if backend == "auto":
         for family in fams:
-            reason = family.supports(problem)
+            reason = family.auto_reason(problem)
             if reason is None:
                 return family
             log.debug("attention backend %r skipped: %s", family.name, reason)
@@ -91,6 +103,6 @@ def select(problem: Problem, backend: str = "auto") -> Family:
 
 
 def explain(problem: Problem) -> list[tuple[str, str | None]]:
-    """Each family's name, in priority order, with the reason it cannot run ``problem``
-    (None: it can)."""
-    return [(family.name, family.supports(problem)) for family in families()]
+    """Each family's name, in priority order, with the reason "auto" would not pick it for
+    ``problem`` (it cannot run it, or was measured slower there); None: it would."""
+    return [(family.name, family.auto_reason(problem)) for family in families()]

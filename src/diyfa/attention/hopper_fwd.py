@@ -40,6 +40,8 @@ reads the same LSE. Everything else runs on the portable family.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -383,10 +385,25 @@ def head_dim_pad(d: int) -> int:
     return 64 if d <= 64 else (128 if d <= 128 else 256)
 
 
+@functools.cache
+def _smem_layout(block: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
 def _desc(t4: torch.Tensor, rows: int) -> GluonDescriptor:
-    block = [1, 1, rows, head_dim_pad(t4.shape[3])]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t4.dtype])
-    return GluonDescriptor(t4, list(t4.shape), list(t4.stride()), block, layout)
+    """A host TMA descriptor of a (batch, heads, seqlen, dim) view, blocks (1, 1, rows, padded
+    dim). Its fields are set directly: ``supports`` has checked TMA's rules (alignment,
+    strides, a contiguous last dim), which the constructor would check again on every call
+    (with the layout lookup, ~10 us of the launch path's host time)."""
+    block = (1, 1, rows, head_dim_pad(t4.shape[3]))
+    desc = object.__new__(GluonDescriptor)
+    desc.base = t4
+    desc.shape = list(t4.shape)
+    desc.strides = list(t4.stride())
+    desc.block_shape = list(block)
+    desc.layout = _smem_layout(block, t4.dtype)
+    desc.padding = "zero"
+    return desc
 
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
@@ -484,5 +501,16 @@ def supports(p: Problem) -> str | None:
     return None
 
 
+def prefer(p: Problem) -> str | None:
+    """Where "auto" leaves a problem this kernel can run to the portable one: head dims <= 64
+    with fewer than 4096 keys, where the portable kernel measured as fast or faster (H100,
+    2026-11-23, benchmarks/results/2026-11-23_h100_flash_fwd_debc629.jsonl: d64 at 512 /
+    1024 / 2048 keys 295 / 370 / 421 TFLOPS against 336 / 393 / 422, causal 161 / 244 / 331
+    against 224 / 301 / 349; from 4096 keys on and at d128 / d256 this kernel is ahead)."""
+    if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < 4096:
+        return "the portable kernel measured faster at head dims <= 64 below 4096 keys"
+    return None
+
+
 FAMILY = Family("hopper", supports=supports, forward=hopper_forward,
-                backward=portable.FAMILY.backward)
+                backward=portable.FAMILY.backward, prefer=prefer)
