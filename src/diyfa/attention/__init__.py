@@ -8,6 +8,7 @@ A call goes checks -> problem -> dispatch -> family:
     dispatch.py  the kernel families in priority order; ``select`` picks one ("auto" or by
                  name), ``explain`` says which families can run a problem and why not
     function.py  the autograd Function: forward and backward of the chosen family
+    hopper_fwd.py  the "hopper" family: a warp-specialised Gluon forward for sm90 (H100/H200)
     portable.py  the "portable" family: the Triton kernels (FlashAttention-2 style) that run
                  on any CUDA GPU and in the Triton interpreter; numerics, masking and limits
                  are described in its docstring
@@ -57,9 +58,11 @@ def flash_attention(
         return_lse: also return the natural-log log-sum-exp, (batch, heads, seqlen_q) fp32
             (-inf for rows that see no key).
         backend: which kernel family runs the call. "auto" (default): the first family that
-            supports the problem; "portable": the Triton kernels that run everywhere (the
-            only family for now; a Hopper family will be added). A named family that cannot
-            run the problem raises ValueError with the reason; so does an unknown name.
+            supports the problem (and was not measured slower on it); "hopper": the Gluon
+            forward for sm90 GPUs (fp16/bf16, head dims 64..256 that are multiples of 8;
+            its backward is the portable one); "portable": the Triton kernels that run
+            everywhere. A named family that cannot run the problem raises ValueError with
+            the reason; so does an unknown name.
             ``diyfa.attention.dispatch.explain`` lists the families and their reasons.
     """
     problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
