@@ -140,5 +140,5 @@ def test_importing_the_package_loads_no_kernel_family():
             "'triton.experimental.gluon' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ("['diyfa.attention.checks', 'diyfa.attention.dispatch', "
-                                  "'diyfa.attention.function', 'diyfa.attention.problem'] "
-                                  "False")  # fmt: skip
+                                  "'diyfa.attention.function', 'diyfa.attention.ops', "
+                                  "'diyfa.attention.problem'] False")  # fmt: skip

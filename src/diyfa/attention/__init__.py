@@ -13,6 +13,9 @@ A call goes checks -> problem -> dispatch -> family:
                  on any CUDA GPU and in the Triton interpreter; numerics, masking and limits
                  are described in its docstring
 
+    ops.py       the same path as torch custom operators (fake shapes, autograd), which the
+                 public functions call while torch.compile traces them
+
 Importing this package compiles, launches and imports no kernels: a family's module is
 imported on the first call that consults it.
 """
@@ -23,6 +26,7 @@ import logging
 
 import torch
 
+from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attention_*)
 from diyfa.attention.checks import check_inputs
 from diyfa.attention.dispatch import select
 from diyfa.attention.function import run
@@ -65,9 +69,13 @@ def flash_attention(
             the reason; so does an unknown name.
             ``diyfa.attention.dispatch.explain`` lists the families and their reasons.
     """
-    problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                           align="bottom_right")  # fmt: skip
-    out, lse2 = run(q, k, v, problem, select(problem, backend))
+    if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
+        out, lse2 = torch.ops.diyfa.attention_fwd(q, k, v, causal, "bottom_right", softmax_scale,
+                                                  layout, backend)  # fmt: skip
+    else:
+        problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                               layout=layout, align="bottom_right")  # fmt: skip
+        out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
 
 
@@ -117,6 +125,10 @@ def scaled_dot_product_attention(
             f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
             "for grouped-query attention"
         )
+    if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
+        out, _ = torch.ops.diyfa.attention_fwd(query, key, value, bool(is_causal), "top_left",
+                                               scale, "bhsd", "auto")  # fmt: skip
+        return out
     problem = check_inputs(query, key, value, causal=bool(is_causal), softmax_scale=scale,
                            layout="bhsd", align="top_left")  # fmt: skip
     out, _ = run(query, key, value, problem, select(problem))

@@ -25,12 +25,12 @@ MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_inputs(q, k, v, *, causal, softmax_scale, layout, align) -> Problem:
+def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False) -> Problem:
     """Check q, k, v and the options; return the call's :class:`Problem`.
 
     ``layout`` is "bhsd" or "bshd"; ``align`` ("bottom_right" or "top_left") is chosen by
     the public function, not by its caller. Raises TypeError or ValueError naming what is
-    wrong.
+    wrong. ``fake``: q, k, v are fake tensors (tracing): every check but the pointers'.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -88,8 +88,9 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align) -> Problem:
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     device = q.device
+    # Fake tensors (torch.compile's tracing, ops.py) have no storage: alignment unknown.
+    aligned16 = fake or not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
     # Positional, in field order: keywords cost ~0.6 us more on every call.
     return Problem(b, h, hk, sq, sk, d, q.dtype, device, layout, causal, align, scale,
                    bhsd_strides(q, layout), bhsd_strides(k, layout), bhsd_strides(v, layout),
-                   device_capability(device),
-                   not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16))  # fmt: skip
+                   device_capability(device), aligned16)  # fmt: skip
