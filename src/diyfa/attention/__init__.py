@@ -27,12 +27,13 @@ import logging
 import torch
 
 from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attention_*)
-from diyfa.attention.checks import check_inputs
+from diyfa.attention.checks import check_inputs, check_varlen_inputs
 from diyfa.attention.dispatch import select
 from diyfa.attention.function import run
 from diyfa.device import interpreter_enabled
 
-__all__ = ["flash_attention", "flash_attention_with_lse", "scaled_dot_product_attention"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_lse",
+           "scaled_dot_product_attention"]
 
 LN2 = 0.6931471805599453
 
@@ -77,6 +78,43 @@ def flash_attention(
                                layout=layout, align="bottom_right")  # fmt: skip
         out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """FlashAttention over packed sequences of different lengths (no padding), differentiable.
+
+    Args:
+        q: (total_q, heads, head_dim): the query rows of every sequence, one after another.
+        k, v: (total_k, kv_heads, head_dim) likewise (kv_heads dividing heads: GQA/MQA).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), cumulative lengths starting at 0:
+            sequence i is rows [cu[i], cu[i + 1]). Zero-length sequences are allowed.
+        max_seqlen_q, max_seqlen_k: ints at least the longest sequence (the grid's extent).
+        causal: bottom-right aligned per sequence (query i of a sequence sees its keys
+            j <= i + seqlen_k - seqlen_q).
+        softmax_scale, backend: as for :func:`flash_attention` (the Hopper family takes no
+            packed sequences yet: "auto" runs the portable kernels).
+        return_lse: also return the natural-log LSE, (heads, total_q) fp32.
+
+    The lengths are read to the host and checked against the tensors before any kernel runs
+    (one device synchronisation per call). Programs past a sequence's end exit at once.
+    """
+    problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, causal=causal, softmax_scale=softmax_scale)
+    out, lse2 = run(q, k, v, problem, select(problem, backend))
+    return (out, lse2 * LN2) if return_lse else out
 
 
 def flash_attention_with_lse(q, k, v, **kwargs):

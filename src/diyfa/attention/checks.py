@@ -7,6 +7,7 @@ a dtype, a flag that is not a bool) and ValueError for a wrong value (shapes, la
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -94,3 +95,62 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False) -
     return Problem(b, h, hk, sq, sk, d, q.dtype, device, layout, causal, align, scale,
                    bhsd_strides(q, layout), bhsd_strides(k, layout), bhsd_strides(v, layout),
                    device_capability(device), aligned16)  # fmt: skip
+
+
+def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
+    """Check one cumulative-lengths tensor against its packed tensor's rows; returns the
+    number of sequences. Reads the (small) tensor to the host: a device sync."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}.dtype is {cu.dtype}; accepted: int32")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape "
+                         f"{tuple(cu.shape)}")  # fmt: skip
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the tensors' device {device}, got {cu.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
+    values = cu.tolist()
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the packed rows ({total}), got "
+                         f"{values[0]} .. {values[-1]}")  # fmt: skip
+    lengths = [b - a for a, b in zip(values, values[1:], strict=False)]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name}={max_seqlen} is less than the longest sequence in "
+                         f"{name} ({max(lengths)})")  # fmt: skip
+    return len(values) - 1
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                        causal, softmax_scale) -> Problem:
+    """Check packed (total, heads, head_dim) q, k, v and their cumulative lengths; return the
+    call's :class:`Problem` (``cu_seqlens_*`` set; seqlen_q / seqlen_k the longest
+    sequences; causal is bottom-right per sequence). The tensor checks are check_inputs's
+    (on a batch-of-one view), the lengths are read to the host and checked against the
+    tensors before any kernel runs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for the "
+                             f"varlen layout, got shape {tuple(t.shape)}")  # fmt: skip
+    one = check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal=causal,
+                       softmax_scale=softmax_scale, layout="bshd", align="bottom_right")
+    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
+                              "max_seqlen_q", q.device)  # fmt: skip
+    batch_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
+                                "max_seqlen_k", q.device)  # fmt: skip
+    if batch != batch_k:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {batch} and {batch_k}")  # fmt: skip
+
+    def packed(t):  # (total, heads, dim): sequences are row ranges, the batch stride unused
+        return (0, t.stride(1), t.stride(0), t.stride(2))
+
+    return dataclasses.replace(
+        one, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, q_strides=packed(q),
+        k_strides=packed(k), v_strides=packed(v), cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, total_q=q.shape[0])  # fmt: skip

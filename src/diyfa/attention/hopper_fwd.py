@@ -481,6 +481,8 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
 # --------------------------------------------------------------------------------------------
 def supports(p: Problem) -> str | None:
     """Why this kernel cannot run ``p``; None when it can."""
+    if p.cu_seqlens_q is not None:
+        return "it takes no packed (varlen) sequences yet"
     if p.capability is None or p.capability[0] != 9:
         got = "no CUDA device" if p.capability is None else f"sm{p.capability[0]}{p.capability[1]}"
         return f"it needs a Hopper GPU (sm90), got {got}"

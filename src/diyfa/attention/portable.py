@@ -100,6 +100,32 @@ def _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N:
     return full_hi, hi
 
 
+@triton.jit
+def _sequence(off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN: tl.constexpr):
+    """(first query row, first key row, seqlen_q, seqlen_k, causal offset) of sequence
+    ``off_b``. Varlen: packed sequences, row ranges [CU[b], CU[b + 1]), causal bottom-right
+    per sequence; otherwise every sequence starts at row 0 of its batch entry."""
+    if VARLEN:
+        q_start = tl.load(CU_Q + off_b)
+        q_end = tl.load(CU_Q + off_b + 1)
+        k_start = tl.load(CU_K + off_b)
+        k_end = tl.load(CU_K + off_b + 1)
+        return (q_start.to(tl.int64), k_start.to(tl.int64), q_end - q_start, k_end - k_start,
+                (k_end - k_start) - (q_end - q_start))  # fmt: skip
+    else:
+        return 0, 0, seqlen_q, seqlen_k, causal_offset
+
+
+@triton.jit
+def _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN: tl.constexpr):
+    """Index of a sequence's first row in LSE / delta: (batch, heads, seqlen_q) arrays, or
+    (heads, total_q) for packed (varlen) sequences."""
+    if VARLEN:
+        return off_h.to(tl.int64) * total_q + q_start
+    else:
+        return (off_b.to(tl.int64) * heads + off_h) * seqlen_q
+
+
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
@@ -137,14 +163,15 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE,
+def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               stride_qb, stride_qh, stride_qs, stride_qd,
               stride_kb, stride_kh, stride_ks, stride_kd,
               stride_vb, stride_vh, stride_vs, stride_vd,
               stride_ob, stride_oh, stride_os, stride_od,
-              heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, SEQ_BUCKET,
+              heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, total_q, SEQ_BUCKET,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     # Causal: the heaviest Q blocks (last rows) start first, so the tail of the grid is light.
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -153,11 +180,16 @@ def _attn_fwd(Q, K, V, O, LSE,
     off_b = (off_bh // heads).to(tl.int64)
     off_h = (off_bh % heads).to(tl.int64)
     off_hk = off_h // kv_group
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
-
+    q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
+        off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
+    q_base = Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh
+    k_base = K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh
+
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     m_ok = offs_m < seqlen_q
@@ -181,8 +213,9 @@ def _attn_fwd(Q, K, V, O, LSE,
     empty = l_i == 0.0  # rows that saw no key
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
-    tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse2, mask=m_ok)
-    o_base = O + off_b * stride_ob + off_h * stride_oh
+    row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
+    tl.store(LSE + row + offs_m, lse2, mask=m_ok)
+    o_base = O + off_b * stride_ob + q_start * stride_os + off_h * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
              acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
@@ -233,7 +266,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                    stride_qb, stride_qh, stride_qs, stride_qd,
                    stride_kb, stride_kh, stride_ks, stride_kd,
                    stride_vb, stride_vh, stride_vs, stride_vd,
@@ -241,23 +274,31 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_dkb, stride_dkh, stride_dks, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
                    heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
-                   SEQ_BUCKET,
+                   total_q, SEQ_BUCKET,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     kv_heads = heads // kv_group
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
+    q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
+        off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
     start_n = tl.program_id(0) * BLOCK_N
+    if VARLEN:
+        if start_n >= seqlen_k:  # the grid covers the longest sequence
+            return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     n_ok = offs_n < seqlen_k
     d_ok = offs_d < HEAD_DIM
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks
-                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k = tl.load(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh
+                + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask,
+                other=0.0)  # fmt: skip
+    v = tl.load(V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh
+                + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask,
+                other=0.0)  # fmt: skip
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
 
@@ -281,9 +322,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
     # registers.
     for g in range(0, kv_group):  # the query heads that share this K/V head (GQA)
         off_h = off_hk * kv_group + g
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        row = (off_b * heads + off_h) * seqlen_q
+        q_base = Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh
+        row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
         if PRECISION == "ieee":
             dk_g = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
             dv_g = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
@@ -313,10 +354,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
             dv = dv_g
 
     dk = dk * sm_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks
-             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvs
-             + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + off_b * stride_dkb + k_start * stride_dks + off_hk * stride_dkh
+             + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=kv_mask)  # fmt: skip
+    tl.store(DV + off_b * stride_dvb + k_start * stride_dvs + off_hk * stride_dvh
+             + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=kv_mask)  # fmt: skip
 
 
 @triton.jit
@@ -346,7 +389,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
+def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                  stride_qb, stride_qh, stride_qs, stride_qd,
                  stride_kb, stride_kh, stride_ks, stride_kd,
                  stride_vb, stride_vh, stride_vs, stride_vd,
@@ -354,9 +397,10 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
                  stride_dob, stride_doh, stride_dos, stride_dod,
                  stride_dqb, stride_dqh, stride_dqs, stride_dqd,
                  heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
-                 SEQ_BUCKET,
+                 total_q, SEQ_BUCKET,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -364,26 +408,34 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
     off_b = (off_bh // heads).to(tl.int64)
     off_h = (off_bh % heads).to(tl.int64)
     off_hk = off_h // kv_group
+    q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
+        off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     m_ok = offs_m < seqlen_q
     d_ok = offs_d < HEAD_DIM
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs
-                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
-                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os
-                + offs_d[None, :] * stride_od, mask=q_mask, other=0.0)
+    q = tl.load(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh
+                + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_mask,
+                other=0.0)  # fmt: skip
+    do = tl.load(DO + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=q_mask,
+                 other=0.0)  # fmt: skip
+    o = tl.load(O + off_b * stride_ob + q_start * stride_os + off_h * stride_oh
+                + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=q_mask,
+                other=0.0)  # fmt: skip
     # delta = rowsum(dO * O): this kernel runs first and leaves it for the dK/dV kernel.
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    row = off_bh.to(tl.int64) * seqlen_q
+    row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
     tl.store(DELTA + row + offs_m, delta, mask=m_ok)
     lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    k_base = K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
@@ -396,8 +448,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
                        causal_offset, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, True,
                        PRECISION)
     dq = dq * sm_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs
-             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh
+             + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=q_mask)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,7 +477,7 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
     """
     autotune = tuning.autotune_enabled()
     key = (name, autotune, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"],
-           args["SEQ_BUCKET"])  # fmt: skip
+           args["SEQ_BUCKET"], args["VARLEN"])  # fmt: skip
     pinned = name in tuning._pinned
     choice = None if pinned else _chosen.get(key)
     if choice is not None and t.is_cuda:
@@ -462,31 +515,55 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
         return
 
 
-def _common(problem: Problem) -> dict:
-    """Arguments every kernel takes, from the problem."""
+def _common(problem: Problem, stats: torch.Tensor) -> dict:
+    """Arguments every kernel takes, from the problem. ``stats`` (the LSE) stands in for the
+    cumulative lengths when the sequences are not packed (the kernels never read them)."""
     p = problem
     d = p.head_dim
+    varlen = p.cu_seqlens_q is not None
     return dict(
         heads=p.heads, kv_group=p.kv_group, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
         causal_offset=p.causal_offset, qk_scale=p.softmax_scale * LOG2E, HEAD_DIM=d,
         HEAD_DIM_PAD=max(16, next_power_of_2(d)), CAUSAL=p.causal,
         PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
+        CU_Q=p.cu_seqlens_q if varlen else stats, CU_K=p.cu_seqlens_k if varlen else stats,
+        total_q=p.total_q, VARLEN=varlen,
     )  # fmt: skip
 
 
+def _strides(t: torch.Tensor, problem: Problem) -> tuple[int, int, int, int]:
+    """Strides of an output-like tensor in (batch, heads, seqlen, dim) order; packed (varlen)
+    tensors are (total, heads, dim), their sequences addressed by row offsets (batch 0)."""
+    if problem.cu_seqlens_q is not None:
+        return (0, t.stride(1), t.stride(0), t.stride(2))
+    return bhsd_strides(t, problem.layout)
+
+
+def _outputs(q, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (out, lse2): (batch, heads, seqlen_q) LSE, or (heads, total_q) when packed."""
+    p = problem
+    if p.cu_seqlens_q is not None:
+        out = torch.empty((p.total_q, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+        return out, torch.empty((p.heads, p.total_q), dtype=torch.float32, device=q.device)
+    out = _empty(p.batch, p.heads, p.seqlen_q, p.head_dim, p.layout, q)
+    return out, torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32,
+                            device=q.device)  # fmt: skip
+
+
 def _attention_forward(q, k, v, problem: Problem):
-    """Run the forward kernel. Returns (out, lse2) with lse2 in base 2, (batch, heads, seqlen_q)."""
+    """Run the forward kernel. Returns (out, lse2) with lse2 in base 2, (batch, heads,
+    seqlen_q), or (heads, total_q) for packed sequences (``problem.cu_seqlens_q``). For
+    packed sequences seqlen_q / seqlen_k are the longest ones (the grid's extent)."""
     p = problem
     b, h, sq, sk = p.batch, p.heads, p.seqlen_q, p.seqlen_k
-    out = _empty(b, h, sq, p.head_dim, p.layout, q)
-    lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    out, lse2 = _outputs(q, p)
     if sk == 0:  # nothing to attend to
         out.zero_()
         lse2.fill_(float("-inf"))
         return out, lse2
     if sq == 0 or b * h == 0:
         return out, lse2
-    common = _common(p)
+    common = _common(p, lse2)
 
     def grid(meta):
         return (cdiv(sq, meta["BLOCK_M"]), b * h)
@@ -494,7 +571,7 @@ def _attention_forward(q, k, v, problem: Problem):
     _launch(_attn_fwd, "attn_fwd", grid, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, O=out, LSE=lse2,
             **_named("q", p.q_strides), **_named("k", p.k_strides),
-            **_named("v", p.v_strides), **_named("o", bhsd_strides(out, p.layout)),
+            **_named("v", p.v_strides), **_named("o", _strides(out, p)),
             SEQ_BUCKET=tuning.seq_bucket(sq, sk), **common)  # fmt: skip
     return out, lse2
 
@@ -512,15 +589,13 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
     """Run the two backward kernels. Returns (dq, dk, dv)."""
     p = problem
     b, h, hk, sq, sk = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k
-    layout = p.layout
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if sq == 0 or sk == 0 or b * h == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    common = _common(p)
+    common = _common(p, lse2)
     delta = torch.empty_like(lse2)
     strides = {**_named("q", p.q_strides), **_named("k", p.k_strides),
-               **_named("v", p.v_strides),
-               **_named("do", bhsd_strides(do, layout))}  # fmt: skip
+               **_named("v", p.v_strides), **_named("do", _strides(do, p))}  # fmt: skip
     bucket = tuning.seq_bucket(sq, sk)
 
     def grid_dq(meta):
@@ -529,7 +604,7 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
     # dQ first: it also writes delta = rowsum(dO * O), which dK/dV reads.
     _launch(_attn_bwd_dq, "attn_bwd_dq", grid_dq, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, O=out, DO=do, LSE=lse2, DELTA=delta, DQ=dq, **strides,
-            **_named("o", bhsd_strides(out, layout)), **_named("dq", bhsd_strides(dq, layout)),
+            **_named("o", _strides(out, p)), **_named("dq", _strides(dq, p)),
             sm_scale=p.softmax_scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
 
     def grid_dkdv(meta):
@@ -537,7 +612,7 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
 
     _launch(_attn_bwd_dkdv, "attn_bwd_dkdv", grid_dkdv, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DK=dk, DV=dv, **strides,
-            **_named("dk", bhsd_strides(dk, layout)), **_named("dv", bhsd_strides(dv, layout)),
+            **_named("dk", _strides(dk, p)), **_named("dv", _strides(dv, p)),
             sm_scale=p.softmax_scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
     return dq, dk, dv
 

@@ -51,6 +51,11 @@ class Problem:
     v_strides: tuple[int, int, int, int]
     capability: tuple[int, int] | None
     aligned16: bool  # q, k and v all start on a 16-byte boundary (TMA's rule)
+    # Packed sequences (flash_attention_varlen): int32 cumulative lengths (batch + 1,), the
+    # total query rows; seqlen_q / seqlen_k are then the longest sequences.
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    total_q: int = 0
 
     @property
     def kv_group(self) -> int:

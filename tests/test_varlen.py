@@ -1,0 +1,164 @@
+"""diyfa.flash_attention_varlen: packed sequences of different lengths, forward and gradients.
+
+Judged per sequence against the float64 reference by the rule of test_attention.py: the
+kernel's error at most 2x PyTorch's own error in the same precision (3x for gradients).
+CPU runs use the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diyfa
+from diyfa.reference import attention_ref
+
+from .conftest import DEVICE
+from .test_attention import _check
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DTYPE_IDS = ["fp16", "bf16", "fp32"]
+
+
+def _packed(lens_q, lens_k, h, hk, d, dtype, device=DEVICE, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def make(rows, heads):
+        return torch.randn(rows, heads, d, generator=g).to(device, dtype).requires_grad_()
+
+    def cumulative(lens):
+        return torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))],
+                            dtype=torch.int32, device=device)  # fmt: skip
+
+    q, k, v = make(sum(lens_q), h), make(sum(lens_k), hk), make(sum(lens_k), hk)
+    return q, k, v, cumulative(lens_q), cumulative(lens_k)
+
+
+def _reference(q, k, v, cu_q, cu_k, causal, dtype, do):
+    """Per-sequence attention in ``dtype`` (float64: the reference), concatenated; and the
+    gradients of sum(out * do)."""
+    ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    outs, lses = [], []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        o, lse = attention_ref(ins[0][qs][None], ins[1][ks][None], ins[2][ks][None],
+                               causal=causal, layout="bshd", compute_dtype=dtype,
+                               return_lse=True)  # fmt: skip
+        outs.append(o[0])
+        lses.append(lse[0])
+    out = torch.cat(outs)
+    (out * do.to(dtype)).sum().backward()
+    return out, torch.cat(lses, dim=1), [t.grad for t in ins]
+
+
+def _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device=DEVICE):
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, dtype, device)
+    out, lse = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                            causal=causal, return_lse=True)  # fmt: skip
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (h, q.shape[0])
+    do = torch.randn_like(out)
+    out.backward(do)
+    ref, ref_lse, ref_grads = _reference(q, k, v, cu_q, cu_k, causal, torch.float64, do)
+    pt, _, pt_grads = _reference(q, k, v, cu_q, cu_k, causal, dtype, do)
+    _check("out", out, pt, ref, 2, dtype)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)  # -inf exactly where a row sees no key
+    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() < 1e-3
+    for name, t, p, r in zip(("dq", "dk", "dv"), (q, k, v), pt_grads, ref_grads, strict=True):
+        _check(name, t.grad, p, r, 3, dtype)
+
+
+# (query lengths, key lengths, heads, kv heads, head dim): zero-length sequences on either
+# side, single rows, seqlen_q != seqlen_k both ways, GQA and MQA, odd head dims.
+CASES = [
+    ([5, 0, 17, 33, 1], [9, 3, 17, 20, 1], 4, 2, 24),
+    ([64, 1, 70], [64, 130, 0], 2, 1, 64),
+    ([3], [200], 3, 3, 40),
+    ([129, 7], [31, 257], 2, 2, 16),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{c[0]}k{c[1]}h{c[2]}/{c[3]}d{c[4]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_varlen_forward_and_gradients(case, dtype, causal):
+    lens_q, lens_k, h, hk, d = case
+    _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal)
+
+
+def test_varlen_equals_the_batched_call_on_equal_lengths():
+    """Packed equal-length sequences give what flash_attention gives on the same batch."""
+    b, s, h, d = 3, 37, 2, 32
+    q, k, v, cu_q, cu_k = _packed([s] * b, [s] * b, h, h, d, torch.float16)
+    out = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, s, s, causal=True)
+    batched = diyfa.flash_attention(*(t.view(b, s, h, d) for t in (q, k, v)), causal=True,
+                                    layout="bshd")  # fmt: skip
+    assert torch.equal(out.view(b, s, h, d), batched)
+
+
+def test_keys_of_a_sequence_without_queries_get_zero_gradients():
+    q, k, v, cu_q, cu_k = _packed([4, 0, 6], [5, 7, 3], 2, 2, 16, torch.float32)
+    out = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 6, 7)
+    out.sum().backward()
+    assert (k.grad[5:12] == 0).all() and (v.grad[5:12] == 0).all()
+    assert k.grad[:5].abs().sum() > 0
+
+
+def test_varlen_has_no_hopper_path_yet():
+    from diyfa.attention import dispatch
+    from diyfa.attention.checks import check_varlen_inputs
+
+    q, k, v, cu_q, cu_k = _packed([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
+    p = check_varlen_inputs(q, k, v, cu_q, cu_k, 4, 4, causal=False, softmax_scale=None)
+    assert dict(dispatch.explain(p))["hopper"] == "it takes no packed (varlen) sequences yet"
+    assert dispatch.select(p).name == "portable"
+    assert p.batch == 2 and p.seqlen_q == 4 and p.total_q == 7
+    assert p.q_strides == (0, q.stride(1), q.stride(0), q.stride(2))
+
+
+def _bad(over):
+    q, k, v, cu_q, cu_k = _packed([3, 4], [5, 2], 4, 2, 16, torch.float16)
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4,
+                max_seqlen_k=5)  # fmt: skip
+    args.update(over(args))
+    return args
+
+
+@pytest.mark.parametrize("over, err, match", [
+    (lambda a: dict(q=a["q"][None]), ValueError, "q must be 3-D \\(total_tokens, heads"),
+    (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), TypeError,
+     "cu_seqlens_q.dtype is torch.int64; accepted: int32"),
+    (lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"][None]), ValueError, "cu_seqlens_k must be 1-D"),
+    (lambda a: dict(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)),
+     ValueError, "cu_seqlens_q must start at 0 and end at the packed rows \\(7\\), got 0 .. 6"),
+    (lambda a: dict(cu_seqlens_k=torch.tensor([0, 5, 4, 7], dtype=torch.int32, device=DEVICE)),
+     ValueError, "must end at the packed rows|non-decreasing"),
+    (lambda a: dict(cu_seqlens_k=torch.tensor([0, 6, 5, 7], dtype=torch.int32,
+                                              device=DEVICE)), ValueError, "non-decreasing"),
+    (lambda a: dict(max_seqlen_q=3), ValueError,
+     "max_seqlen_q=3 is less than the longest sequence in cu_seqlens_q \\(4\\)"),
+    (lambda a: dict(max_seqlen_k=-1), TypeError, "max_seqlen_k must be an int >= 0"),
+    (lambda a: dict(max_seqlen_k=5.0), TypeError, "max_seqlen_k must be an int >= 0"),
+    (lambda a: dict(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32, device=DEVICE),
+                    max_seqlen_k=7), ValueError, "same number of sequences, got 2 and 1"),
+    (lambda a: dict(k=torch.randn(7, 3, 16, device=DEVICE, dtype=torch.float16),
+                    v=torch.randn(7, 3, 16, device=DEVICE, dtype=torch.float16)),
+     ValueError, "q heads \\(4\\) must be a multiple of k/v heads \\(3\\)"),
+    (lambda a: dict(cu_seqlens_q=[0, 3, 7]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+], ids=["4d-q", "int64", "2d-cu", "wrong-total", "wrong-total-k", "decreasing", "max-short",
+        "max-negative", "max-float", "count", "heads", "list"])
+def test_varlen_bad_input_is_a_clear_error(over, err, match):
+    with pytest.raises(err, match=match):
+        diyfa.flash_attention_varlen(**_bad(over))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_varlen(dtype, causal):
+    g = torch.Generator().manual_seed(3)
+    lens_q = torch.randint(0, 3000, (9,), generator=g).tolist()
+    lens_k = [n + int(m) for n, m in zip(lens_q, torch.randint(0, 500, (9,), generator=g),
+                                         strict=True)]  # fmt: skip
+    _run_and_check(lens_q, lens_k, 8, 2, 128, dtype, causal, device="cuda")
