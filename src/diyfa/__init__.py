@@ -15,6 +15,7 @@ _LAZY = {
     "flash_attention": "diyfa.attention",
     "flash_attention_with_lse": "diyfa.attention",
     "flash_attention_varlen": "diyfa.attention",
+    "flash_attention_with_kvcache": "diyfa.attention",
     "scaled_dot_product_attention": "diyfa.attention",
     "triton_matmul": "diyfa.ops.matmul",
     "check_hopper_features": "diyfa.device",

@@ -27,13 +27,13 @@ import logging
 import torch
 
 from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attention_*)
-from diyfa.attention.checks import check_inputs, check_varlen_inputs
+from diyfa.attention.checks import check_inputs, check_kvcache_inputs, check_varlen_inputs
 from diyfa.attention.dispatch import select
 from diyfa.attention.function import run
 from diyfa.device import interpreter_enabled
 
-__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_lse",
-           "scaled_dot_product_attention"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
+           "flash_attention_with_lse", "scaled_dot_product_attention"]
 
 LN2 = 0.6931471805599453
 
@@ -114,6 +114,69 @@ def flash_attention_varlen(
     problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, causal=causal, softmax_scale=softmax_scale)
     out, lse2 = run(q, k, v, problem, select(problem, backend))
+    return (out, lse2 * LN2) if return_lse else out
+
+
+def flash_attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+):
+    """Attention of new query tokens against a KV cache (decoding, chunked prefill). No
+    gradients (inference; inputs that require them are refused).
+
+    Args:
+        q: (batch, seqlen_q, heads, head_dim): 1..N new tokens per sequence.
+        k_cache, v_cache: contiguous (batch, max_len, kv_heads, head_dim), or paged
+            (num_blocks, page_size, kv_heads, head_dim) with ``block_table``.
+        k, v: optional (batch, seqlen_new, kv_heads, head_dim), written into the cache in
+            place at rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (only those
+            rows) before attending. ``cache_seqlens`` itself is not updated.
+        cache_seqlens: int32 (batch,): the cached tokens of each sequence before the append.
+        block_table: int32 (batch, max_blocks): page i of sequence b is
+            k_cache[block_table[b, i]].
+        causal: new query i sees keys j <= i + seqlen_k - seqlen_q (seqlen_k after the
+            append), FlashAttention's bottom-right convention.
+        num_splits: how many ranges the keys are cut into (programs that run in parallel
+            and are merged); 0 picks it from the problem and the GPU's SM count.
+        return_lse: also return the natural-log LSE, (batch, heads, seqlen_q) fp32.
+
+    Every check (shapes, dtypes, lengths against the cache, pages against the pool) runs
+    before anything is written: on an error the cache is untouched. The lengths are read to
+    the host (one device synchronisation per call).
+    """
+    from diyfa.attention import decode
+
+    scale, lengths = check_kvcache_inputs(q, k_cache, v_cache, k, v,
+                                          cache_seqlens=cache_seqlens,
+                                          block_table=block_table, causal=causal,
+                                          softmax_scale=softmax_scale, num_splits=num_splits)
+    seqlens = cache_seqlens
+    if k is not None and k.shape[1] > 0:
+        pos = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
+        rows = torch.arange(q.shape[0], device=q.device)[:, None].expand_as(pos)
+        if block_table is None:
+            k_cache[rows, pos] = k
+            v_cache[rows, pos] = v
+        else:
+            page = k_cache.shape[1]
+            pages = block_table.long()[rows, pos // page]
+            k_cache[pages, pos % page] = k
+            v_cache[pages, pos % page] = v
+        seqlens = cache_seqlens + k.shape[1]
+    out, lse2 = decode.kvcache_attention(q, k_cache, v_cache, seqlens, block_table,
+                                         causal=causal, softmax_scale=scale,
+                                         num_splits=num_splits,
+                                         max_seqlen_k=max(lengths, default=0))  # fmt: skip
     return (out, lse2 * LN2) if return_lse else out
 
 

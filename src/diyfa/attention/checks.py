@@ -154,3 +154,98 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         one, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, q_strides=packed(q),
         k_strides=packed(k), v_strides=packed(v), cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, total_q=q.shape[0])  # fmt: skip
+
+
+def _check_int32_tensor(name: str, t, dims: int, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}.dtype is {t.dtype}; accepted: int32")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the tensors' device {device}, got {t.device}")
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,
+                         softmax_scale, num_splits) -> tuple[float, list[int]]:
+    """Check a KV-cache call before anything is written or launched; returns (the resolved
+    softmax scale, each sequence's cache length after the append). Reads cache_seqlens and
+    the used part of block_table to the host (one device synchronisation): lengths past the
+    cache and pages outside the pool are errors here, never writes out of place."""
+    names = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values to append) or "
+                         "both left None")  # fmt: skip
+    if k is not None:
+        names += (("k", k), ("v", v))
+    for name, t in names:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype is {t.dtype}, q's is {q.dtype}: they must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: one device")
+    require_kernel_device(q, "q, k_cache, v_cache")
+    if torch.is_grad_enabled() and any(t.requires_grad for _, t in names):
+        raise ValueError("flash_attention_with_kvcache has no backward: call it under "
+                         "torch.no_grad() (or detach the inputs)")  # fmt: skip
+    b, sq, h, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "must have one shape")  # fmt: skip
+    _, rows, hk, dk = k_cache.shape
+    if dk != d or not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q and the cache must share a head_dim in 1..{MAX_HEAD_DIM}, got q "
+                         f"{d}, cache {dk}")  # fmt: skip
+    if hk == 0 or h % hk:
+        raise ValueError(f"q heads ({h}) must be a multiple of the cache's kv heads ({hk})")
+    s_new = 0
+    if k is not None:
+        if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (hk, d):
+            raise ValueError(f"k and v must be (batch={b}, new tokens, kv_heads={hk}, "
+                             f"head_dim={d}), got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        s_new = k.shape[1]
+    _check_int32_tensor("cache_seqlens", cache_seqlens, 1, q.device)
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens must have one entry per sequence ({b}), got "
+                         f"{cache_seqlens.shape[0]}")  # fmt: skip
+    lengths = cache_seqlens.tolist()
+    if block_table is None:
+        if k_cache.shape[0] != b:
+            raise ValueError(f"a contiguous cache must be (batch={b}, max_len, kv_heads, "
+                             f"head_dim), got {tuple(k_cache.shape)}")  # fmt: skip
+        capacity = rows
+    else:
+        _check_int32_tensor("block_table", block_table, 2, q.device)
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table must be (batch={b}, max_blocks), got "
+                             f"{tuple(block_table.shape)}")  # fmt: skip
+        capacity = rows * block_table.shape[1]  # rows = page_size
+    for i, n in enumerate(lengths):
+        if n < 0 or n + s_new > capacity:
+            raise ValueError(f"cache_seqlens[{i}] = {n} plus {s_new} new tokens does not fit "
+                             f"the cache ({capacity} rows per sequence)")  # fmt: skip
+    if block_table is not None:
+        pool = k_cache.shape[0]
+        for i, (n, pages) in enumerate(zip(lengths, block_table.tolist(), strict=True)):
+            used = pages[:-(-(n + s_new) // rows)]
+            bad = [p for p in used if not 0 <= p < pool]
+            if bad:
+                raise ValueError(f"block_table[{i}] points outside the pool of {pool} pages: "
+                                 f"{bad[:4]}")  # fmt: skip
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise TypeError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return scale, [n + s_new for n in lengths]

@@ -1,0 +1,192 @@
+"""Attention against a KV cache (decoding), split over the keys ("flash-decoding"), in Triton.
+
+``flash_attention_with_kvcache`` (diyfa/attention/__init__.py) checks its inputs, appends the
+new keys and values to the cache (torch indexing on the device, only the rows being
+appended), and calls :func:`kvcache_attention` here.
+
+Work split
+    A decode step has few query rows (1..N new tokens) and a long cache. One program per
+    (split, batch, kv head) handles every query row of the kv head's GQA group at once: the
+    group's ``kv_group * seqlen_q`` rows form one tile, so each K/V byte is read once per
+    group, not once per query head. The keys of a sequence are cut into ``num_splits``
+    equal ranges of whole blocks; each program writes its partial output and base-2 LSE
+    (fp32) to a workspace and ``_combine`` merges the splits:
+    lse = log2(sum_s 2^lse_s), out = sum_s 2^(lse_s - lse) * out_s.
+
+Caches
+    Contiguous: (batch, max_len, kv_heads, d). Paged: (num_blocks, page_size, kv_heads, d)
+    with an int32 block table (batch, max_blocks): key n of sequence b is row n % page_size
+    of page block_table[b, n // page_size]. The kernel gathers each block's rows through
+    the table (PAGED is a compile-time flag).
+
+Masking: keys [0, seqlen_k) of each sequence, seqlen_k = cache_seqlens[b] (after the
+append); causal aligns the new queries bottom-right (query i sees keys j <= i + seqlen_k -
+seqlen_q). A row that sees no key gives zeros and LSE -inf.
+
+Numerics are the portable kernel's: fp32 accumulation, base-2 softmax with the scale
+folded in, P rounded to the input dtype before P @ V (fp32 inputs: IEEE dots).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from diyfa import _interpreter
+from diyfa._launcher import cdiv, next_power_of_2
+from diyfa.device import interpreter_enabled, kernel_limits
+
+if interpreter_enabled():
+    _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # keys per step; splits are whole multiples of it
+
+
+@triton.jit
+def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
+                  stride_qb, stride_qs, stride_qh, stride_qd,
+                  stride_kb, stride_ks, stride_kh, stride_kd,
+                  stride_vb, stride_vs, stride_vh, stride_vd,
+                  stride_tb, page_size,
+                  kv_heads, kv_group, seqlen_q, split_len, qk_scale, batch,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                  PAGED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Program (split, batch x kv head, row block): the query rows of the kv head's group
+    against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
+    query r % seqlen_q; one decode step's rows usually fit one block."""
+    split = tl.program_id(0)
+    off_bhk = tl.program_id(1)
+    off_b = (off_bhk // kv_heads).to(tl.int64)
+    off_hk = (off_bhk % kv_heads).to(tl.int64)
+    seqlen_k = tl.load(CACHE_SEQLENS + off_b)
+    causal_offset = seqlen_k - seqlen_q
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seqlen_k)
+    if CAUSAL:
+        hi = tl.minimum(hi, tl.maximum(seqlen_q + causal_offset, 0))
+
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = off_hk * kv_group + rows // seqlen_q
+    qpos = rows % seqlen_q
+    row_ok = rows < kv_group * seqlen_q
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + off_b * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        if PAGED:
+            page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_ok,
+                           other=0).to(tl.int64)  # fmt: skip
+            k_rows = page * stride_kb + (offs_n % page_size) * stride_ks
+            v_rows = page * stride_vb + (offs_n % page_size) * stride_vs
+        else:
+            k_rows = off_b * stride_kb + offs_n.to(tl.int64) * stride_ks
+            v_rows = off_b * stride_vb + offs_n.to(tl.int64) * stride_vs
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_rows[:, None] + off_hk * stride_kh + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        keep = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= qpos[:, None] + causal_offset)
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + v_rows[:, None] + off_hk * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
+    # Workspace rows: ((split * batch + b) * heads + head) * seqlen_q + query.
+    heads = kv_heads * kv_group
+    ws_row = ((split * batch + off_b) * heads + head) * seqlen_q + qpos
+    tl.store(LSE_PART + ws_row, lse2, mask=row_ok)
+    tl.store(O_PART + ws_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine(O_PART, LSE_PART, O, LSE, rows_per_split, seqlen_q, heads,
+             stride_ob, stride_os, stride_oh, stride_od,
+             NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Program per (batch, head, query) row: merge the splits' partial outputs."""
+    row = tl.program_id(0).to(tl.int64)  # (b * heads + h) * seqlen_q + s
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    splits = tl.arange(0, NUM_SPLITS)
+    lse_s = tl.load(LSE_PART + splits * rows_per_split + row)
+    m = tl.max(lse_s, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse_s - m_use)
+    total = tl.sum(w, 0)
+    o_s = tl.load(O_PART + (splits[:, None] * rows_per_split + row) * HEAD_DIM_PAD
+                  + offs_d[None, :])  # fmt: skip
+    out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    lse2 = tl.where(total == 0.0, float("-inf"), m_use + tl.math.log2(total))
+    tl.store(LSE + row, lse2)
+    s = row % seqlen_q
+    bh = row // seqlen_q
+    o_ptr = O + (bh // heads) * stride_ob + s * stride_os + (bh % heads) * stride_oh
+    tl.store(o_ptr + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+    """Splits so that about two programs per SM run: a long cache with few (batch, kv head)
+    pairs is cut into more ranges; never ranges shorter than 4 blocks of keys."""
+    sms = 4 if device.type != "cuda" else kernel_limits(device.index)["sm_count"]
+    want = cdiv(2 * sms, max(1, batch * kv_heads))
+    return max(1, min(want, cdiv(max_seqlen_k, 4 * BLOCK_N), 64))
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal: bool,
+                      softmax_scale: float, num_splits: int, max_seqlen_k: int):
+    """(out, lse2) for checked inputs, the new keys already appended: q (batch, seqlen_q,
+    heads, d); out like q; lse2 base 2, (batch, heads, seqlen_q) fp32. ``max_seqlen_k`` is
+    the longest cache_seqlens entry (read on the host by the checks)."""
+    b, sq, h, d = q.shape
+    hk = k_cache.shape[2]
+    group = h // hk
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if b * h * sq == 0:
+        return out, lse2
+    splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device)
+    split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), BLOCK_N) * BLOCK_N
+    d_pad = max(16, next_power_of_2(d))
+    block_m = min(64, max(16, next_power_of_2(group * sq)))
+    rows = b * h * sq
+    # The combine reads a power-of-two number of splits: the extra ones are empty (LSE -inf,
+    # output 0, weight 0).
+    slots = next_power_of_2(splits)
+    o_part = torch.empty((slots * rows, d_pad), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((slots * rows,), dtype=torch.float32, device=q.device)
+    if slots > splits:
+        o_part[splits * rows:].zero_()
+        lse_part[splits * rows:].fill_(float("-inf"))
+    paged = block_table is not None
+    table = block_table if paged else cache_seqlens
+    _decode_split[(splits, b * hk, cdiv(group * sq, block_m))](
+        q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,
+        hk, group, sq, split_len, softmax_scale * LOG2E, b,
+        HEAD_DIM=d, HEAD_DIM_PAD=d_pad, CAUSAL=causal, PAGED=paged,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, num_warps=4 if not interpreter_enabled() else 1)  # fmt: skip
+    _combine[(rows,)](o_part, lse_part, out, lse2, rows, sq, h, *out.stride(),
+                      NUM_SPLITS=slots, HEAD_DIM=d, HEAD_DIM_PAD=d_pad)  # fmt: skip
+    return out, lse2

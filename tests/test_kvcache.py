@@ -1,0 +1,204 @@
+"""diyfa.flash_attention_with_kvcache: append + attend against contiguous and paged caches,
+split over the keys, against the float64 reference (2x PyTorch's own error). CPU runs use
+the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diyfa
+from diyfa.reference import attention_ref
+
+from .conftest import DEVICE
+from .test_attention import _check
+
+LENS = [0, 70, 200]  # cached tokens per sequence before the append (an empty one first)
+
+
+def _setup(dtype, sq, s_new, h=8, hk=2, d=32, page=16, device=DEVICE, seed=0):
+    """Inputs, the same cache as a contiguous tensor and as shuffled pages, and the
+    contiguous cache after the append (the reference's keys and values)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    b, max_len = len(LENS), 300
+    q = rnd(b, sq, h, d)
+    k_cache, v_cache = rnd(b, max_len, hk, d), rnd(b, max_len, hk, d)
+    k_new = rnd(b, s_new, hk, d) if s_new else None
+    v_new = rnd(b, s_new, hk, d) if s_new else None
+    pages_per_seq = -(-max_len // page)
+    pool = b * pages_per_seq + 5
+    perm = torch.randperm(pool, generator=g)[: b * pages_per_seq]
+    table = perm.view(b, pages_per_seq).to(device, torch.int32)
+    k_pages, v_pages = rnd(pool, page, hk, d), rnd(pool, page, hk, d)
+    for i in range(b):
+        for j in range(0, LENS[i], page):
+            n = min(page, LENS[i] - j)
+            k_pages[table[i, j // page], :n] = k_cache[i, j:j + n]
+            v_pages[table[i, j // page], :n] = v_cache[i, j:j + n]
+    after_k, after_v = k_cache.clone(), v_cache.clone()
+    for i in range(b):
+        if s_new:
+            after_k[i, LENS[i]:LENS[i] + s_new] = k_new[i]
+            after_v[i, LENS[i]:LENS[i] + s_new] = v_new[i]
+    seqlens = torch.tensor(LENS, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k, after_v
+
+
+def _reference(q, k, v, lengths, causal, dtype):
+    outs = []
+    for i, n in enumerate(lengths):
+        outs.append(attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal,
+                                  layout="bshd", compute_dtype=dtype))  # fmt: skip
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("sq, s_new, causal", [(1, 1, True), (4, 0, True), (3, 3, False),
+                                               (2, 0, False)],  # fmt: skip
+                         ids=["decode", "spec4", "append3-full", "q2-full"])
+@pytest.mark.parametrize("splits", [1, 3, 0], ids=["1split", "3splits", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["fp16", "bf16", "fp32"])  # fmt: skip
+def test_kvcache_append_and_attend(dtype, splits, sq, s_new, causal, paged):
+    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+     after_v) = _setup(dtype, sq, s_new)  # fmt: skip
+    if paged:
+        kc, vc, bt = k_pages, v_pages, table
+    else:
+        kc, vc, bt = k_cache, v_cache, None
+    with torch.no_grad():
+        out, lse = diyfa.flash_attention_with_kvcache(
+            q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=bt, causal=causal,
+            num_splits=splits, return_lse=True)  # fmt: skip
+    lengths = [n + s_new for n in LENS]
+    ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, causal,
+                     torch.float64)  # fmt: skip
+    pt = _reference(q, after_k, after_v, lengths, causal, dtype)
+    _check("out", out, pt, ref, 2, dtype)
+    assert lse.shape == (q.shape[0], q.shape[2], sq)
+    assert torch.equal(seqlens, torch.tensor(LENS, dtype=torch.int32, device=q.device))
+    if not paged:  # the append wrote exactly the new rows
+        assert torch.equal(k_cache, after_k) and torch.equal(v_cache, after_v)
+    else:
+        for i, n in enumerate(LENS):
+            for j in range(n + s_new):
+                page, row = table[i, j // 16], j % 16
+                assert torch.equal(k_pages[page, row], after_k[i, j])
+    if LENS[0] + s_new < sq and causal:  # rows of sequence 0 that see no key
+        assert (out[0, : sq - LENS[0] - s_new] == 0).all()
+
+
+def test_splits_merge_to_the_unsplit_result():
+    q, k_cache, v_cache, *_ = _setup(torch.float32, 1, 0)
+    seqlens = torch.tensor([150, 299, 64], dtype=torch.int32, device=q.device)
+    outs = [diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                               num_splits=n, return_lse=True)
+            for n in (1, 2, 5)]  # fmt: skip
+    for out, lse in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, outs[0][1], rtol=1e-5, atol=1e-6)
+
+
+def _bad_call(over):
+    q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, *_ = _setup(
+        torch.float16, 1, 1)
+    args = dict(q=q, k_cache=k_pages, v_cache=v_pages, k=k_new, v=v_new, cache_seqlens=seqlens,
+                block_table=table)  # fmt: skip
+    args.update(over(args))
+    return args
+
+
+@pytest.mark.parametrize("over, err, match", [
+    (lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), TypeError,
+     "cache_seqlens.dtype is torch.int64; accepted: int32"),
+    (lambda a: dict(cache_seqlens=torch.tensor([0, 70, 304], dtype=torch.int32,
+                                               device=DEVICE)), ValueError,
+     "cache_seqlens\\[2\\] = 304 plus 1 new tokens does not fit the cache \\(304 rows"),
+    (lambda a: dict(cache_seqlens=torch.tensor([0, -1, 5], dtype=torch.int32, device=DEVICE)),
+     ValueError, "cache_seqlens\\[1\\] = -1"),
+    (lambda a: dict(block_table=a["block_table"].clone().index_fill_(
+        1, torch.tensor([0], device=DEVICE), 999)), ValueError,
+     "block_table\\[0\\] points outside the pool of 62 pages: \\[999\\]"),
+    (lambda a: dict(block_table=a["block_table"].long()), TypeError,
+     "block_table.dtype is torch.int64"),
+    (lambda a: dict(v=None), ValueError, "k and v must be given together"),
+    (lambda a: dict(k=a["k"][:, :, :1], v=a["v"][:, :, :1]), ValueError,
+     "k and v must be \\(batch=3, new tokens, kv_heads=2, head_dim=32\\)"),
+    (lambda a: dict(q=a["q"].float()), TypeError, "k_cache.dtype is torch.float16, q's is"),
+    (lambda a: dict(q=a["q"][:, :, :3]), ValueError, "q heads \\(3\\) must be a multiple"),
+    (lambda a: dict(block_table=None), ValueError, "a contiguous cache must be \\(batch=3"),
+    (lambda a: dict(num_splits=-2), TypeError, "num_splits must be an int >= 0"),
+    (lambda a: dict(q=a["q"].clone().requires_grad_()), ValueError, "has no backward"),
+], ids=["int64-seqlens", "past-cache", "negative", "page-outside", "int64-table", "k-only",
+        "k-heads", "dtypes", "heads", "contiguous-batch", "splits", "requires-grad"])
+def test_kvcache_bad_input_is_a_clear_error_and_writes_nothing(over, err, match):
+    args = _bad_call(over)
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    with pytest.raises(err, match=match):
+        diyfa.flash_attention_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+_COMPILE_DECODE = """
+import torch, triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from diyfa.attention import decode
+
+target = GPUTarget("cuda", 90, 32)
+backend = CUDABackend(target)
+ints = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32, "O_PART": torch.float32,
+        "LSE_PART": torch.float32, "LSE": torch.float32}
+consts = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True, PAGED=True, PRECISION="tf32",
+              BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
+for fn in (decode._decode_split, decode._combine):
+    signature, constants = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constants[(i,)] = consts[p.name]
+            continue
+        if p.name.isupper():
+            value = torch.empty(16, dtype=ints.get(p.name, torch.bfloat16))
+        else:
+            value = 0.5 if p.name == "qk_scale" else 17
+        signature[p.name] = native_specialize_impl(backend, value, False, True, True)[0]
+    triton.compile(ASTSource(fn, signature, constants), target=target,
+                   options={"num_warps": 4, "num_stages": 2})
+print("compiled")
+"""
+
+
+def test_decode_kernels_compile_for_hopper():
+    """The split-KV and combine kernels compile for sm90 (the interpreter does not compile)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_DECODE], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_kvcache(paged):
+    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+     after_v) = _setup(torch.bfloat16, 1, 1, h=32, hk=8, d=128, device="cuda")  # fmt: skip
+    kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+    with torch.no_grad():
+        out = diyfa.flash_attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                                 block_table=bt)  # fmt: skip
+    lengths = [n + 1 for n in LENS]
+    ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
+                     torch.float64)  # fmt: skip
+    pt = _reference(q, after_k, after_v, lengths, True, torch.bfloat16)
+    _check("out", out, pt, ref, 2, torch.bfloat16)
