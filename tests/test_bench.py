@@ -360,3 +360,42 @@ def test_results_writer_stores_nonfinite_as_null(tmp_path):
     assert rec["tflops"] is None and rec["error"]["out_max_abs"] is None
     assert rec["error"]["ok"] == 1.5
     assert rec["nonfinite"] == ["tflops=nan", "error.out_max_abs=inf"]
+
+
+# --------------------------------------------------------------------------------- decode
+def test_decode_suites_and_case_arithmetic():
+    from diyfa.bench.suites import DecodeCase
+
+    [plan] = suites.plans("flash", ["decode"])
+    assert {c.page_size for c in plan.cases} == {None} and plan.modes == ("fwd",)
+    assert any(c.batch == 16 and c.cache_len == 16384 and c.kv_heads == 8 for c in plan.cases)
+    assert {c.seqlen_q for c in plan.cases} == {1, 2, 4, 8}
+    [paged] = suites.plans("flash", ["paged-decode"])
+    assert {c.page_size for c in paged.cases} == {16, 256}
+    case = DecodeCase(16, 32, 8, 1, 16384, 128)
+    # the cache read once (K and V, 8 kv heads) plus q and out, bf16
+    assert case.min_bytes("fwd") == (2 * 16 * 16384 * 8 * 128 + 2 * 16 * 32 * 128) * 2
+    assert case.flops("fwd")["exact"] == 4 * 16 * 32 * 1 * 16384 * 128
+    assert case.label() == "b16 h32/8 sq1 cache16384 d128 bf16"
+    assert providers.names("decode") == ["diyfa", "sdpa-cudnn", "sdpa-flash", "sdpa-math"]
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+def test_decode_measurement_on_the_interpreter(page_size):
+    """A decode case through the harness: diyfa measured and checked against float64; SDPA
+    providers say they read no paged cache."""
+    from diyfa.bench.suites import DecodeCase, Plan
+
+    case = DecodeCase(2, 4, 2, 3, 70, 32, page_size, "fp16")
+    plan = Plan("decode", "flash", (case,), ("fwd",))
+    recs = harness.run([plan], _harness(), providers=["diyfa", "sdpa-math"])
+    by = {r["provider"]: r for r in recs}
+    assert by["diyfa"]["status"] == "ok", by["diyfa"]["reason"]
+    err = by["diyfa"]["error"]
+    assert err["status"] == "ok" and err["out_max_abs"] < 2e-3
+    if page_size:
+        assert by["sdpa-math"]["status"] == "unsupported"
+        assert "no paged cache" in by["sdpa-math"]["reason"]
+    else:
+        assert by["sdpa-math"]["status"] == "ok"
+        assert by["sdpa-math"]["error"]["out_max_abs"] < 2e-3

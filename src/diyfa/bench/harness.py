@@ -89,6 +89,36 @@ def attention_inputs(case: AttentionCase, layout: str, requires_grad: bool, seed
     return out
 
 
+def decode_inputs(case, seed: int = 0):
+    """q (batch, seqlen_q, heads, d), the K/V cache (contiguous (batch, cache_len, kv_heads,
+    d), or pages (num_pages, page_size, kv_heads, d) shuffled in the pool), cache_seqlens
+    (all cache_len) and the block table (None for a contiguous cache)."""
+    dtype = _providers.torch_dtype(case.dtype)
+    dev = _device()
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
+
+    b, n, hk, d = case.batch, case.cache_len, case.kv_heads, case.head_dim
+    q = rnd(b, case.seqlen_q, case.heads, d)
+    seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    if case.page_size is None:
+        return q, rnd(b, n, hk, d), rnd(b, n, hk, d), seqlens, None
+    per_seq = -(-n // case.page_size)
+    perm = torch.randperm(b * per_seq, generator=g, device=dev)
+    table = perm.view(b, per_seq).to(torch.int32)
+    pages = (b * per_seq, case.page_size, hk, d)
+    return q, rnd(*pages), rnd(*pages), seqlens, table
+
+
+def cache_of(case, k_cache, table, index: int):
+    """Sequence ``index``'s cached keys (or values) as a contiguous (cache_len, kv_heads, d)."""
+    if table is None:
+        return k_cache[index, : case.cache_len]
+    return k_cache[table[index].long()].flatten(0, 1)[: case.cache_len]
+
+
 def matmul_inputs(case: MatmulCase, seed: int = 0):
     dtype = _providers.torch_dtype(case.dtype)
     dev = _device()
@@ -171,6 +201,21 @@ def _attention_error(case, prov, q, k, v, out, grads, dout, options: Options) ->
     worst = [info["out_max_abs"]] + ([info["grad_max_abs"]] if grads is not None else [])
     if not all(math.isfinite(x) for x in worst):
         info["status"] = "wrong: non-finite values (NaN/inf) in the output or gradients"
+    return info
+
+
+def _decode_error(case, inputs, out) -> dict:
+    """Sequence 0 (every head) against the float64 reference over its cache."""
+    from diyfa.reference import attention_ref
+
+    q, k_cache, v_cache, _, table = inputs
+    k, v = (cache_of(case, t, table, 0)[None].double() for t in (k_cache, v_cache))
+    ref = attention_ref(q[:1].double(), k, v, causal=True, layout="bshd")
+    info = {"reference": "diyfa.reference.attention_ref, float64", "scope": "batch 0",
+            "status": "ok", "out_max_abs": float((out[:1].double() - ref).abs().max()),
+            "ref_max_abs": float(ref.abs().max())}  # fmt: skip
+    if not math.isfinite(info["out_max_abs"]):
+        info["status"] = "wrong: non-finite values (NaN/inf) in the output"
     return info
 
 
@@ -288,6 +333,17 @@ class Harness:
                 else:
                     out, grads = graph_out.detach(), first
                 rec["error"] = _attention_error(case, prov, q, k, v, out, grads, dout, opts)
+        elif case.op == "decode":
+            inputs = decode_inputs(case, opts.seed)
+
+            def fn():
+                with torch.no_grad():
+                    return prov.fn(case, *inputs)
+
+            fn()  # untimed: compiles
+            first = fn()
+            if opts.check_error:
+                rec["error"] = _decode_error(case, inputs, first)
         else:
             a, b = matmul_inputs(case, opts.seed)
 
@@ -340,7 +396,7 @@ def expand(plans: list[Plan], providers: list[str] | None = None,
                 p
                 for p in providers
                 if p not in known
-                and not any(p in _providers.names(o) for o in ("attention", "matmul"))
+                and not any(p in _providers.names(o) for o in ("attention", "matmul", "decode"))
             ]
             if unknown:
                 raise ValueError(f"unknown providers {unknown}; attention: "
@@ -350,7 +406,7 @@ def expand(plans: list[Plan], providers: list[str] | None = None,
         else:
             chosen = list(plan.providers or known)
         plan_modes = list(modes or plan.modes)
-        if op == "matmul":
+        if op in ("matmul", "decode"):
             plan_modes = ["fwd"]
         for case in plan.cases:
             for mode in plan_modes:

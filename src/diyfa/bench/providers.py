@@ -190,6 +190,62 @@ def _fa4_cute(case, q, k, v):
     return out[0] if isinstance(out, tuple) else out
 
 
+# --------------------------------------------------------------------------------- decode
+# Inputs: q (batch, seqlen_q, heads, d), k_cache, v_cache (contiguous (batch, len, kv_heads,
+# d) or pages), cache_seqlens (int32), block_table (None for a contiguous cache).
+@register("decode", "diyfa", layout="bshd", backward=False, check=_diyfa_check)
+def _diyfa_decode(case, q, k_cache, v_cache, seqlens, table):
+    """diyfa.flash_attention_with_kvcache (split-KV Triton kernel)."""
+    from diyfa.attention import flash_attention_with_kvcache
+
+    return flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                        block_table=table)  # fmt: skip
+
+
+def _sdpa_decode_check(case) -> str | None:
+    if case.page_size is not None:
+        return "SDPA reads no paged cache"
+    return None
+
+
+def _sdpa_decode(backend_name: str, case, q, k_cache, v_cache, seqlens, table):
+    """SDPA over views of the contiguous cache (bhsd), bottom-right causal for several new
+    tokens, GQA through enable_gqa."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k = k_cache[:, : case.cache_len].transpose(1, 2)
+    v = v_cache[:, : case.cache_len].transpose(1, 2)
+    kwargs = {"enable_gqa": case.kv_heads != case.heads}
+    if case.seqlen_q > 1:
+        from torch.nn.attention.bias import causal_lower_right
+
+        kwargs["attn_mask"] = causal_lower_right(case.seqlen_q, case.cache_len)
+    with sdpa_kernel(getattr(SDPBackend, backend_name)):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v,
+                                                               **kwargs)  # fmt: skip
+    return out.transpose(1, 2)
+
+
+@register("decode", "sdpa-cudnn", layout="bshd", backward=False, baseline=True,
+          check=_sdpa_decode_check)  # fmt: skip
+def _sdpa_cudnn_decode(case, *inputs):
+    """PyTorch SDPA, cuDNN backend, over the contiguous cache."""
+    return _sdpa_decode("CUDNN_ATTENTION", case, *inputs)
+
+
+@register("decode", "sdpa-flash", layout="bshd", backward=False, baseline=True,
+          check=_sdpa_decode_check)  # fmt: skip
+def _sdpa_flash_decode(case, *inputs):
+    """PyTorch SDPA, FlashAttention-2 backend, over the contiguous cache."""
+    return _sdpa_decode("FLASH_ATTENTION", case, *inputs)
+
+
+@register("decode", "sdpa-math", layout="bshd", backward=False, check=_sdpa_decode_check)
+def _sdpa_math_decode(case, *inputs):
+    """PyTorch SDPA, math backend (standard attention), over the contiguous cache."""
+    return _sdpa_decode("MATH", case, *inputs)
+
+
 # --------------------------------------------------------------------------------- matmul
 def _not_fp8(case) -> str | None:
     if case.dtype.startswith("fp8"):

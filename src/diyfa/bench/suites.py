@@ -15,6 +15,9 @@ Suites
     gqa         32 query heads / 8 kv heads, d 128, seq 1024..8192, ~16k tokens
     llm-matmul  transformer-layer matmuls (4096 tokens x 4096/6144/14336), bf16 and fp8
     memory      peak extra memory, standard attention (sdpa-math) vs flash, fp16 b4 h8 d64
+    decode      new tokens (1, 2, 4, 8) against a contiguous KV cache of 512..128k tokens,
+                32 query heads / 8 and 32 kv heads, d 128, bf16 (GB/s is the figure of merit)
+    paged-decode  the same through a paged cache (page sizes 16 and 256, shuffled pages)
     smoke       tiny shapes for the CPU interpreter (tests, a machine without a GPU)
 """
 
@@ -112,6 +115,49 @@ class MatmulCase:
 
 
 @dataclass(frozen=True)
+class DecodeCase:
+    """``seqlen_q`` new query tokens per sequence against ``cache_len`` cached tokens
+    (causal, bottom-right); ``page_size`` None: a contiguous cache, else a paged one whose
+    pages are shuffled in the pool."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    cache_len: int
+    head_dim: int
+    page_size: int | None = None
+    dtype: str = "bf16"
+
+    op = "decode"
+
+    def shape(self) -> dict:
+        d = asdict(self)
+        d.pop("dtype")
+        return d
+
+    def options(self) -> dict:
+        return {"causal": True, "align": "bottom_right", "page_size": self.page_size}
+
+    def flops(self, mode: str) -> dict:
+        f = flops.attention_flops(self.batch, self.heads, self.seqlen_q, self.cache_len,
+                                  head_dim=self.head_dim, kv_heads=self.kv_heads, causal=True,
+                                  mode="fwd")  # fmt: skip
+        return {"exact": f, "published": f, "naive_sq2": f}
+
+    def min_bytes(self, mode: str) -> int:
+        """The cache read once (K and V of every kv head) plus q and the output."""
+        size = flops.DTYPE_BYTES[self.dtype]
+        cache = 2 * self.batch * self.cache_len * self.kv_heads * self.head_dim
+        return (cache + 2 * self.batch * self.seqlen_q * self.heads * self.head_dim) * size
+
+    def label(self) -> str:
+        paged = f" page{self.page_size}" if self.page_size else ""
+        return (f"b{self.batch} h{self.heads}/{self.kv_heads} sq{self.seqlen_q} "
+                f"cache{self.cache_len} d{self.head_dim}{paged} {self.dtype}")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Plan:
     """What one suite measures for one target: cases x modes x providers."""
 
@@ -200,6 +246,33 @@ def _memory(target: str, quick: bool, suite: str = "memory") -> Plan | None:
     return Plan(suite, target, tuple(cases), ("fwd",), MEMORY_PROVIDERS)
 
 
+def _decode_cases(quick: bool, page_size: int | None) -> list[DecodeCase]:
+    # (batch, cache_len): anchors.md's rows (b16 x 16k, b64 x 4k) and the corners of a
+    # serving mix; caches stay under ~9 GB (b x len x kv heads x d x 4 bytes).
+    grid = [(1, 131072), (4, 65536), (16, 16384), (64, 4096), (128, 4096), (128, 512)]
+    if quick:
+        grid = [(16, 16384), (64, 4096)]
+    cases = [DecodeCase(b, 32, 8, 1, n, 128, page_size) for b, n in grid]
+    if not quick:
+        cases += [DecodeCase(16, 32, 32, 1, 16384, 128, page_size)]
+        cases += [DecodeCase(16, 32, 8, s, 16384, 128, page_size) for s in (2, 4, 8)]
+    return cases
+
+
+def _decode(target: str, quick: bool) -> Plan | None:
+    if target != "flash":
+        return None
+    return Plan("decode", target, tuple(_decode_cases(quick, None)), ("fwd",))
+
+
+def _paged_decode(target: str, quick: bool) -> Plan | None:
+    if target != "flash":
+        return None
+    pages = (256,) if quick else (16, 256)
+    cases = [c for p in pages for c in _decode_cases(quick, p)]
+    return Plan("paged-decode", target, tuple(cases), ("fwd",))
+
+
 def _smoke(target: str, quick: bool) -> Plan | None:
     if target == "flash":
         cases = [AttentionCase(1, 2, 64, 64, 32, False, "fp16"),
@@ -221,6 +294,8 @@ SUITES: dict[str, Callable[[str, bool], Plan | None]] = {
     "gqa": _gqa,
     "llm-matmul": _llm_matmul,
     "memory": _memory,
+    "decode": _decode,
+    "paged-decode": _paged_decode,
     "smoke": _smoke,
 }
 DEFAULT_SUITES = {
