@@ -110,8 +110,9 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
         m_i = m_new
 
     empty = l_i == 0.0
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
+    l_safe = tl.where(empty, 1.0, l_i)  # (log2 of 0 would be -inf, then replaced anyway)
+    acc = acc / l_safe[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     # Workspace rows: ((split * batch + b) * heads + head) * seqlen_q + query.
     heads = kv_heads * kv_group
     ws_row = ((split * batch + off_b) * heads + head) * seqlen_q + qpos
@@ -135,8 +136,9 @@ def _combine(O_PART, LSE_PART, O, LSE, rows_per_split, seqlen_q, heads,
     total = tl.sum(w, 0)
     o_s = tl.load(O_PART + (splits[:, None] * rows_per_split + row) * HEAD_DIM_PAD
                   + offs_d[None, :])  # fmt: skip
-    out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    lse2 = tl.where(total == 0.0, float("-inf"), m_use + tl.math.log2(total))
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(o_s * w[:, None], 0) / total_safe
+    lse2 = tl.where(total == 0.0, float("-inf"), m_use + tl.math.log2(total_safe))
     tl.store(LSE + row, lse2)
     s = row % seqlen_q
     bh = row // seqlen_q

@@ -211,8 +211,9 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, True, PRECISION)
 
     empty = l_i == 0.0  # rows that saw no key
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
+    l_safe = tl.where(empty, 1.0, l_i)  # (log2 of 0 would be -inf, then replaced anyway)
+    acc = acc / l_safe[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
     tl.store(LSE + row + offs_m, lse2, mask=m_ok)
     o_base = O + off_b * stride_ob + q_start * stride_os + off_h * stride_oh
