@@ -145,33 +145,18 @@ def test_kvcache_bad_input_is_a_clear_error_and_writes_nothing(over, err, match)
 
 
 _COMPILE_DECODE = """
-import torch, triton
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
+import torch
+from diyfa._compile import compile_for_sm90
 from diyfa.attention import decode
 
-target = GPUTarget("cuda", 90, 32)
-backend = CUDABackend(target)
-ints = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32, "O_PART": torch.float32,
-        "LSE_PART": torch.float32, "LSE": torch.float32}
-consts = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True, PAGED=True, PRECISION="tf32",
-              BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
+tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32, "O_PART": torch.float32,
+           "LSE_PART": torch.float32, "LSE": torch.float32}
+args = dict(qk_scale=0.5, HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True, PAGED=True,
+            PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
 for fn in (decode._decode_split, decode._combine):
-    signature, constants = {}, {}
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constants[(i,)] = consts[p.name]
-            continue
-        if p.name.isupper():
-            value = torch.empty(16, dtype=ints.get(p.name, torch.bfloat16))
-        else:
-            value = 0.5 if p.name == "qk_scale" else 17
-        signature[p.name] = native_specialize_impl(backend, value, False, True, True)[0]
-    triton.compile(ASTSource(fn, signature, constants), target=target,
-                   options={"num_warps": 4, "num_stages": 2})
+    values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.bfloat16))
+                               if p.name.isupper() else 17) for p in fn.params}
+    compile_for_sm90(fn, values, num_warps=4, num_stages=2)
 print("compiled")
 """
 

@@ -165,31 +165,18 @@ def test_gpu_varlen(dtype, causal):
 
 
 _COMPILE_VARLEN = """
-import torch, triton
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
+import torch
+from diyfa._compile import compile_for_sm90
 from diyfa.attention import portable as P
 
-target = GPUTarget("cuda", 90, 32)
-backend = CUDABackend(target)
 args = dict(LSE=torch.empty(16), DELTA=torch.empty(16), CU_Q=torch.empty(16, dtype=torch.int32),
-            CU_K=torch.empty(16, dtype=torch.int32), qk_scale=0.5, sm_scale=0.5)
-consts = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True, PRECISION="tf32", VARLEN=True,
-              BLOCK_M=64, BLOCK_N=64)
+            CU_K=torch.empty(16, dtype=torch.int32), qk_scale=0.5, sm_scale=0.5,
+            HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True, PRECISION="tf32", VARLEN=True,
+            BLOCK_M=64, BLOCK_N=64)
 for fn in (P._attn_fwd, P._attn_bwd_dq, P._attn_bwd_dkdv):
-    signature, constants = {}, {}
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constants[(i,)] = consts[p.name]
-            continue
-        value = args.get(p.name, torch.empty(16, dtype=torch.bfloat16) if p.name.isupper()
-                         else 17)
-        signature[p.name] = native_specialize_impl(backend, value, False, True, True)[0]
-    triton.compile(ASTSource(fn, signature, constants), target=target,
-                   options={"num_warps": 4, "num_stages": 2})
+    values = {p.name: args.get(p.name, torch.empty(16, dtype=torch.bfloat16) if p.name.isupper()
+                               else 17) for p in fn.params}
+    compile_for_sm90(fn, values, num_warps=4, num_stages=2)
 print("compiled")
 """
 

@@ -26,6 +26,17 @@ MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _resolved_scale(softmax_scale, head_dim: int) -> float:
+    """The softmax scale as a float: the one given (finite), or 1/sqrt(head_dim)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
 def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False) -> Problem:
     """Check q, k, v and the options; return the call's :class:`Problem`.
 
@@ -82,12 +93,7 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False) -
         )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = _resolved_scale(softmax_scale, d)
     device = q.device
     # Fake tensors (torch.compile's tracing, ops.py) have no storage: alignment unknown.
     aligned16 = fake or not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
@@ -242,10 +248,4 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    return scale, [n + s_new for n in lengths]
+    return _resolved_scale(softmax_scale, d), [n + s_new for n in lengths]

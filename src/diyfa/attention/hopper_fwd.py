@@ -430,29 +430,12 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
     sets it up for a (2, 16, 4096, head_dim) problem; returns Triton's ``CompiledKernel``
     (``.asm["ptx"]``, ``.metadata``). Run it in a process that has not run kernels under
     the interpreter (which leaves Triton's language module patched)."""
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from diyfa._compile import compile_for_sm90
 
     q = torch.empty(2, 16, 4096, head_dim, dtype=dtype)
     lse = torch.empty(2, 16, 4096, dtype=torch.float32)
     _, args, num_warps = hopper_args(q, q, q, q, lse, 0, 0.1, causal, 132, config)
-    target = GPUTarget("cuda", 90, 32)
-    backend = CUDABackend(target)
-    fn = _attn_fwd_hopper
-    signature, constants = {}, {}
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constants[(i,)] = args[p.name]
-        else:
-            signature[p.name] = native_specialize_impl(backend, args[p.name], False, True, True)[0]
-            if signature[p.name] == "constexpr":  # an int equal to 1 is compiled in
-                constants[(i,)] = args[p.name]
-    return triton.compile(GluonASTSource(fn, signature, constants), target=target,
-                          options={"num_warps": num_warps})
+    return compile_for_sm90(_attn_fwd_hopper, args, num_warps)
 
 
 def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):

@@ -377,26 +377,11 @@ def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, b_kmajor: bool = Fal
     ``.metadata.shared``). For reading the PTX, and for the CPU test that it compiles. Run it
     in a process that has not run kernels under the interpreter (which leaves Triton's
     language module patched)."""
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from diyfa._compile import compile_for_sm90
 
     a = torch.empty(4096, 4096, dtype=dtype)
     workspace = None
     if stream_k:
         workspace = (torch.empty(132 * 128 * 256), torch.zeros(2 * 132, dtype=torch.int32))
     _, args, num_warps = ws_args(a, a.t() if b_kmajor else a, a, 132, stream_k=workspace)
-    target = GPUTarget("cuda", 90, 32)
-    backend = CUDABackend(target)
-    fn = _matmul_ws_kernel
-    signature, constants = {}, {}
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constants[(i,)] = args[p.name]
-        else:
-            signature[p.name] = native_specialize_impl(backend, args[p.name], False, True, True)[0]
-    return triton.compile(GluonASTSource(fn, signature, constants), target=target,
-                          options={"num_warps": num_warps})
+    return compile_for_sm90(_matmul_ws_kernel, args, num_warps)

@@ -1,0 +1,37 @@
+"""Compile a Triton or Gluon kernel for an sm90a GPU without one (Triton bundles ptxas).
+
+For the CPU tests that Hopper kernels compile and fit (shared memory, registers, spills), and
+for reading their PTX. Run it in a process that has not run kernels under the Triton
+interpreter, which leaves Triton's language module patched.
+"""
+
+from __future__ import annotations
+
+
+def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = None):
+    """Triton's ``CompiledKernel`` of ``fn`` (``@triton.jit`` or ``@gluon.jit``) specialised on
+    ``args`` (every parameter by name: constexprs by value, the others as Triton's launcher
+    would see them, integers equal to 1 compiled in); ``.asm["ptx"]``, ``.metadata``."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    signature, constants = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constants[(i,)] = args[p.name]
+        else:
+            signature[p.name] = native_specialize_impl(backend, args[p.name], False, True, True)[0]
+            if signature[p.name] == "constexpr":  # an int equal to 1 is compiled in
+                constants[(i,)] = args[p.name]
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    return triton.compile(source(fn, signature, constants), target=target, options=options)
