@@ -399,3 +399,25 @@ def test_decode_measurement_on_the_interpreter(page_size):
     else:
         assert by["sdpa-math"]["status"] == "ok"
         assert by["sdpa-math"]["error"]["out_max_abs"] < 2e-3
+
+
+# --------------------------------------------------------------------------------- varlen
+def test_varlen_suite_lengths_and_measurement_on_the_interpreter():
+    from diyfa.bench.suites import Plan, VarlenCase, varlen_lengths
+
+    lengths = varlen_lengths(65536, 128, 8192)
+    assert sum(lengths) == 65536 and max(lengths) <= 8192 and lengths == varlen_lengths(
+        65536, 128, 8192)  # reproducible
+    [plan] = suites.plans("flash", ["varlen"])
+    assert plan.modes == ("fwd", "bwd") and all(sum(c.lengths) == 65536 for c in plan.cases)
+    case = VarlenCase((5, 17, 1), 4, 2, 32, True, "fp16")
+    assert case.flops("fwd")["exact"] == 2 * 4 * (15 + 153 + 1) * 64  # causal pairs
+    recs = harness.run([Plan("varlen", "flash", (case,), ("fwd", "bwd"))], _harness(),
+                       providers=["diyfa", "sdpa-cudnn-padded"])  # fmt: skip
+    by = {(r["provider"], r["mode"]): r for r in recs}
+    for mode in ("fwd", "bwd"):
+        rec = by[("diyfa", mode)]
+        assert rec["status"] == "ok", rec["reason"]
+        assert rec["error"]["status"] == "ok" and rec["error"]["out_max_abs"] < 2e-3
+    assert by[("diyfa", "bwd")]["error"]["grad_max_abs"] < 5e-3
+    assert by[("sdpa-cudnn-padded", "fwd")]["status"] == "unsupported"  # no CUDA here

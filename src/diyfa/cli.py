@@ -215,7 +215,7 @@ def cmd_bench(args) -> int:
                         f"{name:11s} {target:7s} {len(plan.cases):3d} cases, modes "
                         f"{','.join(plan.modes)}: " + "; ".join(c.label() for c in plan.cases)
                     )
-        for op in ("attention", "decode", "matmul"):
+        for op in ("attention", "varlen", "decode", "matmul"):
             for n in _providers.names(op):
                 p = _providers.get(op, n)
                 why = p.unavailable()
@@ -249,7 +249,7 @@ def cmd_bench(args) -> int:
         path = results.default_path(env, names)
     else:
         path = "report/interpreter_smoke.jsonl"
-    for op in ("attention", "decode", "matmul"):
+    for op in ("attention", "varlen", "decode", "matmul"):
         for n in _providers.names(op):
             why = _providers.get(op, n).unavailable()
             if why and any(j[2] == n and j[1].op == op for j in jobs):
@@ -409,8 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--suite",
         default=None,
-        help="comma list: seed,fa-sweep,cross,gqa,decode,paged-decode,llm-matmul,memory,smoke "
-        "(default: the target's suites)",
+        help="comma list: seed,fa-sweep,cross,gqa,varlen,decode,paged-decode,llm-matmul,"
+        "memory,smoke (default: the target's suites)",
     )
     s.add_argument("--providers", default=None, help="comma list (default: the suite's)")
     s.add_argument("--modes", default=None, help="comma list of fwd,bwd,fwd_bwd")

@@ -89,6 +89,22 @@ def attention_inputs(case: AttentionCase, layout: str, requires_grad: bool, seed
     return out
 
 
+def varlen_inputs(case, requires_grad: bool, seed: int = 0):
+    """Packed q (total, heads, d), k, v (total, kv_heads, d), int32 cumulative lengths (the
+    same for queries and keys) and the longest length."""
+    dtype = _providers.torch_dtype(case.dtype)
+    dev = _device()
+    g = torch.Generator(device=dev).manual_seed(seed)
+    total = sum(case.lengths)
+
+    def rnd(heads):
+        t = torch.randn(total, heads, case.head_dim, generator=g, device=dev)
+        return t.to(dtype).requires_grad_(requires_grad)
+
+    cu = torch.tensor([0, *np.cumsum(case.lengths).tolist()], dtype=torch.int32, device=dev)
+    return rnd(case.heads), rnd(case.kv_heads), rnd(case.kv_heads), cu, max(case.lengths)
+
+
 def decode_inputs(case, seed: int = 0):
     """q (batch, seqlen_q, heads, d), the K/V cache (contiguous (batch, cache_len, kv_heads,
     d), or pages (num_pages, page_size, kv_heads, d) shuffled in the pool), cache_seqlens
@@ -204,6 +220,29 @@ def _attention_error(case, prov, q, k, v, out, grads, dout, options: Options) ->
     return info
 
 
+def _varlen_error(case, prov, q, k, v, out, grads, dout, options: Options) -> dict:
+    """Sequence 0 (every head) against the float64 reference, output and gradients."""
+    from diyfa.reference import attention_ref
+
+    n = case.lengths[0]
+    info = {"reference": "diyfa.reference.attention_ref, float64", "scope": "sequence 0"}
+    ref_in = [t[:n].detach().double()[None].requires_grad_(grads is not None)
+              for t in (q, k, v)]  # fmt: skip
+    ref = attention_ref(*ref_in, causal=case.causal, layout="bshd")
+    info["status"] = "ok"
+    info["out_max_abs"] = float((out[:n].double() - ref[0]).abs().max())
+    info["ref_max_abs"] = float(ref.abs().max())
+    if grads is not None:
+        ref.backward(dout[:n].double()[None])
+        for name, got, r in zip(("dq", "dk", "dv"), grads, ref_in, strict=True):
+            info[f"{name}_max_abs"] = float((got[:n].double() - r.grad[0]).abs().max())
+        info["grad_max_abs"] = max(info[f"{m}_max_abs"] for m in ("dq", "dk", "dv"))
+    worst = [info["out_max_abs"]] + ([info["grad_max_abs"]] if grads is not None else [])
+    if not all(math.isfinite(x) for x in worst):
+        info["status"] = "wrong: non-finite values (NaN/inf) in the output or gradients"
+    return info
+
+
 def _decode_error(case, inputs, out) -> dict:
     """Sequence 0 (every head) against the float64 reference over its cache."""
     from diyfa.reference import attention_ref
@@ -303,16 +342,20 @@ class Harness:
     # The work of ``measure``: builds fn, checks error on the first call, memory, time.
     def _measure(self, rec: dict, case, prov, mode: str) -> None:
         opts = self.options
-        if case.op == "attention":
-            q, k, v = attention_inputs(case, prov.layout, mode != "fwd", opts.seed)
+        if case.op in ("attention", "varlen"):
+            if case.op == "attention":
+                inputs = attention_inputs(case, prov.layout, mode != "fwd", opts.seed)
+            else:
+                inputs = varlen_inputs(case, mode != "fwd", opts.seed)
+            q, k, v = inputs[:3]
             dout = None
             if mode == "fwd":
 
                 def fn():
-                    return prov.fn(case, q, k, v)
+                    return prov.fn(case, *inputs)
             else:
-                prov.fn(case, q, k, v)  # compile/autotune: graph_out is a steady-state call
-                graph_out = prov.fn(case, q, k, v)
+                prov.fn(case, *inputs)  # compile/autotune: graph_out is a steady-state call
+                graph_out = prov.fn(case, *inputs)
                 dout = torch.randn_like(graph_out)
                 if mode == "bwd":
 
@@ -321,7 +364,7 @@ class Harness:
                 else:
 
                     def fn():
-                        return torch.autograd.grad(prov.fn(case, q, k, v), (q, k, v), dout)
+                        return torch.autograd.grad(prov.fn(case, *inputs), (q, k, v), dout)
 
             fn()  # untimed: compiles, autotunes
             # The error is judged on a second call: the steady-state launch path, which is
@@ -332,7 +375,8 @@ class Harness:
                     out, grads = first, None
                 else:
                     out, grads = graph_out.detach(), first
-                rec["error"] = _attention_error(case, prov, q, k, v, out, grads, dout, opts)
+                check = _attention_error if case.op == "attention" else _varlen_error
+                rec["error"] = check(case, prov, q, k, v, out, grads, dout, opts)
         elif case.op == "decode":
             inputs = decode_inputs(case, opts.seed)
 
@@ -396,7 +440,8 @@ def expand(plans: list[Plan], providers: list[str] | None = None,
                 p
                 for p in providers
                 if p not in known
-                and not any(p in _providers.names(o) for o in ("attention", "matmul", "decode"))
+                and not any(p in _providers.names(o)
+                            for o in ("attention", "matmul", "decode", "varlen"))
             ]
             if unknown:
                 raise ValueError(f"unknown providers {unknown}; attention: "

@@ -246,6 +246,43 @@ def _sdpa_math_decode(case, *inputs):
     return _sdpa_decode("MATH", case, *inputs)
 
 
+# --------------------------------------------------------------------------------- varlen
+# Inputs: packed q (total, heads, d), k, v (total, kv_heads, d), int32 cu_seqlens, max length.
+@register("varlen", "diyfa", layout="thd", check=_diyfa_check)
+def _diyfa_varlen(case, q, k, v, cu, max_len):
+    """diyfa.flash_attention_varlen (packed, no padding work)."""
+    from diyfa.attention import flash_attention_varlen
+
+    return flash_attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=case.causal)
+
+
+@register("varlen", "sdpa-cudnn-padded", layout="thd", baseline=True, check=_needs_cuda)
+def _sdpa_cudnn_padded(case, q, k, v, cu, max_len):
+    """What a user without varlen does: pad every sequence to the longest (bhsd), PyTorch
+    SDPA's cuDNN backend, unpad. The padded keys are masked out (a boolean key mask), and
+    the pad/unpad copies count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, lens = len(case.lengths), torch.tensor(case.lengths, device=q.device)
+    rows = torch.arange(max_len, device=q.device)
+    valid = rows[None, :] < lens[:, None]  # (batch, max_len)
+
+    def pad(t):
+        out = t.new_zeros(b, max_len, t.shape[1], t.shape[2])
+        out[valid] = t
+        return out.transpose(1, 2)
+
+    # Padded query rows (dropped at the end) see every key: no fully masked row, whose NaN
+    # would reach the valid rows' gradients.
+    mask = valid[:, None, None, :] | ~valid[:, None, :, None]
+    if case.causal:
+        mask = mask & torch.ones(max_len, max_len, dtype=torch.bool, device=q.device).tril()
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            pad(q), pad(k), pad(v), attn_mask=mask, enable_gqa=case.kv_heads != case.heads)
+    return out.transpose(1, 2)[valid]
+
+
 # --------------------------------------------------------------------------------- matmul
 def _not_fp8(case) -> str | None:
     if case.dtype.startswith("fp8"):

@@ -18,6 +18,8 @@ Suites
     decode      new tokens (1, 2, 4, 8) against a contiguous KV cache of 512..128k tokens,
                 32 query heads / 8 and 32 kv heads, d 128, bf16 (GB/s is the figure of merit)
     paged-decode  the same through a paged cache (page sizes 16 and 256, shuffled pages)
+    varlen      64k tokens of packed sequences (lengths log-uniform in 128..8192), d 64/128,
+                causal and not, fwd and bwd; the padded cuDNN provider is the baseline
     smoke       tiny shapes for the CPU interpreter (tests, a machine without a GPU)
 """
 
@@ -158,6 +160,48 @@ class DecodeCase:
 
 
 @dataclass(frozen=True)
+class VarlenCase:
+    """Packed sequences of ``lengths`` tokens (the same for queries and keys), bottom-right
+    causal per sequence when ``causal``."""
+
+    lengths: tuple[int, ...]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = False
+    dtype: str = "bf16"
+
+    op = "varlen"
+
+    def shape(self) -> dict:
+        return {"batch": len(self.lengths), "heads": self.heads, "kv_heads": self.kv_heads,
+                "total_tokens": sum(self.lengths), "max_seqlen": max(self.lengths),
+                "head_dim": self.head_dim, "lengths": list(self.lengths)}  # fmt: skip
+
+    def options(self) -> dict:
+        return {"causal": self.causal, "align": "bottom_right"}
+
+    def flops(self, mode: str) -> dict:
+        common = dict(heads=self.heads, head_dim=self.head_dim, causal=self.causal, mode=mode,
+                      seqlens_q=self.lengths, seqlens_k=self.lengths)  # fmt: skip
+        exact = flops.attention_flops(**common)
+        published = flops.attention_flops(convention="published", **common)
+        return {"exact": exact, "published": published, "naive_sq2": published}
+
+    def min_bytes(self, mode: str) -> int:
+        size = flops.DTYPE_BYTES[self.dtype]
+        total = sum(self.lengths)
+        qo = 2 * total * self.heads * self.head_dim
+        kv = 2 * total * self.kv_heads * self.head_dim
+        return (qo + kv) * size * (2 if mode != "fwd" else 1)
+
+    def label(self) -> str:
+        c = " causal" if self.causal else ""
+        return (f"n{len(self.lengths)} tok{sum(self.lengths)} max{max(self.lengths)} "
+                f"h{self.heads}/{self.kv_heads} d{self.head_dim}{c} {self.dtype}")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Plan:
     """What one suite measures for one target: cases x modes x providers."""
 
@@ -273,6 +317,30 @@ def _paged_decode(target: str, quick: bool) -> Plan | None:
     return Plan("paged-decode", target, tuple(cases), ("fwd",))
 
 
+def varlen_lengths(total: int, lo: int, hi: int, seed: int = 0) -> tuple[int, ...]:
+    """A reproducible mix of sequence lengths drawn log-uniformly from [lo, hi], the last one
+    trimmed so that they add up to ``total`` tokens."""
+    import random
+
+    rng = random.Random(seed)
+    out, left = [], total
+    while left > 0:
+        n = min(left, int(round(lo * (hi / lo) ** rng.random())))
+        out.append(n)
+        left -= n
+    return tuple(out)
+
+
+def _varlen(target: str, quick: bool) -> Plan | None:
+    if target != "flash":
+        return None
+    lengths = varlen_lengths(65536, 128, 8192)
+    dims = (128,) if quick else (64, 128)
+    cases = [VarlenCase(lengths, 2048 // d, 2048 // d if d == 64 else 4, d, causal)
+             for d in dims for causal in (False, True)]  # fmt: skip
+    return Plan("varlen", target, tuple(cases), ("fwd", "bwd"))
+
+
 def _smoke(target: str, quick: bool) -> Plan | None:
     if target == "flash":
         cases = [AttentionCase(1, 2, 64, 64, 32, False, "fp16"),
@@ -296,6 +364,7 @@ SUITES: dict[str, Callable[[str, bool], Plan | None]] = {
     "memory": _memory,
     "decode": _decode,
     "paged-decode": _paged_decode,
+    "varlen": _varlen,
     "smoke": _smoke,
 }
 DEFAULT_SUITES = {
