@@ -179,6 +179,17 @@ def test_sdpa_drop_in_matches_pytorch_semantics(causal):
     assert _max_err(out, ref) < 1e-5
 
 
+def test_sdpa_drop_in_falls_back_for_float64_and_negative_scales():
+    """What the kernels refuse (float64, a negative scale) the drop-in hands to PyTorch."""
+    q = torch.randn(1, 2, 9, 16, dtype=torch.float64, device=DEVICE)
+    out = diyfa.scaled_dot_product_attention(q, q, q)
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    q = q.half()
+    out = diyfa.scaled_dot_product_attention(q, q, q, scale=-0.5)
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q,
+                                                                             scale=-0.5))
+
+
 def test_sdpa_drop_in_falls_back_and_logs_once(caplog):
     q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32)
     mask = torch.zeros(8, 8, dtype=torch.bool, device=DEVICE).tril()
@@ -230,9 +241,11 @@ def _bad(**over):
         ({}, dict(causal=1), TypeError, "causal must be a bool"),
         ({}, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
         ({}, dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
+        ({}, dict(softmax_scale=-1.0), ValueError, "softmax_scale must be finite and >= 0, got -1"),
     ],
     ids=["not-tensor", "rank", "dtype", "mixed-dtype", "head-dim-300", "head-dim-mismatch",
-         "batch", "gqa-heads", "kv-mismatch", "layout", "causal-type", "scale-nan", "scale-type"],
+         "batch", "gqa-heads", "kv-mismatch", "layout", "causal-type", "scale-nan", "scale-type",
+         "scale-negative"],
 )
 def test_bad_input_is_a_clear_error(over, kwargs, err, match):
     args = _bad(**{key: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t)

@@ -142,3 +142,14 @@ def test_importing_the_package_loads_no_kernel_family():
     assert out.stdout.strip() == ("['diyfa.attention.checks', 'diyfa.attention.dispatch', "
                                   "'diyfa.attention.function', 'diyfa.attention.ops', "
                                   "'diyfa.attention.problem'] False")  # fmt: skip
+
+
+def test_portable_refuses_grids_past_cuda_limit():
+    """The portable kernels put batch x heads on the grid's second axis (at most 65535):
+    past it "auto" says so instead of a CUDA launch error."""
+    problem = dataclasses.replace(_problem(), batch=20000, heads=4, kv_heads=4)
+    reason = dict(dispatch.explain(problem))["portable"]
+    assert "batch x heads = 80000 exceeds the 65535" in reason
+    if problem.capability is None:  # no Hopper family on the CPU either
+        with pytest.raises(ValueError, match="no attention backend can run this problem"):
+            dispatch.select(problem)

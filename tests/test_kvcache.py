@@ -89,6 +89,7 @@ def test_kvcache_append_and_attend(dtype, splits, sq, s_new, causal, paged):
             for j in range(n + s_new):
                 page, row = table[i, j // 16], j % 16
                 assert torch.equal(k_pages[page, row], after_k[i, j])
+                assert torch.equal(v_pages[page, row], after_v[i, j])
     if LENS[0] + s_new < sq and causal:  # rows of sequence 0 that see no key
         assert (out[0, : sq - LENS[0] - s_new] == 0).all()
 
@@ -134,8 +135,18 @@ def _bad_call(over):
     (lambda a: dict(block_table=None), ValueError, "a contiguous cache must be \\(batch=3"),
     (lambda a: dict(num_splits=-2), TypeError, "num_splits must be an int >= 0"),
     (lambda a: dict(q=a["q"].clone().requires_grad_()), ValueError, "has no backward"),
+    (lambda a: dict(cache_seqlens=torch.tensor([0, 9, 70, 9, 200, 9], dtype=torch.int32,
+                                               device=DEVICE)[::2]),
+     ValueError, "cache_seqlens must be contiguous"),
+    (lambda a: dict(block_table=a["block_table"].t().contiguous().t()), ValueError,
+     "block_table must be contiguous"),
+    (lambda a: dict(num_splits=129), ValueError, "num_splits must be at most 128"),
+    (lambda a: dict(k_cache=a["k_cache"][:, :0], v_cache=a["v_cache"][:, :0], k=None, v=None,
+                    cache_seqlens=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
+     ValueError, "pages of >= 1 token, got page_size 0"),
 ], ids=["int64-seqlens", "past-cache", "negative", "page-outside", "int64-table", "k-only",
-        "k-heads", "dtypes", "heads", "contiguous-batch", "splits", "requires-grad"])
+        "k-heads", "dtypes", "heads", "contiguous-batch", "splits", "requires-grad",
+        "strided-seqlens", "column-major-table", "too-many-splits", "page-size-0"])
 def test_kvcache_bad_input_is_a_clear_error_and_writes_nothing(over, err, match):
     args = _bad_call(over)
     before = (args["k_cache"].clone(), args["v_cache"].clone())

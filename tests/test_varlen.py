@@ -146,8 +146,11 @@ def _bad(over):
                     v=torch.randn(7, 3, 16, device=DEVICE, dtype=torch.float16)),
      ValueError, "q heads \\(4\\) must be a multiple of k/v heads \\(3\\)"),
     (lambda a: dict(cu_seqlens_q=[0, 3, 7]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+    (lambda a: dict(cu_seqlens_q=torch.tensor([0, 99, 3, 99, 7, 99], dtype=torch.int32,
+                                              device=DEVICE)[::2]),
+     ValueError, "cu_seqlens_q must be contiguous"),
 ], ids=["4d-q", "int64", "2d-cu", "wrong-total", "wrong-total-k", "decreasing", "max-short",
-        "max-negative", "max-float", "count", "heads", "list"])
+        "max-negative", "max-float", "count", "heads", "list", "strided"])
 def test_varlen_bad_input_is_a_clear_error(over, err, match):
     with pytest.raises(err, match=match):
         diyfa.flash_attention_varlen(**_bad(over))

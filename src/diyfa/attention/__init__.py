@@ -27,7 +27,12 @@ import logging
 import torch
 
 from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attention_*)
-from diyfa.attention.checks import check_inputs, check_kvcache_inputs, check_varlen_inputs
+from diyfa.attention.checks import (
+    SUPPORTED_DTYPES,
+    check_inputs,
+    check_kvcache_inputs,
+    check_varlen_inputs,
+)
 from diyfa.attention.dispatch import select
 from diyfa.attention.function import run
 from diyfa.device import interpreter_enabled
@@ -219,6 +224,10 @@ def scaled_dot_product_attention(
                          *args, **kwargs)  # fmt: skip
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] > 256:
         return _fallback("head dims differ or exceed 256", *args, **kwargs)
+    if any(t.dtype not in SUPPORTED_DTYPES for t in args):
+        return _fallback("only float16, bfloat16 and float32 run on the kernel", *args, **kwargs)
+    if scale is not None and scale < 0:
+        return _fallback("negative scales run on PyTorch", *args, **kwargs)
     if query.device.type != "cuda" and not interpreter_enabled():
         return _fallback(f"device {query.device.type} has no Triton kernel", *args, **kwargs)
     if query.shape[1] != key.shape[1] and not enable_gqa:

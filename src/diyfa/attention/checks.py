@@ -32,8 +32,9 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not math.isfinite(softmax_scale) or softmax_scale < 0:
+        raise ValueError(f"softmax_scale must be finite and >= 0, got {softmax_scale} (the "
+                         "kernels take a row's maximum score before scaling)")  # fmt: skip
     return float(softmax_scale)
 
 
@@ -115,6 +116,9 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
                          f"{tuple(cu.shape)}")  # fmt: skip
     if cu.device != device:
         raise ValueError(f"{name} must be on the tensors' device {device}, got {cu.device}")
+    if not cu.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the kernels read it element by element), "
+                         f"got strides {cu.stride()}")  # fmt: skip
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
     values = cu.tolist()
@@ -171,6 +175,12 @@ def _check_int32_tensor(name: str, t, dims: int, device) -> None:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} must be on the tensors' device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the kernel reads it row by row), got "
+                         f"strides {t.stride()}")  # fmt: skip
+
+
+MAX_SPLITS = 128  # split-KV ranges per sequence: more never pays, and the combine holds them
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,
@@ -231,6 +241,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
         if block_table.shape[0] != b:
             raise ValueError(f"block_table must be (batch={b}, max_blocks), got "
                              f"{tuple(block_table.shape)}")  # fmt: skip
+        if rows < 1:
+            raise ValueError(f"a paged cache needs pages of >= 1 token, got page_size {rows}")
         capacity = rows * block_table.shape[1]  # rows = page_size
     for i, n in enumerate(lengths):
         if n < 0 or n + s_new > capacity:
@@ -248,4 +260,6 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be at most {MAX_SPLITS}, got {num_splits}")
     return _resolved_scale(softmax_scale, d), [n + s_new for n in lengths]

@@ -6,7 +6,7 @@ appended), and calls :func:`kvcache_attention` here.
 
 Work split
     A decode step has few query rows (1..N new tokens) and a long cache. One program per
-    (split, batch, kv head) handles every query row of the kv head's GQA group at once: the
+    (batch x kv head, split) handles every query row of the kv head's GQA group at once: the
     group's ``kv_group * seqlen_q`` rows form one tile, so each K/V byte is read once per
     group, not once per query head. The keys of a sequence are cut into ``num_splits``
     equal ranges of whole blocks; each program writes its partial output and base-2 LSE
@@ -54,11 +54,11 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   PAGED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):
-    """Program (split, batch x kv head, row block): the query rows of the kv head's group
+    """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
     query r % seqlen_q; one decode step's rows usually fit one block."""
-    split = tl.program_id(0)
-    off_bhk = tl.program_id(1)
+    off_bhk = tl.program_id(0)
+    split = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
     seqlen_k = tl.load(CACHE_SEQLENS + off_b)
@@ -181,7 +181,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         lse_part[splits * rows:].fill_(float("-inf"))
     paged = block_table is not None
     table = block_table if paged else cache_seqlens
-    _decode_split[(splits, b * hk, cdiv(group * sq, block_m))](
+    _decode_split[(b * hk, splits, cdiv(group * sq, block_m))](
         q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,

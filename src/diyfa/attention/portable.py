@@ -621,8 +621,14 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
 # --------------------------------------------------------------------------------------------
 # The family
 # --------------------------------------------------------------------------------------------
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, where these kernels put batch x heads
+
+
 def _supports(problem: Problem) -> str | None:
-    """Everything that passed diyfa.attention.checks runs here."""
+    """Everything that passed diyfa.attention.checks runs here, up to CUDA's grid limit."""
+    if problem.batch * problem.heads > MAX_GRID_Y:
+        return (f"batch x heads = {problem.batch * problem.heads} exceeds the {MAX_GRID_Y} "
+                "programs its grid's second axis may hold")  # fmt: skip
     return None
 
 
