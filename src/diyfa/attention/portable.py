@@ -117,6 +117,24 @@ def _sequence(off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN: tl.c
 
 
 @triton.jit
+def _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+               CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program over one Q block (grid: Q blocks x batch * heads): (first row, batch, head,
+    kv head) and its sequence's (q start, k start, seqlen_q, seqlen_k, causal offset).
+    Causal: the heaviest Q blocks (last rows) start first, so the tail of the grid is light."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // heads).to(tl.int64)
+    off_h = (off_bh % heads).to(tl.int64)
+    q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
+        off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
+    return (pid_m * BLOCK_M, off_b, off_h, off_h // kv_group, q_start, k_start, seqlen_q,
+            seqlen_k, causal_offset)  # fmt: skip
+
+
+@triton.jit
 def _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN: tl.constexpr):
     """Index of a sequence's first row in LSE / delta: (batch, heads, seqlen_q) arrays, or
     (heads, total_q) for packed (varlen) sequences."""
@@ -172,17 +190,9 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
               PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr):
-    # Causal: the heaviest Q blocks (last rows) start first, so the tail of the grid is light.
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // heads).to(tl.int64)
-    off_h = (off_bh % heads).to(tl.int64)
-    off_hk = off_h // kv_group
-    q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
-        off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
-    start_m = pid_m * BLOCK_M
+    start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
+        _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
+                   VARLEN, BLOCK_M))  # fmt: skip
     if VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
@@ -402,16 +412,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                  PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // heads).to(tl.int64)
-    off_h = (off_bh % heads).to(tl.int64)
-    off_hk = off_h // kv_group
-    q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
-        off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
-    start_m = pid_m * BLOCK_M
+    start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
+        _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
+                   VARLEN, BLOCK_M))  # fmt: skip
     if VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
