@@ -52,9 +52,12 @@ def _check(name, ours, pt, ref, factor, dtype):
                     f"at {where} exceeds {factor}x PyTorch's {pt_err:.3e} + {FLOOR[dtype]:.0e}")
 
 
-def _run_and_check(q, k, v, causal, layout="bhsd", scale=None, grads=True):
+def _run_and_check(q, k, v, causal, layout="bhsd", scale=None, grads=True, **options):
+    """flash_attention (with ``options``) against float64, forward and gradients, by the
+    2x / 3x rule."""
     dtype = q.dtype
-    out = diyfa.flash_attention(q, k, v, causal=causal, layout=layout, softmax_scale=scale)
+    out = diyfa.flash_attention(q, k, v, causal=causal, layout=layout, softmax_scale=scale,
+                                **options)  # fmt: skip
     assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
     do = torch.randn_like(out)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]

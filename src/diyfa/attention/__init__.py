@@ -55,6 +55,7 @@ def flash_attention(
     layout: str = "bhsd",
     return_lse: bool = False,
     backend: str = "auto",
+    deterministic: bool = False,
 ):
     """FlashAttention: softmax(q k^T * softmax_scale [+ causal mask]) v, differentiable.
 
@@ -70,17 +71,23 @@ def flash_attention(
         backend: which kernel family runs the call. "auto" (default): the first family that
             supports the problem (and was not measured slower on it); "hopper": the Gluon
             forward for sm90 GPUs (fp16/bf16, head dims 64..256 that are multiples of 8;
-            its backward is the portable one); "portable": the Triton kernels that run
-            everywhere. A named family that cannot run the problem raises ValueError with
-            the reason; so does an unknown name.
+            its backward is the portable one unless ``DIYFA_HOPPER_BWD=1`` enables the
+            Gluon backward, which has not run on a GPU yet: ``attention/hopper_bwd.py``);
+            "portable": the Triton kernels that run everywhere. A named family that cannot
+            run the problem raises ValueError with the reason; so does an unknown name.
             ``diyfa.attention.dispatch.explain`` lists the families and their reasons.
+        deterministic: the backward must give bitwise-reproducible gradients (no atomic
+            adds). Also on while ``torch.use_deterministic_algorithms(True)`` is. The
+            portable backward is deterministic either way; the Hopper backward's fast mode
+            accumulates dQ with atomics unless this is set.
     """
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         out, lse2 = torch.ops.diyfa.attention_fwd(q, k, v, causal, "bottom_right", softmax_scale,
-                                                  layout, backend)  # fmt: skip
+                                                  layout, backend, deterministic)  # fmt: skip
     else:
         problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               layout=layout, align="bottom_right")  # fmt: skip
+                               layout=layout, align="bottom_right",
+                               deterministic=deterministic)  # fmt: skip
         out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
 
@@ -98,6 +105,7 @@ def flash_attention_varlen(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    deterministic: bool = False,
 ):
     """FlashAttention over packed sequences of different lengths (no padding), differentiable.
 
@@ -112,12 +120,15 @@ def flash_attention_varlen(
         softmax_scale, backend: as for :func:`flash_attention` (the Hopper family takes no
             packed sequences yet: "auto" runs the portable kernels).
         return_lse: also return the natural-log LSE, (heads, total_q) fp32.
+        deterministic: as for :func:`flash_attention` (the portable kernels that run packed
+            sequences are deterministic either way).
 
     The lengths are read to the host and checked against the tensors before any kernel runs
     (one device synchronisation per call). Programs past a sequence's end exit at once.
     """
     problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, causal=causal, softmax_scale=softmax_scale)
+                                  max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                  deterministic=deterministic)  # fmt: skip
     out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out
 
@@ -237,7 +248,7 @@ def scaled_dot_product_attention(
         )
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         out, _ = torch.ops.diyfa.attention_fwd(query, key, value, bool(is_causal), "top_left",
-                                               scale, "bhsd", "auto")  # fmt: skip
+                                               scale, "bhsd", "auto", False)  # fmt: skip
         return out
     problem = check_inputs(query, key, value, causal=bool(is_causal), softmax_scale=scale,
                            layout="bhsd", align="top_left")  # fmt: skip

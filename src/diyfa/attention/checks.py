@@ -38,12 +38,15 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False) -> Problem:
+def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
+                 deterministic=False) -> Problem:
     """Check q, k, v and the options; return the call's :class:`Problem`.
 
     ``layout`` is "bhsd" or "bshd"; ``align`` ("bottom_right" or "top_left") is chosen by
     the public function, not by its caller. Raises TypeError or ValueError naming what is
     wrong. ``fake``: q, k, v are fake tensors (tracing): every check but the pointers'.
+    ``deterministic``: the backward must be bitwise reproducible; also set while
+    ``torch.use_deterministic_algorithms(True)`` is on.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -94,6 +97,8 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False) -
         )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     scale = _resolved_scale(softmax_scale, d)
     device = q.device
     # Fake tensors (torch.compile's tracing, ops.py) have no storage: alignment unknown.
@@ -101,7 +106,8 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False) -
     # Positional, in field order: keywords cost ~0.6 us more on every call.
     return Problem(b, h, hk, sq, sk, d, q.dtype, device, layout, causal, align, scale,
                    bhsd_strides(q, layout), bhsd_strides(k, layout), bhsd_strides(v, layout),
-                   device_capability(device), aligned16)  # fmt: skip
+                   device_capability(device), aligned16, None, None, 0,
+                   deterministic or torch.are_deterministic_algorithms_enabled())  # fmt: skip
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
@@ -135,7 +141,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                        causal, softmax_scale) -> Problem:
+                        causal, softmax_scale, deterministic=False) -> Problem:
     """Check packed (total, heads, head_dim) q, k, v and their cumulative lengths; return the
     call's :class:`Problem` (``cu_seqlens_*`` set; seqlen_q / seqlen_k the longest
     sequences; causal is bottom-right per sequence). The tensor checks are check_inputs's
@@ -148,7 +154,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for the "
                              f"varlen layout, got shape {tuple(t.shape)}")  # fmt: skip
     one = check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal=causal,
-                       softmax_scale=softmax_scale, layout="bshd", align="bottom_right")
+                       softmax_scale=softmax_scale, layout="bshd", align="bottom_right",
+                       deterministic=deterministic)  # fmt: skip
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
                               "max_seqlen_q", q.device)  # fmt: skip
     batch_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,

@@ -5,7 +5,10 @@ A *family* is one implementation of attention (its kernels and launch code), des
 the reason it cannot, in words), ``forward(q, k, v, problem) -> (out, lse2)`` and
 ``backward(do, q, k, v, out, lse2, problem) -> (dq, dk, dv)``; optionally
 ``prefer(problem)``: None, or why "auto" should pass over a problem the family can run
-(a family measured slower there than the ones below it); a named backend ignores it.
+(a family measured slower there than the ones below it); a named backend ignores it; and
+``named``: the Family that runs when the family is asked for by name, where that differs
+from what "auto" runs (a kernel not yet measured or run on a GPU stays out of "auto" while
+tests and benchmarks can still force it).
 ``lse2`` is the base-2 log-sum-exp per query row, (batch, heads, seqlen_q) fp32, -inf for a
 row that sees no key.
 
@@ -51,6 +54,7 @@ class Family:
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     prefer: Callable[[Problem], str | None] | None = None
+    named: Family | None = None
 
     def auto_reason(self, problem: Problem) -> str | None:
         """Why "auto" passes this family over for ``problem`` (None: it takes it)."""
@@ -75,8 +79,9 @@ def select(problem: Problem, backend: str = "auto") -> Family:
     """The family that runs ``problem``.
 
     "auto": the first family that supports it; each one passed over is logged at DEBUG
-    level with its reason. A family's name: that family, or ValueError with the reason it
-    cannot run the problem. Anything else: ValueError listing the accepted names.
+    level with its reason. A family's name: that family (its ``named`` variant if it has
+    one), or ValueError with the reason it cannot run the problem. Anything else:
+    ValueError listing the accepted names.
     """
     fams = families()
     if backend == "auto":
@@ -95,7 +100,7 @@ def select(problem: Problem, backend: str = "auto") -> Family:
             if reason is not None:
                 raise ValueError(f"attention backend {backend!r} cannot run this problem: "
                                  f"{reason}")  # fmt: skip
-            return family
+            return family.named or family
     raise ValueError(
         f"unknown attention backend {backend!r}; accepted: "
         + ", ".join(repr(n) for n in backend_names())

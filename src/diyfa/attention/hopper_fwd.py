@@ -35,7 +35,8 @@ the TMA unit. What does not fit these rules goes to the portable kernel (``suppo
 Scope (``supports``): sm90, fp16/bf16, head dims 64..256 that are multiples of 8 (computed
 as 64, 128 or 256: TMA zero-fills the columns past the head dim and clips them on store),
 positive softmax_scale, TMA's alignment rules. The backward is the portable kernel's, which
-reads the same LSE. Everything else runs on the portable family.
+reads the same LSE, unless the Gluon backward (hopper_bwd.py, not yet run on a GPU) is
+enabled. Everything else runs on the portable family.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from diyfa._launcher import cdiv, launch
-from diyfa.attention import portable
 from diyfa.attention.dispatch import Family
 from diyfa.attention.problem import Problem
 from diyfa.device import kernel_limits
@@ -497,5 +497,23 @@ def prefer(p: Problem) -> str | None:
     return None
 
 
-FAMILY = Family("hopper", supports=supports, forward=hopper_forward,
-                backward=portable.FAMILY.backward, prefer=prefer)
+def backward(do, q, k, v, out, lse2, problem: Problem):
+    """"auto"'s backward for this family: the portable one (which reads the same LSE), or the
+    Gluon backward (hopper_bwd.py) where ``DIYFA_HOPPER_BWD=1`` enables it and it applies."""
+    from diyfa.attention import hopper_bwd  # it imports this module
+
+    return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=False)
+
+
+def backward_named(do, q, k, v, out, lse2, problem: Problem):
+    """``backend="hopper"``'s backward: the Gluon backward wherever it applies (head dims up to
+    128), else the portable one."""
+    from diyfa.attention import hopper_bwd
+
+    return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=True)
+
+
+FAMILY = Family("hopper", supports=supports, forward=hopper_forward, backward=backward,
+                prefer=prefer,
+                named=Family("hopper", supports=supports, forward=hopper_forward,
+                             backward=backward_named))  # fmt: skip

@@ -589,35 +589,49 @@ def _named(prefix: str, strides) -> dict:
     return dict(zip(_STRIDE_NAMES[prefix], strides, strict=True))
 
 
-def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
-    """Run the two backward kernels. Returns (dq, dk, dv)."""
+def backward_dq(do, q, k, v, out, lse2, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the dQ kernel, which also computes delta = rowsum(dO * O) for its rows. Returns
+    (dq, delta); delta is shaped like ``lse2``. The caller has handled empty problems."""
     p = problem
-    b, h, hk, sq, sk = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if sq == 0 or sk == 0 or b * h == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    dq = torch.empty_like(q)
     common = _common(p, lse2)
     delta = torch.empty_like(lse2)
-    strides = {**_named("q", p.q_strides), **_named("k", p.k_strides),
-               **_named("v", p.v_strides), **_named("do", _strides(do, p))}  # fmt: skip
-    bucket = tuning.seq_bucket(sq, sk)
 
     def grid_dq(meta):
-        return (cdiv(sq, meta["BLOCK_M"]), b * h)
+        return (cdiv(p.seqlen_q, meta["BLOCK_M"]), p.batch * p.heads)
 
-    # dQ first: it also writes delta = rowsum(dO * O), which dK/dV reads.
     _launch(_attn_bwd_dq, "attn_bwd_dq", grid_dq, q, common["HEAD_DIM_PAD"],
-            Q=q, K=k, V=v, O=out, DO=do, LSE=lse2, DELTA=delta, DQ=dq, **strides,
+            Q=q, K=k, V=v, O=out, DO=do, LSE=lse2, DELTA=delta, DQ=dq,
+            **_named("q", p.q_strides), **_named("k", p.k_strides),
+            **_named("v", p.v_strides), **_named("do", _strides(do, p)),
             **_named("o", _strides(out, p)), **_named("dq", _strides(dq, p)),
-            sm_scale=p.softmax_scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
+            sm_scale=p.softmax_scale, SEQ_BUCKET=tuning.seq_bucket(p.seqlen_q, p.seqlen_k),
+            **common)  # fmt: skip
+    return dq, delta
+
+
+def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
+    """Run the two backward kernels. Returns (dq, dk, dv). Deterministic whatever
+    ``problem.deterministic`` says: no atomics."""
+    p = problem
+    b, h, hk, sq, sk = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k
+    if sq == 0 or sk == 0 or b * h == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # dQ first: it also writes delta = rowsum(dO * O), which dK/dV reads.
+    dq, delta = backward_dq(do, q, k, v, out, lse2, p)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    common = _common(p, lse2)
 
     def grid_dkdv(meta):
         return (cdiv(sk, meta["BLOCK_N"]), b * hk)
 
     _launch(_attn_bwd_dkdv, "attn_bwd_dkdv", grid_dkdv, q, common["HEAD_DIM_PAD"],
-            Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DK=dk, DV=dv, **strides,
+            Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DK=dk, DV=dv,
+            **_named("q", p.q_strides), **_named("k", p.k_strides),
+            **_named("v", p.v_strides), **_named("do", _strides(do, p)),
             **_named("dk", _strides(dk, p)), **_named("dv", _strides(dv, p)),
-            sm_scale=p.softmax_scale, SEQ_BUCKET=bucket, **common)  # fmt: skip
+            sm_scale=p.softmax_scale, SEQ_BUCKET=tuning.seq_bucket(sq, sk),
+            **common)  # fmt: skip
     return dq, dk, dv
 
 

@@ -32,6 +32,7 @@ class Problem:
     Strides are in (batch, heads, seqlen, dim) order whatever the layout. ``capability`` is
     the CUDA device's (major, minor); None on the CPU and under the Triton interpreter.
     ``aligned16``: every data pointer is a multiple of 16 bytes.
+    ``deterministic``: the backward must give bitwise-reproducible gradients (no atomics).
     """
 
     batch: int
@@ -56,6 +57,10 @@ class Problem:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     total_q: int = 0
+    # The backward may not use atomics (bitwise-reproducible gradients): asked for with
+    # ``deterministic=True`` or torch.use_deterministic_algorithms(True). The portable
+    # backward is deterministic either way; the Hopper backward reads it.
+    deterministic: bool = False
 
     @property
     def kv_group(self) -> int:

@@ -131,6 +131,44 @@ def _diyfa_portable(case, q, k, v):
     return flash_attention(q, k, v, causal=case.causal, backend="portable")
 
 
+def _hopper_check(case) -> str | None:
+    """Why the Hopper family cannot run ``case`` (None when it can), from its own supports()
+    on a problem of the case's shape (one-element storage: only shapes and strides are read)."""
+    if not torch.cuda.is_available():
+        return "needs an sm90 GPU (H100/H200)"
+    from diyfa.attention import dispatch
+    from diyfa.attention.checks import check_inputs
+
+    def view(heads, seqlen):
+        shape = (case.batch, heads, seqlen, case.head_dim)
+        base = torch.empty(1, dtype=torch_dtype(case.dtype), device="cuda")
+        strides = (heads * seqlen * case.head_dim, seqlen * case.head_dim, case.head_dim, 1)
+        return base.as_strided(shape, strides)
+
+    kv = view(case.hk, case.seqlen_k)
+    problem = check_inputs(view(case.heads, case.seqlen_q), kv, kv, causal=case.causal,
+                           softmax_scale=None, layout="bhsd", align="bottom_right")  # fmt: skip
+    return next(f for f in dispatch.families() if f.name == "hopper").supports(problem)
+
+
+@register("attention", "diyfa-hopper", layout="bhsd", check=_hopper_check)
+def _diyfa_hopper(case, q, k, v):
+    """diyfa.flash_attention forced onto the Hopper family: the Gluon forward and, where it
+    applies (head dims up to 128), the Gluon backward in its fast mode (atomic dQ)."""
+    from diyfa.attention import flash_attention
+
+    return flash_attention(q, k, v, causal=case.causal, backend="hopper")
+
+
+@register("attention", "diyfa-hopper-det", layout="bhsd", check=_hopper_check)
+def _diyfa_hopper_det(case, q, k, v):
+    """The same with deterministic=True: the portable dQ kernel, then the Gluon dK/dV kernel
+    (bitwise-reproducible gradients); the cost of determinism is this against diyfa-hopper."""
+    from diyfa.attention import flash_attention
+
+    return flash_attention(q, k, v, causal=case.causal, backend="hopper", deterministic=True)
+
+
 @register("attention", "sdpa-flash", layout="bhsd", baseline=True, check=_sdpa_check)
 def _sdpa_flash(case, q, k, v):
     """PyTorch SDPA, FlashAttention-2 backend."""

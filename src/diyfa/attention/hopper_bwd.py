@@ -1,0 +1,501 @@
+"""FlashAttention backward for Hopper (sm90) in Gluon: TMA, ``wgmma`` and warp specialisation.
+
+Status: written and compile-checked for sm90a on the CPU (tests/test_hopper_bwd.py: it
+compiles, fits, uses the instructions below); **not yet run on a GPU** (no device machine
+was lent in the session that wrote it). It therefore runs only when asked for:
+``backend="hopper"``, or ``DIYFA_HOPPER_BWD=1`` in the environment (read on each backward)
+for the calls "auto" gives the Hopper family. Every other call, and every problem
+:func:`supports` refuses, takes the portable backward. The GPU tests that must pass before
+it joins "auto" are written (``tests/test_hopper_bwd.py``, marked ``gpu``).
+
+What the kernel does
+    One program per block of ``BLOCK_N`` = 128 keys of one (batch, kv head), FlashAttention-2
+    and -3's dK/dV-stationary loop: K, V, dK and dV stay on chip while the program walks the
+    query blocks of every query head of its GQA group (dK/dV summed over the group in
+    registers, no extra pass), skipping the causal blocks that see none of its keys.
+
+    - one *loader* warp: K and V once (two 64-key halves each), then Q and dO of each query
+      block by TMA through a ring of ``STAGES`` buffers (``ready[s]`` completes on the byte
+      count, ``empty[s]`` when both consumers are done with the stage);
+    - two *consumer* warpgroups, each owning 64 of the 128 keys (one m64 ``wgmma``), so every
+      product has the keys on its M side and nothing is transposed in registers:
+
+        S^T  = K_c Q^T            (K from shared memory, Q^T a permuted shared view)
+        dP^T = V_c dO^T           (issued right after S^T; the softmax runs while it works)
+        P^T  = exp2(S^T * scale * log2(e) - lse)        (masked on the causal diagonal and
+                                                         past the last key only)
+        dS^T = P^T * (dP^T - delta)
+        dV_c += P^T dO            (P^T from registers)
+        dK_c += dS^T Q            (dS^T from registers)
+        dQ   += (dS^T)^T K_c      (fast mode only: dS^T through shared memory, the
+                                   transposed A operand; fp32 atomic adds into a workspace)
+
+      Registers are moved to them from the loader (``setmaxnreg``).
+    - epilogue: dK (times the softmax scale) and dV go out through the consumer's own K / V
+      buffers by TMA (which clips rows past seqlen_k and columns past the head dim).
+
+Two modes (``Problem.deterministic``):
+    - fast (default): the kernel also accumulates dQ with fp32 atomic adds into a zeroed
+      (batch, heads, padded seqlen_q, padded head dim) workspace, scaled and cast into dQ by
+      one elementwise op; delta = rowsum(dO * O) comes from a small Triton kernel first.
+      5 matmuls per block pair. The order of the atomic adds varies: dQ is not bitwise
+      reproducible (dK and dV are).
+    - deterministic: the portable dQ kernel (which also writes delta) runs first, then this
+      kernel without dQ. Bitwise-reproducible, 7 matmuls per block pair.
+
+Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
+rules, positive scale), head dims 64..128 that are multiples of 8 (computed as 64 or 128;
+at 256 the two fp32 accumulators alone are 256 registers per thread: portable), no packed
+sequences. dO is copied to a contiguous tensor when its strides break TMA's rules (autograd
+hands an expanded, stride-0 gradient for ``out.sum()``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+from diyfa._launcher import cdiv, launch, next_power_of_2
+from diyfa.attention import portable
+from diyfa.attention.hopper_fwd import LOG2E, bhsd_view, head_dim_pad
+from diyfa.attention.hopper_fwd import supports as forward_supports
+from diyfa.attention.problem import Problem
+
+SUB_N = 64  # keys per consumer warpgroup: one m64 wgmma
+CONSUMERS = 2
+BLOCK_N = CONSUMERS * SUB_N
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+# padded head dim -> (BLOCK_M query rows per step, STAGES of Q/dO, consumer registers, loader
+# registers). Registers per consumer thread at d128: dK + dV 128, S^T + dP^T 64 (BLOCK_M
+# 64), dQ 64 once S^T and dP^T are dead. Shared memory (2-byte types): K, V 2 * 128 * d,
+# Q + dO 2 * BLOCK_M * d per stage, dS^T 2 * 64 * BLOCK_M: 128 KB at d64, 144 KB at d128.
+# Not yet measured: FlashAttention-3's choices for these head dims, as a starting point.
+BWD_CONFIGS = {
+    64: (64, 2, 240, 24),
+    128: (64, 2, 240, 24),
+}
+
+
+def enabled() -> bool:
+    """Whether the Hopper backward may run: ``DIYFA_HOPPER_BWD=1`` (off until its GPU tests
+    have passed; see the module docstring)."""
+    return os.environ.get("DIYFA_HOPPER_BWD", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------
+# Device code
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_od,
+               stride_dob, stride_doh, stride_dos, stride_dod, heads, seqlen_q,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32 for BLOCK rows of one (batch, head); DELTA is (batch,
+    heads, seqlen_q) contiguous."""
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // heads).to(tl.int64)
+    off_h = (off_bh % heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_m < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0)  # fmt: skip
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@gluon.jit
+def _kv_program(heads, kv_group, seqlen_q, causal_offset, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first key, batch, kv head, first query block, query blocks per head) of this
+    program. Causal: query blocks wholly above the diagonal see none of the keys and are
+    skipped (query i sees key j iff j <= i + causal_offset)."""
+    n0 = gl.program_id(0) * BLOCK_N
+    off_bhk = gl.program_id(1)
+    kv_heads = heads // kv_group
+    off_b = off_bhk // kv_heads
+    off_hk = off_bhk % kv_heads
+    m_lo = 0
+    if CAUSAL:
+        m_lo = gl.maximum(n0 - causal_offset, 0) // BLOCK_M
+    num_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    return n0, off_b, off_hk, m_lo, num_m
+
+
+@gluon.jit
+def _tile2d(bufs, i):
+    """Buffer ``i`` of a ring of (1, 1, rows, dim) TMA blocks, as a (rows, dim) operand."""
+    return bufs.index(i).reshape([bufs.type.shape[3], bufs.type.shape[4]])
+
+
+@gluon.jit
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_ready,
+                ready, empty, heads, kv_group, seqlen_q, causal_offset,
+                CAUSAL: gl.constexpr):
+    """The loader warp: this program's K and V (each consumer's 64-key half), then Q and dO
+    of every (query head of the group, query block) step through the ring."""
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
+    SUB_N: gl.constexpr = k_bufs.type.shape[3]
+    CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    n0, off_b, off_hk, m_lo, num_m = _kv_program(heads, kv_group, seqlen_q, causal_offset,
+                                                 BLOCK_M, CONSUMERS * SUB_N, CAUSAL)
+    mbarrier.expect(kv_ready.index(0),
+                    CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, n0 + c * SUB_N, 0],
+                                        kv_ready.index(0), k_bufs.index(c))  # fmt: skip
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, n0 + c * SUB_N, 0],
+                                        kv_ready.index(0), v_bufs.index(c))  # fmt: skip
+    for it in range(kv_group * num_m):
+        off_h = off_hk * kv_group + it // num_m
+        row0 = (m_lo + it % num_m) * BLOCK_M
+        s = it % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first
+        # lap's waits on "empty" pass at once.
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row0, 0], ready.index(s),
+                                        q_bufs.index(s))  # fmt: skip
+        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row0, 0], ready.index(s),
+                                        do_bufs.index(s))  # fmt: skip
+
+
+@gluon.jit
+def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
+                  kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
+                  causal_offset, qk_scale, sm_scale,
+                  CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, C: gl.constexpr):
+    """Consumer warpgroup C: keys [n0 + 64 C, n0 + 64 C + 64) of the program's block."""
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
+    SUB_N: gl.constexpr = k_bufs.type.shape[3]
+    CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    dtype: gl.constexpr = q_bufs.dtype
+    # S^T and dP^T: (keys, queries); dK, dV: (keys, head dim); dQ: (queries, head dim).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM // 2, 16])
+    key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    n0, off_b, off_hk, m_lo, num_m = _kv_program(heads, kv_group, seqlen_q, causal_offset,
+                                                 BLOCK_M, CONSUMERS * SUB_N, CAUSAL)
+    key0 = n0 + C * SUB_N
+    offs_k = key0 + gl.arange(0, SUB_N, layout=key_layout)
+    # Steps that need a mask: past the last key (this consumer's keys run off the end), or
+    # causal blocks whose first row does not see this consumer's last key.
+    key_tail = key0 + SUB_N > seqlen_k
+    k_smem = _tile2d(k_bufs, C)
+    v_smem = _tile2d(v_bufs, C)
+    ds_smem = ds_bufs.index(C)
+    dk = gl.zeros([SUB_N, HEAD_DIM], gl.float32, layout=d_layout)
+    dv = gl.zeros([SUB_N, HEAD_DIM], gl.float32, layout=d_layout)
+    mbarrier.wait(kv_ready.index(0), 0)
+    for it in range(kv_group * num_m):
+        off_h = off_hk * kv_group + it // num_m
+        row0 = (m_lo + it % num_m) * BLOCK_M
+        offs_m = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
+        # Row statistics, read before waiting for the stage. A row past seqlen_q, or one
+        # that saw no key in the forward (LSE -inf), gets LSE +inf: P = 0 for it.
+        stats = (off_b.to(gl.int64) * heads + off_h) * seqlen_q
+        m_ok = offs_m < seqlen_q
+        lse = gl.load(LSE + stats + offs_m, mask=m_ok, other=float("inf"))
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
+
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        q_smem = _tile2d(q_bufs, s)
+        do_smem = _tile2d(do_bufs, s)
+        q_t = q_smem.permute((1, 0))
+        do_t = do_smem.permute((1, 0))
+        st_tok = warpgroup_mma(k_smem, q_t, gl.zeros([SUB_N, BLOCK_M], gl.float32, s_layout),
+                               use_acc=False, is_async=True)  # fmt: skip
+        dpt_tok = warpgroup_mma(v_smem, do_t, gl.zeros([SUB_N, BLOCK_M], gl.float32, s_layout),
+                                use_acc=False, is_async=True)  # fmt: skip
+        st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        need_mask = key_tail
+        if CAUSAL:
+            need_mask = need_mask | (row0 + causal_offset < key0 + SUB_N - 1)
+        if need_mask:
+            keep = offs_k[:, None] < seqlen_k
+            if CAUSAL:
+                keep = keep & (offs_k[:, None] <= offs_m[None, :] + causal_offset)
+            pt = gl.where(keep, pt, 0.0)
+        # P^T is kept only in the input dtype from here on (the fp32 copy dies): dV's A
+        # operand, and dS^T's factor. dV's product runs while dS^T is computed.
+        pt16 = pt.to(dtype)
+        p16 = gl.convert_layout(pt16, a_layout)
+        dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
+        delta = gl.load(DELTA + stats + offs_m, mask=m_ok, other=0.0)
+        dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
+        ds16 = (pt16.to(gl.float32) * (dpt - delta[None, :])).to(dtype)
+        if DQ_ATOMIC:
+            ds_smem.store(ds16)  # read back as dQ's transposed A operand below
+        dsa = gl.convert_layout(ds16, a_layout)
+        dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
+        dv, dk, _p, _ds, _q, _do = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p16, dsa, q_smem,
+                                                               do_smem))
+        mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
+        if DQ_ATOMIC:
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's part of dS^T is written before the wgmma
+            ds_t = ds_smem.permute((1, 0))
+            # dQ in column halves of K: half the accumulator registers at a time.
+            HALF: gl.constexpr = HEAD_DIM // 2
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h_layout))
+            cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, h_layout))
+            base = (off_b.to(gl.int64) * heads + off_h) * seqlen_q_pad * HEAD_DIM
+            for h in gl.static_range(2):
+                k_half = k_smem.slice(h * HALF, HALF, dim=1)
+                dq_tok = warpgroup_mma(ds_t, k_half,
+                                       gl.zeros([BLOCK_M, HALF], gl.float32, h_layout),
+                                       use_acc=False, is_async=True)  # fmt: skip
+                dq, _dst, _kh = warpgroup_mma_wait(0, deps=(dq_tok, ds_t, k_half))
+                # The workspace is padded to whole query blocks and the padded head dim.
+                gl.atomic_add(DQ + base + rows[:, None] * HEAD_DIM + (h * HALF + cols[None, :]),
+                              dq, sem="relaxed")  # fmt: skip
+            gl.thread_barrier()  # dS^T is read before the next step overwrites it
+
+    # Epilogue: dK (scaled) and dV through this consumer's own K / V buffers, which nothing
+    # reads any more; TMA clips rows past seqlen_k and columns past the head dim.
+    k_smem.store((dk * sm_scale).to(dtype))
+    v_smem.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, key0, 0], k_bufs.index(C))
+    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, key0, 0], v_bufs.index(C))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
+                   kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
+                   causal_offset, qk_scale, sm_scale,
+                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
+    _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
+                  kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
+                  causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, 0)  # fmt: skip
+
+
+@gluon.jit
+def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
+                   kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
+                   causal_offset, qk_scale, sm_scale,
+                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
+    _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
+                  kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
+                  causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, 1)  # fmt: skip
+
+
+@gluon.jit
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, DQ,
+                     heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad, causal_offset,
+                     qk_scale, sm_scale,
+                     CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Grid (cdiv(seqlen_k, 128), batch * kv_heads), launched with num_warps=4 (consumer 0);
+    the partitions add 4 warps (consumer 1) and 1 loader warp. Descriptors are 4-D over
+    (batch, heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M, padded dim), K, V, dK, dV
+    blocks (1, 1, 64, padded dim). LSE (base 2) and DELTA are (batch, heads, seqlen_q)
+    fp32; DQ the fp32 workspace (batch, heads, seqlen_q_pad, padded dim), read only with
+    DQ_ATOMIC."""
+    dtype: gl.constexpr = q_desc.dtype
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    SUB_N: gl.constexpr = k_desc.block_type.shape[2]
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)  # fmt: skip
+    k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_N, BLOCK_M], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, SUB_N, BLOCK_M], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the loader's expect; TMA counts the bytes
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    # (Argument tuples are written out in place: bound to a name first, their constexpr
+    # members would reach the partitions as run-time values.)
+    gl.warp_specialize([
+        (_bwd_consumer0, (dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs,
+                          ds_bufs, kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k,
+                          seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC)),
+        (_bwd_consumer1, (dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs,
+                          ds_bufs, kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k,
+                          seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                       kv_ready, ready, empty, heads, kv_group, seqlen_q, causal_offset,
+                       CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def _smem_layout(block: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
+def _desc(t4: torch.Tensor, rows: int, dim: int) -> GluonDescriptor:
+    """A host TMA descriptor of a (batch, heads, seqlen, dim) view with blocks (1, 1, rows,
+    dim); fields set directly, as in hopper_fwd (the rules were checked by ``supports``)."""
+    block = (1, 1, rows, dim)
+    desc = object.__new__(GluonDescriptor)
+    desc.base = t4
+    desc.shape = list(t4.shape)
+    desc.strides = list(t4.stride())
+    desc.block_shape = list(block)
+    desc.layout = _smem_layout(block, t4.dtype)
+    desc.padding = "zero"
+    return desc
+
+
+def tma_ready(t4: torch.Tensor) -> bool:
+    """Whether a (batch, heads, seqlen, dim) view meets TMA's rules: 16-byte aligned base,
+    contiguous last dim, the other strides multiples of 16 bytes."""
+    es = t4.element_size()
+    return (t4.data_ptr() % 16 == 0 and t4.stride(3) == 1
+            and not any(st * es % 16 for st in t4.stride()[:3]))  # fmt: skip
+
+
+def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
+             softmax_scale: float, causal: bool, dq_atomic: bool,
+             config: tuple | None = None) -> tuple[tuple, dict, int]:
+    """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views; ``dq_acc``
+    is the fp32 workspace (fast mode) or any tensor (deterministic: not read)."""
+    b, h, sq, d = q4.shape
+    dpad = head_dim_pad(d)
+    block_m, stages, c_regs, l_regs = config or BWD_CONFIGS[dpad]
+    args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
+                k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
+                dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
+                LSE=lse2, DELTA=delta, DQ=dq_acc, heads=h, kv_group=h // k4.shape[1],
+                seqlen_q=sq, seqlen_k=k4.shape[2], seqlen_q_pad=cdiv(sq, block_m) * block_m,
+                causal_offset=causal_offset, qk_scale=softmax_scale * LOG2E,
+                sm_scale=softmax_scale, CAUSAL=causal, DQ_ATOMIC=dq_atomic, STAGES=stages,
+                CONSUMER_REGS=c_regs, LOADER_REGS=l_regs)  # fmt: skip
+    grid = (cdiv(k4.shape[2], BLOCK_N), b * k4.shape[1])
+    return grid, args, 4
+
+
+def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                           causal: bool = False, dq_atomic: bool = True,
+                           config: tuple | None = None):
+    """Compile the kernel for sm90a without a GPU (as ``bwd_args`` sets it up for a (2, 16,
+    4096, head_dim) problem with 4 kv heads); returns Triton's ``CompiledKernel``. Run it in
+    a process that has not run kernels under the interpreter."""
+    from diyfa._compile import compile_for_sm90
+
+    q = torch.empty(2, 16, 4096, head_dim, dtype=dtype)
+    kv = torch.empty(2, 4, 4096, head_dim, dtype=dtype)
+    stats = torch.empty(2, 16, 4096, dtype=torch.float32)
+    _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, stats, 0, 0.1, causal,
+                                  dq_atomic, config)  # fmt: skip
+    return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
+
+
+def delta(out4: torch.Tensor, do4: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O) in fp32, (batch, heads, seqlen_q), for (batch, heads, seqlen, dim)
+    views of any strides (one Triton kernel; runs in the interpreter too)."""
+    b, h, sq, d = out4.shape
+    res = torch.empty((b, h, sq), dtype=torch.float32, device=out4.device)
+    if res.numel() == 0:
+        return res
+    block = 64
+    so, sdo = out4.stride(), do4.stride()
+    args = dict(O=out4, DO=do4, DELTA=res, stride_ob=so[0], stride_oh=so[1], stride_os=so[2],
+                stride_od=so[3], stride_dob=sdo[0], stride_doh=sdo[1], stride_dos=sdo[2],
+                stride_dod=sdo[3], heads=h, seqlen_q=sq, HEAD_DIM=d,
+                HEAD_DIM_PAD=max(16, next_power_of_2(d)), BLOCK=block)  # fmt: skip
+    grid = (cdiv(sq, block), b * h)
+    if out4.is_cuda:
+        launch(_bwd_delta, grid, args, {}, 4, 1)
+    else:  # the interpreter
+        _bwd_delta[grid](**args)
+    return res
+
+
+def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | None = None):
+    """(dq, dk, dv) through the Hopper kernel for a problem :func:`supports` accepts."""
+    p = problem
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if p.seqlen_q == 0 or p.seqlen_k == 0 or p.batch * p.heads == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    q4, k4, v4 = bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout)
+    do4, o4 = bhsd_view(do, p.layout), bhsd_view(out, p.layout)
+    if not tma_ready(do4):  # e.g. the expanded, stride-0 gradient of out.sum()
+        do = do.contiguous()
+        do4 = bhsd_view(do, p.layout)
+    # empty_like keeps a dense input's strides (which TMA took for k and v) and makes a
+    # non-dense one's gradient contiguous: both meet TMA's rules at these head dims.
+    dk4, dv4, dq4 = bhsd_view(dk, p.layout), bhsd_view(dv, p.layout), bhsd_view(dq, p.layout)
+    dpad = head_dim_pad(p.head_dim)
+    block_m = (config or BWD_CONFIGS[dpad])[0]
+    if p.deterministic:
+        # The portable dQ kernel (a fixed order per row; it also writes delta), then this
+        # kernel for dK and dV only.
+        dq, stats = portable.backward_dq(do, q, k, v, out, lse2, p)
+        dq_acc = stats
+    else:
+        stats = delta(o4, do4)
+        dq_acc = torch.zeros((p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad),
+                             dtype=torch.float32, device=q.device)  # fmt: skip
+    grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc,
+                                     p.causal_offset, p.softmax_scale, p.causal,
+                                     not p.deterministic, config)  # fmt: skip
+    launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
+    if not p.deterministic:
+        torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale, out=dq4)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# Where it runs
+# --------------------------------------------------------------------------------------------
+def supports(p: Problem) -> str | None:
+    """Why this kernel cannot run ``p``'s backward; None when it can."""
+    reason = forward_supports(p)
+    if reason is not None:
+        return reason
+    if p.head_dim > 128:
+        return (f"its backward takes head dims up to 128, not {p.head_dim} (dK and dV "
+                "accumulators would not fit the registers)")  # fmt: skip
+    if p.batch * p.kv_heads > 65535:
+        return (f"batch x kv heads = {p.batch * p.kv_heads} exceeds the 65535 programs its "
+                "grid's second axis may hold")  # fmt: skip
+    return None
+
+
+def backward(do, q, k, v, out, lse2, problem: Problem, forced: bool = False):
+    """The Hopper family's backward: this kernel where it applies (:func:`supports`) and was
+    asked for (``forced``: ``backend="hopper"``) or is enabled for "auto" (:func:`enabled`);
+    else the portable backward (which reads the same LSE)."""
+    if (forced or enabled()) and supports(problem) is None:
+        return hopper_backward(do, q, k, v, out, lse2, problem)
+    return portable.FAMILY.backward(do, q, k, v, out, lse2, problem)

@@ -1,0 +1,290 @@
+"""The Hopper backward (diyfa/attention/hopper_bwd.py, Gluon).
+
+CPU (CI): the kernel compiles for sm90a with Triton's bundled ptxas in both modes and fits
+(shared memory, the instructions its docstring names, spills bounded); the delta kernel
+under the interpreter; where the backward goes ("auto" keeps the portable backward unless
+``DIYFA_HOPPER_BWD=1``; ``backend="hopper"`` runs the Gluon one where it applies); the launch
+arguments the host path builds (grid, descriptors, the dQ workspace, a stride-0 dO copied).
+GPU (``gpu``): gradients through the Hopper backward in both modes by the 3x rule against
+float64, bitwise-reproducible gradients in deterministic mode, GQA/MQA, causal with
+seqlen_q != seqlen_k, rows that see no key, 16k tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import diyfa
+from diyfa.attention import dispatch, hopper_bwd, portable
+
+from .test_attention import _inputs, _run_and_check
+from .test_hopper_attention import _hopper_only, _problem
+
+_COMPILE = """
+import json, os, subprocess, sys, tempfile, torch, triton
+from diyfa.attention import hopper_bwd as hb
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+out = []
+for d in (64, 128):
+    for causal in (False, True):
+        for atomic in (False, True):
+            k = hb.compile_bwd_for_hopper(d, getattr(torch, sys.argv[1]), causal, atomic)
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(k.asm["ptx"])
+            done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                                  capture_output=True, text=True, check=True)
+            out.append({"d": d, "causal": causal, "atomic": atomic, "shared": k.metadata.shared,
+                        "ptx": k.asm["ptx"], "ptxas": done.stderr})
+print(json.dumps(out))
+"""
+
+# ptxas's spill report of the current kernel (2026-11-23, triton 3.6): none at d64; at d128
+# a few loop-invariant scalars (24-64 bytes) and, with the atomic dQ, up to ~350 bytes. A
+# bound that catches a regression (a tile's worth of registers spilled is kilobytes).
+SPILL_BOUND = {64: 0, 128: 512}
+
+
+def _spilled(ptxas: str) -> int:
+    return int(ptxas.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_hopper_bwd_compiles_and_fits(dtype):
+    """For head dims 64 and 128, causal or not, fast (atomic dQ) and deterministic: the
+    kernel compiles for sm90a without a GPU, fits 227 KB of shared memory, and is what its
+    docstring says: wgmma for S^T = K Q^T and dP^T = V dO^T (m64 x BLOCK_M), for dV += P^T dO
+    and dK += dS^T Q (m64 x head dim, A from registers), for dQ (the transposed dS^T from
+    shared memory) only in the fast mode, with fp32 reductions to global memory there and
+    none in the deterministic mode; 4-D TMA loads and stores; registers moved from the
+    loader to the consumers. In a fresh process (the interpreter patches Triton)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, dtype], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    kind = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    for r in json.loads(done.stdout.strip().splitlines()[-1]):
+        block_m, _, c_regs, l_regs = hopper_bwd.BWD_CONFIGS[r["d"]]
+        where = f"d{r['d']} causal={r['causal']} atomic={r['atomic']}"
+        ptx = r["ptx"]
+        assert r["shared"] <= 227 * 1024, where
+        assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.{kind}" in ptx, where
+        assert f"wgmma.mma_async.sync.aligned.m64n{r['d']}k16.f32.{kind}" in ptx, where
+        assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx, where  # TMA loads
+        assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx, where  # TMA stores
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx, where
+        assert f"setmaxnreg.dec.sync.aligned.u32 \t{l_regs};" in ptx, where
+        reductions = "red.global" in ptx or "atom.global" in ptx
+        assert reductions == r["atomic"], where
+        assert _spilled(r["ptxas"]) <= SPILL_BOUND[r["d"]], (where, r["ptxas"])
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("shape", [(2, 3, 77, 40), (1, 2, 130, 128), (1, 1, 1, 8)])
+def test_delta_kernel(shape, layout):
+    """rowsum(dO * O) in fp32 from any strides (the kernel the fast mode runs first), against
+    torch in float64."""
+    b, h, s, d = shape
+    g = torch.Generator().manual_seed(0)
+    full = (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
+    o = torch.randn(full, generator=g).to(torch.bfloat16)
+    do = torch.randn(full, generator=g).to(torch.bfloat16)
+    o4, do4 = hopper_bwd.bhsd_view(o, layout), hopper_bwd.bhsd_view(do, layout)
+    got = hopper_bwd.delta(o4, do4)
+    want = (o4.double() * do4.double()).sum(-1)
+    assert got.shape == (b, h, s) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(d=256), "takes head dims up to 128, not 256"),
+    (dict(d=136), "takes head dims up to 128, not 136"),
+    (dict(capability=(8, 0)), "needs a Hopper GPU"),
+    (dict(dtype=torch.float32), "fp16 or bf16"),
+    (dict(d=60), "multiples of 8"),
+], ids=["d256", "d136", "sm80", "fp32", "d60"])
+def test_supports_says_why_not(kwargs, reason):
+    assert reason in hopper_bwd.supports(_problem(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(d=64, causal=True), dict(d=96, layout="bshd"),
+                                    dict(d=72, hk=1)], ids=["d128", "d64-causal", "d96", "d72"])
+def test_supports_takes(kwargs):
+    assert hopper_bwd.supports(_problem(**kwargs)) is None
+
+
+@pytest.mark.parametrize("env, backend, kwargs, want", [
+    (None, "auto", dict(), "portable"),
+    ("1", "auto", dict(), "hopper"),
+    ("0", "auto", dict(), "portable"),
+    (None, "hopper", dict(), "hopper"),
+    (None, "hopper", dict(d=256), "portable"),
+    ("1", "auto", dict(d=256), "portable"),
+], ids=["auto", "auto-enabled", "auto-disabled", "named", "named-d256", "enabled-d256"])
+def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
+    """"auto" keeps the portable backward until DIYFA_HOPPER_BWD=1 (the Gluon one has not run
+    on a GPU yet); naming the family runs the Gluon backward wherever it applies."""
+    if env is None:
+        monkeypatch.delenv("DIYFA_HOPPER_BWD", raising=False)
+    else:
+        monkeypatch.setenv("DIYFA_HOPPER_BWD", env)
+    problem = _problem(**kwargs)
+    calls = []
+    monkeypatch.setattr(hopper_bwd, "hopper_backward", lambda *a, **k: calls.append("hopper"))
+    fam = portable.FAMILY
+    monkeypatch.setattr(portable, "FAMILY", dataclasses.replace(
+        fam, backward=lambda *a, **k: calls.append("portable")))
+    dispatch.select(problem, backend).backward(None, None, None, None, None, None, problem)
+    assert calls == [want]
+
+
+def test_deterministic_option_reaches_the_problem():
+    """``deterministic=True``, or torch's deterministic-algorithms mode, reaches the Problem the
+    backward reads; a non-bool is refused."""
+    from diyfa.attention.checks import check_inputs
+
+    q = torch.empty(1, 2, 8, 64)
+
+    def problem(**kw):
+        return check_inputs(q, q, q, causal=False, softmax_scale=None, layout="bhsd",
+                            align="bottom_right", **kw)  # fmt: skip
+
+    assert problem().deterministic is False
+    assert problem(deterministic=True).deterministic is True
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert problem().deterministic is True
+    finally:
+        torch.use_deterministic_algorithms(before)
+    with pytest.raises(TypeError, match="deterministic must be a bool, got 1"):
+        problem(deterministic=1)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_host_path_builds_the_launch(deterministic, monkeypatch):
+    """What hopper_backward hands the kernel, captured at the launch (CPU tensors; nothing
+    runs on a GPU): one program per 128 keys of each (batch, kv head); Q/dO blocks of BLOCK_M
+    rows and K/V/dK/dV blocks of 64 over the (batch, heads, seqlen, dim) views of a bshd
+    call; a zeroed fp32 dQ workspace padded to whole query blocks and the padded head dim
+    (fast mode) or the portable dQ kernel's delta (deterministic); a stride-0 dO (the
+    gradient of ``out.sum()``) copied to a TMA-ready tensor. The fast mode's dQ is the
+    workspace times the softmax scale."""
+    b, h, hk, sq, sk, d = 2, 8, 2, 200, 300, 96
+    q = torch.randn(b, sq, h, d, dtype=torch.bfloat16)
+    k = torch.randn(b, sk, hk, d, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.randn_like(q)
+    do = torch.ones(1, 1, 1, 1, dtype=torch.bfloat16).expand_as(q)
+    problem = dataclasses.replace(_problem(b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, layout="bshd",
+                                           scale=0.25), deterministic=deterministic)
+    lse2 = torch.randn(b, h, sq)
+    seen = {}
+
+    def fake_launch(fn, grid, args, meta, num_warps, num_stages):
+        seen.update(fn=fn, grid=grid, args=args, num_warps=num_warps)
+        if args["DQ_ATOMIC"]:
+            args["DQ"].fill_(2.0)
+
+    def fake_dq(do_, q_, k_, v_, out_, lse2_, p_):
+        seen["portable_dq"] = True
+        return torch.full_like(q_, 3.0), torch.zeros_like(lse2_)
+
+    monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
+    monkeypatch.setattr(portable, "backward_dq", fake_dq)
+    if not deterministic:
+        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4: torch.zeros(b, h, sq))
+    dq, dk, dv = hopper_bwd.hopper_backward(do, q, k, v, out, lse2, problem)
+    block_m = hopper_bwd.BWD_CONFIGS[128][0]
+    args = seen["args"]
+    assert seen["fn"] is hopper_bwd._attn_bwd_hopper and seen["num_warps"] == 4
+    assert seen["grid"] == (-(-sk // 128), b * hk)
+    assert args["DQ_ATOMIC"] is (not deterministic)
+    assert args["kv_group"] == 4 and args["seqlen_q"] == sq and args["seqlen_k"] == sk
+    assert args["causal_offset"] == sk - sq and args["sm_scale"] == 0.25
+    qd, kd, dod, dkd = args["q_desc"], args["k_desc"], args["do_desc"], args["dk_desc"]
+    assert list(qd.shape) == [b, h, sq, d] and list(qd.block_shape) == [1, 1, block_m, 128]
+    assert list(kd.shape) == [b, hk, sk, d] and list(kd.block_shape) == [1, 1, 64, 128]
+    assert list(qd.strides) == list(q.transpose(1, 2).stride())
+    assert 0 not in dod.strides and hopper_bwd.tma_ready(dod.base)  # dO copied
+    assert list(dkd.strides) == list(dk.transpose(1, 2).stride())
+    if deterministic:
+        assert seen.get("portable_dq") and (dq == 3.0).all()
+    else:
+        assert "portable_dq" not in seen
+        assert args["DQ"].shape == (b, h, -(-sq // block_m) * block_m, 128)
+        assert args["seqlen_q_pad"] == args["DQ"].shape[2]
+        assert dq.shape == q.shape and (dq == 0.5).all()  # 2.0 x the scale
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: gradients through the Hopper backward
+# --------------------------------------------------------------------------------------------
+BWD_SHAPES = [
+    (2, 8, 8, 1024, 1024, 64), (1, 16, 4, 1023, 4097, 128), (2, 8, 1, 4097, 1000, 96),
+    (4, 8, 2, 113, 1023, 72), (1, 8, 8, 1000, 1000, 80), (2, 6, 2, 333, 77, 128),
+    (1, 4, 4, 1, 500, 64), (1, 4, 2, 777, 3, 128), (3, 2, 1, 65, 129, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_hopper_bwd_matrix(shape, dtype, causal, deterministic, monkeypatch):
+    _hopper_only(monkeypatch)
+    b, h, hk, sq, sk, d = shape
+    _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal,
+                   deterministic=deterministic)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_gpu_hopper_bwd_16k_bshd_and_rows_without_keys(deterministic, monkeypatch):
+    _hopper_only(monkeypatch)
+    _run_and_check(*_inputs(1, 2, 1, 16384, 16384, 128, torch.bfloat16, device="cuda"), True,
+                   deterministic=deterministic)  # fmt: skip
+    _run_and_check(*_inputs(2, 8, 2, 999, 1537, 128, torch.bfloat16, layout="bshd",
+                            device="cuda"), True, layout="bshd", scale=0.3,
+                   deterministic=deterministic)  # fmt: skip
+    q, k, v = _inputs(1, 2, 2, 300, 100, 64, torch.bfloat16, device="cuda")  # 200 rows see none
+    _run_and_check(q, k, v, True, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_bwd_sum_gradient_and_packed_views(monkeypatch):
+    """``out.sum().backward()`` hands a stride-0 dO (copied for TMA); slices of a packed QKV
+    tensor take the descriptors' strides."""
+    _hopper_only(monkeypatch)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    qkv = torch.randn(2, 1000, 3, 8, 128, generator=g).to("cuda", torch.bfloat16)
+    q, k, v = (qkv[:, :, i].detach().requires_grad_() for i in range(3))
+    _run_and_check(q, k, v, False, layout="bshd")
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    diyfa.flash_attention(q2, k2, v2, layout="bshd", backend="hopper").sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    diyfa.flash_attention(*ref, layout="bshd", backend="portable").sum().backward()
+    for ours, theirs in zip((q2, k2, v2), ref, strict=True):
+        assert (ours.grad.float() - theirs.grad.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_hopper_bwd_deterministic_is_bitwise(causal):
+    """deterministic=True: every gradient bitwise-equal over repeated runs (GQA, 4k)."""
+    q, k, v = _inputs(2, 16, 4, 4096, 4096, 128, torch.bfloat16, device="cuda")
+    do = torch.randn_like(q)
+    grads = []
+    for _ in range(3):
+        out = diyfa.flash_attention(q, k, v, causal=causal, backend="hopper", deterministic=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), do))
+    for run in grads[1:]:
+        for a, b in zip(grads[0], run, strict=True):
+            assert torch.equal(a, b)
