@@ -32,14 +32,15 @@ def test_opcheck(causal, layout, scale):
     registration and the backward op, against real runs."""
     q, k, v = (t.detach() for t in _qkv(layout=layout))
     torch.library.opcheck(torch.ops.diyfa.attention_fwd.default,
-                          (q, k, v, causal, "bottom_right", scale, layout, "auto", False))
+                          (q, k, v, causal, "bottom_right", scale, layout, "auto", False, -1, -1,
+                           0.0))  # fmt: skip
     q, k, v = _qkv(layout=layout)
     out, lse2 = torch.ops.diyfa.attention_fwd(q, k, v, causal, "bottom_right", scale, layout,
-                                              "auto", False)  # fmt: skip
+                                              "auto", False, -1, -1, 0.0)  # fmt: skip
     do = torch.randn_like(out)
     torch.library.opcheck(torch.ops.diyfa.attention_bwd.default,
                           (do, q.detach(), k.detach(), v.detach(), out.detach(), lse2, causal,
-                           "bottom_right", scale, layout, "auto", False))  # fmt: skip
+                           "bottom_right", scale, layout, "auto", False, -1, -1, 0.0))  # fmt: skip
 
 
 def _model(q, k, v):

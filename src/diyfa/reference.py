@@ -52,6 +52,7 @@ def attention_ref(
     layout: str = "bhsd",
     compute_dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
+    softcap: float = 0.0,
 ):
     """softmax(Q K^T * scale + mask) V computed in ``compute_dtype``.
 
@@ -61,7 +62,7 @@ def attention_ref(
     Layout "bhsd" is (batch, heads, seqlen, dim); "bshd" is (batch, seqlen, heads, dim).
     K/V may have fewer heads than Q (GQA/MQA) if they divide Q's. Returns the output in
     ``compute_dtype`` and layout ``layout``, plus the natural-log LSE (batch, heads, seqlen_q)
-    if ``return_lse``.
+    if ``return_lse``. ``softcap`` > 0: scores become softcap * tanh(scores / softcap).
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -78,6 +79,8 @@ def attention_ref(
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     keep = attention_mask(
         q.shape[2], k.shape[2], causal=causal, window=window, align=align, device=q.device
     )

@@ -56,6 +56,8 @@ def flash_attention(
     return_lse: bool = False,
     backend: str = "auto",
     deterministic: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ):
     """FlashAttention: softmax(q k^T * softmax_scale [+ causal mask]) v, differentiable.
 
@@ -80,14 +82,25 @@ def flash_attention(
             adds). Also on while ``torch.use_deterministic_algorithms(True)`` is. The
             portable backward is deterministic either way; the Hopper backward's fast mode
             accumulates dQ with atomics unless this is set.
+        window_size: (left, right), FlashAttention's sliding window: query i sees key j iff
+            i + sk - sq - left <= j <= i + sk - sq + right; -1 leaves a side unbounded.
+            With causal=True right is 0 (a positive right is refused). Blocks outside the
+            window are skipped: the cost grows with the window, not the sequence.
+        softcap: > 0 caps the scores: softcap * tanh(scores / softcap) before the softmax
+            (Gemma 2), gradients through the tanh; 0 (default) is off.
+        Windows and softcap run on the portable kernels for now (the Hopper family refuses
+        them, and "auto" says so).
     """
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
+        wl, wr = window_size
         out, lse2 = torch.ops.diyfa.attention_fwd(q, k, v, causal, "bottom_right", softmax_scale,
-                                                  layout, backend, deterministic)  # fmt: skip
+                                                  layout, backend, deterministic, wl, wr,
+                                                  float(softcap))  # fmt: skip
     else:
         problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                layout=layout, align="bottom_right",
-                               deterministic=deterministic)  # fmt: skip
+                               deterministic=deterministic, window_size=window_size,
+                               softcap=softcap)  # fmt: skip
         out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
 
@@ -106,6 +119,8 @@ def flash_attention_varlen(
     return_lse: bool = False,
     backend: str = "auto",
     deterministic: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ):
     """FlashAttention over packed sequences of different lengths (no padding), differentiable.
 
@@ -120,15 +135,16 @@ def flash_attention_varlen(
         softmax_scale, backend: as for :func:`flash_attention` (the Hopper family takes no
             packed sequences yet: "auto" runs the portable kernels).
         return_lse: also return the natural-log LSE, (heads, total_q) fp32.
-        deterministic: as for :func:`flash_attention` (the portable kernels that run packed
-            sequences are deterministic either way).
+        deterministic, window_size, softcap: as for :func:`flash_attention` (per sequence;
+            the portable kernels that run packed sequences are deterministic either way).
 
     The lengths are read to the host and checked against the tensors before any kernel runs
     (one device synchronisation per call). Programs past a sequence's end exit at once.
     """
     problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                  deterministic=deterministic)  # fmt: skip
+                                  deterministic=deterministic, window_size=window_size,
+                                  softcap=softcap)  # fmt: skip
     out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out
 
@@ -248,7 +264,8 @@ def scaled_dot_product_attention(
         )
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         out, _ = torch.ops.diyfa.attention_fwd(query, key, value, bool(is_causal), "top_left",
-                                               scale, "bhsd", "auto", False)  # fmt: skip
+                                               scale, "bhsd", "auto", False, -1, -1,
+                                               0.0)  # fmt: skip
         return out
     problem = check_inputs(query, key, value, causal=bool(is_causal), softmax_scale=scale,
                            layout="bhsd", align="top_left")  # fmt: skip

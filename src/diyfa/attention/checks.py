@@ -38,15 +38,37 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def check_variants(window_size, softcap, causal) -> tuple[int, int, float]:
+    """(window_left, window_right, softcap) of the options, checked: FlashAttention's
+    ``window_size=(left, right)``, -1 = unbounded (causal=True makes right 0 and forbids a
+    positive one); ``softcap`` >= 0, 0 = off."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size sides must be >= 0 or -1 (unbounded), got "
+                         f"{tuple(window_size)}")  # fmt: skip
+    if causal and right > 0:
+        raise ValueError(f"window_size={tuple(window_size)} looks {right} keys ahead, which "
+                         "causal=True forbids: use (left, 0) or (left, -1) with causal=True")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number, got {softcap!r}")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 turns it off), got {softcap}")
+    return left, (0 if causal else right), float(softcap)
+
+
 def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
-                 deterministic=False) -> Problem:
+                 deterministic=False, window_size=(-1, -1), softcap=0.0) -> Problem:
     """Check q, k, v and the options; return the call's :class:`Problem`.
 
     ``layout`` is "bhsd" or "bshd"; ``align`` ("bottom_right" or "top_left") is chosen by
     the public function, not by its caller. Raises TypeError or ValueError naming what is
     wrong. ``fake``: q, k, v are fake tensors (tracing): every check but the pointers'.
     ``deterministic``: the backward must be bitwise reproducible; also set while
-    ``torch.use_deterministic_algorithms(True)`` is on.
+    ``torch.use_deterministic_algorithms(True)`` is on. ``window_size`` and ``softcap``: see
+    :func:`check_variants`.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -99,6 +121,7 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    window_left, window_right, softcap = check_variants(window_size, softcap, causal)
     scale = _resolved_scale(softmax_scale, d)
     device = q.device
     # Fake tensors (torch.compile's tracing, ops.py) have no storage: alignment unknown.
@@ -107,7 +130,8 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
     return Problem(b, h, hk, sq, sk, d, q.dtype, device, layout, causal, align, scale,
                    bhsd_strides(q, layout), bhsd_strides(k, layout), bhsd_strides(v, layout),
                    device_capability(device), aligned16, None, None, 0,
-                   deterministic or torch.are_deterministic_algorithms_enabled())  # fmt: skip
+                   deterministic or torch.are_deterministic_algorithms_enabled(), window_left,
+                   window_right, softcap)  # fmt: skip
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
@@ -141,7 +165,8 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                        causal, softmax_scale, deterministic=False) -> Problem:
+                        causal, softmax_scale, deterministic=False, window_size=(-1, -1),
+                        softcap=0.0) -> Problem:
     """Check packed (total, heads, head_dim) q, k, v and their cumulative lengths; return the
     call's :class:`Problem` (``cu_seqlens_*`` set; seqlen_q / seqlen_k the longest
     sequences; causal is bottom-right per sequence). The tensor checks are check_inputs's
@@ -155,7 +180,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                              f"varlen layout, got shape {tuple(t.shape)}")  # fmt: skip
     one = check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal=causal,
                        softmax_scale=softmax_scale, layout="bshd", align="bottom_right",
-                       deterministic=deterministic)  # fmt: skip
+                       deterministic=deterministic, window_size=window_size,
+                       softcap=softcap)  # fmt: skip
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
                               "max_seqlen_q", q.device)  # fmt: skip
     batch_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,

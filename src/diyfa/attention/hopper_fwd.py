@@ -475,6 +475,10 @@ def supports(p: Problem) -> str | None:
         return f"it takes head dims 64..256 that are multiples of 8, not {p.head_dim}"
     if p.softmax_scale <= 0:
         return f"it takes a positive softmax_scale, not {p.softmax_scale}"
+    if p.window_left >= 0 or (p.window_right >= 0 and not p.causal):
+        return "it takes no sliding window yet"
+    if p.softcap > 0:
+        return "it takes no softcap yet"
     if not p.aligned16:
         return "q, k and v must start on 16-byte boundaries (TMA)"
     es = p.dtype.itemsize

@@ -1,9 +1,9 @@
 """Attention as PyTorch custom operators, for ``torch.compile`` (and anything else that traces).
 
 ``torch.ops.diyfa.attention_fwd(q, k, v, causal, align, softmax_scale, layout, backend,
-    deterministic)`` -> (out, lse2), lse2 the base-2 log-sum-exp (batch, heads, seqlen_q) fp32;
-``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, causal, align, softmax_scale,
-    layout, backend, deterministic)`` -> (dq, dk, dv).
+    deterministic, window_left, window_right, softcap)`` -> (out, lse2), lse2 the base-2
+    log-sum-exp (batch, heads, seqlen_q) fp32;
+``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, <the same options>)`` -> (dq, dk, dv).
 
 Each op runs the eager path on real tensors (checks -> problem -> dispatch -> family), so
 the checks, errors and kernel choice are the eager ones. Their fake implementations give
@@ -27,24 +27,29 @@ from diyfa.attention.dispatch import select
 from diyfa.attention.problem import bhsd_shape
 
 
-def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, fake=False):
+def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, window_left,
+             window_right, softcap, fake=False):
     return check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                        align=align, fake=fake, deterministic=deterministic)  # fmt: skip
+                        align=align, fake=fake, deterministic=deterministic,
+                        window_size=(window_left, window_right), softcap=softcap)  # fmt: skip
 
 
 @torch.library.custom_op("diyfa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, align: str,
                   softmax_scale: Optional[float], layout: str,  # noqa: UP045 (schema parser)
-                  backend: str,
-                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic)
+                  backend: str, deterministic: bool, window_left: int, window_right: int,
+                  softcap: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
+                       window_left, window_right, softcap)
     return select(problem, backend).forward(q, k, v, problem)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, align, softmax_scale, layout, backend, deterministic):
+def _attention_fwd_fake(q, k, v, causal, align, softmax_scale, layout, backend, deterministic,
+                        window_left, window_right, softcap):  # fmt: skip
     # The eager errors, now.
-    _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, fake=True)
+    _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, window_left,
+             window_right, softcap, fake=True)
     b, h, sq, _ = bhsd_shape(q, layout)
     # The families return a contiguous output in the call's layout, i.e. of q's shape.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -55,15 +60,17 @@ def _attention_fwd_fake(q, k, v, causal, align, softmax_scale, layout, backend, 
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse2: torch.Tensor, causal: bool, align: str,
                   softmax_scale: Optional[float], layout: str,  # noqa: UP045 (schema parser)
-                  backend: str, deterministic: bool,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic)
+                  backend: str, deterministic: bool, window_left: int, window_right: int,
+                  softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
+                       window_left, window_right, softcap)
     return select(problem, backend).backward(do, q, k, v, out, lse2, problem)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, out, lse2, causal, align, softmax_scale, layout,
-                        backend, deterministic):  # fmt: skip
+                        backend, deterministic, window_left, window_right,
+                        softcap):  # fmt: skip
     # The families allocate gradients with empty_like (the inputs' strides).
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 

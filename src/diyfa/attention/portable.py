@@ -78,18 +78,32 @@ def _load_2d(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.cons
 
 
 @triton.jit
-def _visible(offs_q, offs_k, seqlen_q, seqlen_k, causal_offset, CAUSAL: tl.constexpr):
-    """(q, k) pairs that are in bounds and allowed by the causal mask (shapes broadcast)."""
+def _visible(offs_q, offs_k, seqlen_q, seqlen_k, causal_offset, left_offset,
+             CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """(q, k) pairs that are in bounds and inside the band (shapes broadcast): key j is
+    visible from query i iff j <= i + causal_offset (CAUSAL: causal or a right window) and
+    j >= i + left_offset (WINDOW: a left window)."""
     keep = (offs_q < seqlen_q) & (offs_k < seqlen_k)
     if CAUSAL:
         keep = keep & (offs_k <= offs_q + causal_offset)
+    if WINDOW:
+        keep = keep & (offs_k >= offs_q + left_offset)
     return keep
 
 
 @triton.jit
-def _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr):
-    """For the Q block at ``start_m``: keys [0, full_hi) need no mask; [full_hi, hi) do."""
+def _band(causal_offset, window_left, window_right):
+    """(upper, lower) offsets of the visible band of a sequence: key j is visible from query i
+    iff i + lower <= j <= i + upper (each side only where its flag is set)."""
+    return causal_offset + window_right, causal_offset - window_left
+
+
+@triton.jit
+def _kv_ranges(start_m, seqlen_k, causal_offset, left_offset, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """For the Q block at ``start_m``: keys [lo, full_lo) and [full_hi, hi) need a mask,
+    [full_lo, full_hi) do not (every row sees every key there). Without a left window
+    lo = full_lo = 0; keys outside [lo, hi) are not visited at all."""
     if CAUSAL:
         hi = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
         full_hi = tl.maximum(tl.minimum(seqlen_k, start_m + causal_offset + 1), 0)
@@ -97,7 +111,23 @@ def _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N:
         hi = seqlen_k
         full_hi = seqlen_k
     full_hi = full_hi // BLOCK_N * BLOCK_N
-    return full_hi, hi
+    lo = 0
+    full_lo = 0
+    if WINDOW:
+        lo = tl.maximum(start_m + left_offset, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + left_offset, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 (the interpreter and every GPU have it): sign(x) (1 - e) / (1 + e),
+    e = 2^(-2 |x| log2(e)); exact at 0, +-1 far out, never NaN."""
+    e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -149,19 +179,24 @@ def _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN: tl.const
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, qk_scale,
+               offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
+               tanh_scale,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over the K/V blocks [lo, hi)."""
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over the K/V blocks [lo, hi). SOFTCAP: the raw scores become
+    tanh(q.k * tanh_scale) (qk_scale then carries softcap * log2(e))."""
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_2d(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                       offs_n[None, :] < seqlen_k, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
         qk = tl.dot(q, kt, input_precision=PRECISION)
+        if SOFTCAP:
+            qk = _tanh(qk * tanh_scale)
         if MASKED:
             keep = _visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, causal_offset,
-                            CAUSAL)
+                            left_offset, CAUSAL, WINDOW)
             qk = tl.where(keep, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
@@ -187,9 +222,10 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               stride_vb, stride_vh, stride_vs, stride_vd,
               stride_ob, stride_oh, stride_os, stride_od,
               heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, total_q, SEQ_BUCKET,
+              window_left, window_right, tanh_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-              PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
+              SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
                    VARLEN, BLOCK_M))  # fmt: skip
@@ -210,15 +246,25 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    causal_offset, left_offset = _band(causal_offset, window_left, window_right)
+    lo, full_lo, full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, left_offset,
+                                          BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if WINDOW:  # keys left of the band's edge (masked)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
+                                   stride_vs, stride_vd, offs_m, offs_d, lo, full_lo,
+                                   seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
+                                   tanh_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW,
+                                   SOFTCAP, True, PRECISION)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
-                               stride_vs, stride_vd, offs_m, offs_d, 0, full_hi,
-                               seqlen_q, seqlen_k, causal_offset, qk_scale,
-                               BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, False, PRECISION)
+                               stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi,
+                               seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
+                               tanh_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW,
+                               SOFTCAP, False, PRECISION)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_hi, hi,
-                               seqlen_q, seqlen_k, causal_offset, qk_scale,
-                               BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, True, PRECISION)
+                               seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
+                               tanh_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW,
+                               SOFTCAP, True, PRECISION)
 
     empty = l_i == 0.0  # rows that saw no key
     l_safe = tl.where(empty, 1.0, l_i)  # (log2 of 0 would be -inf, then replaced anyway)
@@ -251,9 +297,11 @@ def _load_row_stats(LSE, DELTA, offs_m, seqlen_q, MASKED: tl.constexpr):
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
                     stride_qs, stride_qd, stride_dos, stride_dod,
-                    offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, qk_scale,
+                    offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, left_offset,
+                    qk_scale, tanh_scale,
                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                    MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dK and dV of one K/V block over the Q blocks [lo, hi) of one head."""
     d_ok = offs_d < HEAD_DIM
     for start_m in tl.range(lo, hi, BLOCK_M):
@@ -264,14 +312,18 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
                       offs_m[:, None] < seqlen_q, d_ok[None, :], MASKED, HEAD_DIM != HEAD_DIM_PAD)
         lse, delta = _load_row_stats(LSE, DELTA, offs_m, seqlen_q, MASKED)
         qkt = tl.dot(k, qt, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        if SOFTCAP:
+            qkt = _tanh(qkt * tanh_scale)
         pt = tl.math.exp2(qkt * qk_scale - lse[None, :])
         if MASKED:
             keep = _visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, causal_offset,
-                            CAUSAL)
+                            left_offset, CAUSAL, WINDOW)
             pt = tl.where(keep, pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:  # through the tanh: d(softcap tanh(x / softcap)) = 1 - tanh^2
+            dst = dst * (1.0 - qkt * qkt)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
     return dk, dv
 
@@ -285,16 +337,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                    stride_dkb, stride_dkh, stride_dks, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
                    heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
-                   total_q, SEQ_BUCKET,
+                   total_q, SEQ_BUCKET, window_left, window_right, tanh_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                   PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
+                   SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     kv_heads = heads // kv_group
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
     q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
         off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
+    causal_offset, left_offset = _band(causal_offset, window_left, window_right)
     start_n = tl.program_id(0) * BLOCK_N
     if VARLEN:
         if start_n >= seqlen_k:  # the grid covers the longest sequence
@@ -325,6 +378,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
         lo = 0
         mid_lo = 0
     mid_hi = tl.maximum(seqlen_q // BLOCK_M * BLOCK_M, mid_lo)
+    if WINDOW:
+        # Query i sees key j only if i <= j - left_offset: rows past the block's last key
+        # minus left_offset see none of it; rows past its first key minus it need the mask.
+        mid_hi = tl.maximum(tl.minimum(mid_hi, tl.maximum(start_n - left_offset + 1, 0)
+                                       // BLOCK_M * BLOCK_M), mid_lo)  # fmt: skip
+        last = tl.maximum(start_n + BLOCK_N - left_offset, 0)
+        end = tl.maximum(tl.minimum(end, tl.cdiv(last, BLOCK_M) * BLOCK_M), mid_hi)
 
     # fp32: each query head of the group sums into fresh accumulators, added to the total
     # after its loop. One sequential fp32 chain over all kv_group * seqlen_q rows (32k for
@@ -345,18 +405,21 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
         dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, lo, mid_lo, seqlen_q, seqlen_k,
-                                     causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                     CAUSAL, True, PRECISION)
+                                     causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_M,
+                                     HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, True,
+                                     PRECISION)
         dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, mid_lo, mid_hi, seqlen_q, seqlen_k,
-                                     causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                     CAUSAL, False, PRECISION)
+                                     causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_M,
+                                     HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, False,
+                                     PRECISION)
         dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, mid_hi, end, seqlen_q, seqlen_k,
-                                     causal_offset, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                     CAUSAL, True, PRECISION)
+                                     causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_M,
+                                     HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, True,
+                                     PRECISION)
         if PRECISION == "ieee":
             dk += dk_g
             dv += dv_g
@@ -376,9 +439,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
                   stride_vn, stride_vd, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k,
-                  causal_offset, qk_scale,
+                  causal_offset, left_offset, qk_scale, tanh_scale,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                  MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dQ of one Q block over the K/V blocks [lo, hi)."""
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -388,13 +452,17 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
         vt = _load_2d(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                       offs_n[None, :] < seqlen_k, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
         qk = tl.dot(q, kt, input_precision=PRECISION)
+        if SOFTCAP:
+            qk = _tanh(qk * tanh_scale)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
             keep = _visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, causal_offset,
-                            CAUSAL)
+                            left_offset, CAUSAL, WINDOW)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vt, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - qk * qk)
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PRECISION)
     return dq
 
@@ -408,10 +476,10 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                  stride_dob, stride_doh, stride_dos, stride_dod,
                  stride_dqb, stride_dqh, stride_dqs, stride_dqd,
                  heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
-                 total_q, SEQ_BUCKET,
+                 total_q, SEQ_BUCKET, window_left, window_right, tanh_scale,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                 PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
+                 SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
                    VARLEN, BLOCK_M))  # fmt: skip
@@ -442,15 +510,22 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     v_base = V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    causal_offset, left_offset = _band(causal_offset, window_left, window_right)
+    lo, full_lo, full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, left_offset,
+                                          BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if WINDOW:
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
+                           stride_vs, stride_vd, offs_m, offs_d, lo, full_lo, seqlen_q,
+                           seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_N,
+                           HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, True, PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
-                       stride_vs, stride_vd, offs_m, offs_d, 0, full_hi, seqlen_q, seqlen_k,
-                       causal_offset, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, False,
-                       PRECISION)
+                       stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi, seqlen_q,
+                       seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_N,
+                       HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, False, PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
-                       stride_vs, stride_vd, offs_m, offs_d, full_hi, hi, seqlen_q, seqlen_k,
-                       causal_offset, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, True,
-                       PRECISION)
+                       stride_vs, stride_vd, offs_m, offs_d, full_hi, hi, seqlen_q,
+                       seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_N,
+                       HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, True, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
@@ -481,7 +556,7 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
     """
     autotune = tuning.autotune_enabled()
     key = (name, autotune, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"],
-           args["SEQ_BUCKET"], args["VARLEN"])  # fmt: skip
+           args["SEQ_BUCKET"], args["VARLEN"], args["WINDOW"], args["SOFTCAP"])  # fmt: skip
     pinned = name in tuning._pinned
     choice = None if pinned else _chosen.get(key)
     if choice is not None and t.is_cuda:
@@ -525,14 +600,22 @@ def _common(problem: Problem, stats: torch.Tensor) -> dict:
     p = problem
     d = p.head_dim
     varlen = p.cu_seqlens_q is not None
-    return dict(
+    args = dict(
         heads=p.heads, kv_group=p.kv_group, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
         causal_offset=p.causal_offset, qk_scale=p.softmax_scale * LOG2E, HEAD_DIM=d,
-        HEAD_DIM_PAD=max(16, next_power_of_2(d)), CAUSAL=p.causal,
+        HEAD_DIM_PAD=max(16, next_power_of_2(d)), CAUSAL=p.causal or p.window_right >= 0,
         PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
         CU_Q=p.cu_seqlens_q if varlen else stats, CU_K=p.cu_seqlens_k if varlen else stats,
         total_q=p.total_q, VARLEN=varlen,
+        # The band: causal is a right window of 0; a side of -1 is unbounded (its flag off).
+        window_left=max(p.window_left, 0), window_right=0 if p.causal else max(p.window_right, 0),
+        WINDOW=p.window_left >= 0,
+        # Softcap: scores softcap * tanh(q.k * scale / softcap); qk_scale carries the softcap.
+        SOFTCAP=p.softcap > 0, tanh_scale=p.softmax_scale / p.softcap if p.softcap > 0 else 1.0,
     )  # fmt: skip
+    if p.softcap > 0:
+        args["qk_scale"] = p.softcap * LOG2E
+    return args
 
 
 def _strides(t: torch.Tensor, problem: Problem) -> tuple[int, int, int, int]:

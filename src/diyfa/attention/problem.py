@@ -61,6 +61,13 @@ class Problem:
     # ``deterministic=True`` or torch.use_deterministic_algorithms(True). The portable
     # backward is deterministic either way; the Hopper backward reads it.
     deterministic: bool = False
+    # Variants (issue 14): a band of visible keys, key j visible from query i iff
+    # i + causal_offset - window_left <= j <= i + causal_offset + window_right (-1: that side
+    # unbounded; causal makes window_right 0); softcap > 0: scores become
+    # softcap * tanh(scores / softcap) before the softmax.
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
 
     @property
     def kv_group(self) -> int:
