@@ -46,7 +46,7 @@ print(json.dumps(out))
 """
 
 # ptxas's spill report of the current kernel (2026-11-23, triton 3.6): none at d64; at d128
-# a few loop-invariant scalars (24-64 bytes) and, with the atomic dQ, up to ~350 bytes. A
+# a few loop-invariant scalars (44-156 bytes) and, with the atomic dQ, up to ~320 bytes. A
 # bound that catches a regression (a tile's worth of registers spilled is kilobytes).
 SPILL_BOUND = {64: 0, 128: 512}
 
@@ -288,3 +288,14 @@ def test_gpu_hopper_bwd_deterministic_is_bitwise(causal):
     for run in grads[1:]:
         for a, b in zip(grads[0], run, strict=True):
             assert torch.equal(a, b)
+
+
+def test_tma_ready_refuses_broadcast_and_odd_strides():
+    """TMA takes a view only with a contiguous last dim, 16-byte strides and no broadcast
+    (stride-0) axis; anything else (e.g. dO expanded over the batch) is copied first."""
+    base = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert hopper_bwd.tma_ready(base)
+    assert not hopper_bwd.tma_ready(base.expand(3, 2, 8, 64))  # batch stride 0
+    assert hopper_bwd.tma_ready(base.expand(1, 2, 8, 64))  # size-1 axis: its stride is unused
+    assert not hopper_bwd.tma_ready(torch.empty(1, 2, 8, 65, dtype=torch.bfloat16)[..., :64])
+    assert not hopper_bwd.tma_ready(base.transpose(2, 3))

@@ -106,10 +106,10 @@ def _bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_od,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """delta = rowsum(dO * O) in fp32 for BLOCK rows of one (batch, head); DELTA is (batch,
     heads, seqlen_q) contiguous."""
-    off_bh = tl.program_id(1)
+    off_bh = tl.program_id(0)  # batch x heads on axis 0 (CUDA allows 2^31 - 1 there)
     off_b = (off_bh // heads).to(tl.int64)
     off_h = (off_bh % heads).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (offs_m < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os
@@ -195,8 +195,9 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM // 2, 16])
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1],
+        instr_shape=[16, HEAD_DIM // (2 if HEAD_DIM > 64 else 1), 16])
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -244,14 +245,13 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
             if CAUSAL:
                 keep = keep & (offs_k[:, None] <= offs_m[None, :] + causal_offset)
             pt = gl.where(keep, pt, 0.0)
-        # P^T is kept only in the input dtype from here on (the fp32 copy dies): dV's A
-        # operand, and dS^T's factor. dV's product runs while dS^T is computed.
-        pt16 = pt.to(dtype)
-        p16 = gl.convert_layout(pt16, a_layout)
+        # dV's product (P^T rounded to the input dtype, as in the forward) runs while dS^T
+        # is computed from the fp32 P^T (as the portable kernel does).
+        p16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
         delta = gl.load(DELTA + stats + offs_m, mask=m_ok, other=0.0)
         dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
-        ds16 = (pt16.to(gl.float32) * (dpt - delta[None, :])).to(dtype)
+        ds16 = (pt * (dpt - delta[None, :])).to(dtype)
         if DQ_ATOMIC:
             ds_smem.store(ds16)  # read back as dQ's transposed A operand below
         dsa = gl.convert_layout(ds16, a_layout)
@@ -263,12 +263,14 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
             fence_async_shared()
             gl.thread_barrier()  # every thread's part of dS^T is written before the wgmma
             ds_t = ds_smem.permute((1, 0))
-            # dQ in column halves of K: half the accumulator registers at a time.
-            HALF: gl.constexpr = HEAD_DIM // 2
+            # dQ in column halves of K at d128 (half the accumulator registers at a time; each
+            # half starts on a whole 128-byte swizzle block); in one piece at d64.
+            SPLIT: gl.constexpr = 2 if HEAD_DIM > 64 else 1
+            HALF: gl.constexpr = HEAD_DIM // SPLIT
             rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h_layout))
             cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, h_layout))
             base = (off_b.to(gl.int64) * heads + off_h) * seqlen_q_pad * HEAD_DIM
-            for h in gl.static_range(2):
+            for h in gl.static_range(SPLIT):
                 k_half = k_smem.slice(h * HALF, HALF, dim=1)
                 dq_tok = warpgroup_mma(ds_t, k_half,
                                        gl.zeros([BLOCK_M, HALF], gl.float32, h_layout),
@@ -381,7 +383,8 @@ def tma_ready(t4: torch.Tensor) -> bool:
     contiguous last dim, the other strides multiples of 16 bytes."""
     es = t4.element_size()
     return (t4.data_ptr() % 16 == 0 and t4.stride(3) == 1
-            and not any(st * es % 16 for st in t4.stride()[:3]))  # fmt: skip
+            and not any(st * es % 16 or (st == 0 and n > 1)  # no broadcast (stride-0) axes
+                        for st, n in zip(t4.stride()[:3], t4.shape[:3])))  # fmt: skip
 
 
 def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
@@ -433,7 +436,7 @@ def delta(out4: torch.Tensor, do4: torch.Tensor) -> torch.Tensor:
                 stride_od=so[3], stride_dob=sdo[0], stride_doh=sdo[1], stride_dos=sdo[2],
                 stride_dod=sdo[3], heads=h, seqlen_q=sq, HEAD_DIM=d,
                 HEAD_DIM_PAD=max(16, next_power_of_2(d)), BLOCK=block)  # fmt: skip
-    grid = (cdiv(sq, block), b * h)
+    grid = (b * h, cdiv(sq, block))
     if out4.is_cuda:
         launch(_bwd_delta, grid, args, {}, 4, 1)
     else:  # the interpreter
@@ -489,6 +492,9 @@ def supports(p: Problem) -> str | None:
     if p.batch * p.kv_heads > 65535:
         return (f"batch x kv heads = {p.batch * p.kv_heads} exceeds the 65535 programs its "
                 "grid's second axis may hold")  # fmt: skip
+    if p.deterministic and p.batch * p.heads > 65535:
+        return (f"deterministic: batch x heads = {p.batch * p.heads} exceeds the 65535 programs "
+                "the portable dQ kernel's grid's second axis may hold")  # fmt: skip
     return None
 
 
