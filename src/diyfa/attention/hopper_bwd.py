@@ -384,7 +384,7 @@ def tma_ready(t4: torch.Tensor) -> bool:
     es = t4.element_size()
     return (t4.data_ptr() % 16 == 0 and t4.stride(3) == 1
             and not any(st * es % 16 or (st == 0 and n > 1)  # no broadcast (stride-0) axes
-                        for st, n in zip(t4.stride()[:3], t4.shape[:3])))  # fmt: skip
+                        for st, n in zip(t4.stride()[:3], t4.shape[:3], strict=True)))  # fmt: skip
 
 
 def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
