@@ -280,20 +280,23 @@ def test_positional_arguments_reach_diyfa_by_name(spies):
     assert fai.flash_attn_func(q, k, v, 0.0, 0.5, True, [-1, -1], 0, None, True) == "out"
     args, kw = spies["flash_attention"].calls[-1]
     assert _same(args, (q, k, v))
-    assert kw == dict(causal=True, softmax_scale=0.5, layout="bshd", deterministic=True)
+    assert kw == dict(causal=True, softmax_scale=0.5, layout="bshd", deterministic=True,
+                      window_size=(-1, 0), softcap=0.0)  # fmt: skip
 
     qkv = torch.zeros(1, 4, 3, 2, 8)
     fai.flash_attn_qkvpacked_func(qkv, 0.0, 0.25, False, (-1, -1), 0.0, None, True)
     args, kw = spies["flash_attention"].calls[-1]
     for i, t in enumerate(args):  # views into qkv, not copies
         assert t.shape == (1, 4, 2, 8) and _same_storage(t, qkv, i * 2 * 8)
-    assert kw == dict(causal=False, softmax_scale=0.25, layout="bshd", deterministic=True)
+    assert kw == dict(causal=False, softmax_scale=0.25, layout="bshd", deterministic=True,
+                      window_size=(-1, -1), softcap=0.0)  # fmt: skip
 
     kv = torch.zeros(1, 6, 2, 1, 8)
     fai.flash_attn_kvpacked_func(q, kv, 0.0, None, True)
     args, kw = spies["flash_attention"].calls[-1]
     assert args[0] is q and _same_storage(args[1], kv, 0) and _same_storage(args[2], kv, 8)
-    assert kw == dict(causal=True, softmax_scale=None, layout="bshd", deterministic=False)
+    assert kw == dict(causal=True, softmax_scale=None, layout="bshd", deterministic=False,
+                      window_size=(-1, 0), softcap=0.0)  # fmt: skip
 
     cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
     fai.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 4, 5, 0.0, 0.125, True, (-1, -1),
@@ -301,7 +304,8 @@ def test_positional_arguments_reach_diyfa_by_name(spies):
     args, kw = spies["flash_attention_varlen"].calls[-1]
     assert _same(args[3:], (cu_q, cu_k, 4, 5))
     assert all(torch.equal(a, b[0]) for a, b in zip(args[:3], (q, k, v), strict=True))
-    assert kw == dict(causal=True, softmax_scale=0.125, deterministic=True)
+    assert kw == dict(causal=True, softmax_scale=0.125, deterministic=True,
+                      window_size=(-1, 0), softcap=0.0)  # fmt: skip
 
     seqlens, table = object(), object()
     fai.flash_attn_with_kvcache(q, k, v, "k", "v", None, None, seqlens, None, None, table, 0.5,
@@ -330,8 +334,7 @@ def test_kvcache_seqlens_int_or_none_become_int32_tensors(spies):
 # --- refused options: NotImplementedError naming them, before anything runs ----------------
 
 _ALIBI = torch.ones(4)
-_COMMON = [("dropout_p", 0.1, "dropout_p=0.1"), ("window_size", (8, 0), "window_size=(8, 0)"),
-           ("softcap", 30.0, "softcap=30.0"),
+_COMMON = [("dropout_p", 0.1, "dropout_p=0.1"),
            ("alibi_slopes", _ALIBI, "alibi_slopes=<Tensor torch.float32 (4,)>"),
            ("return_attn_probs", True, "return_attn_probs=True")]  # fmt: skip
 _KVCACHE = [("rotary_cos", torch.ones(48, 8), "rotary_cos=<Tensor torch.float32 (48, 8)>"),
@@ -393,3 +396,27 @@ def test_refused_kvcache_call_leaves_the_cache_untouched():
         fai.flash_attn_with_kvcache(**kwargs)
     assert torch.equal(kwargs["k_cache"][:, 3], kwargs["k"][:, 0])
     assert not torch.equal(kwargs["k_cache"], before[0])
+
+
+@pytest.mark.parametrize("window_size, softcap, causal, want_window, want_cap", [
+    ((8, 0), 30.0, True, (8, 0), 30.0),
+    ((-5, 3), 0.0, False, (-1, 3), 0.0),
+    ((4, 7), -1.0, True, (4, 0), 0.0),  # flash-attn: causal drops the right side; cap <= 0 off
+    ([6, -2], 2.0, False, (6, -1), 2.0),
+], ids=["causal-window-cap", "neg-left", "causal-right-dropped", "list"])
+def test_window_and_softcap_follow_flash_attn(window_size, softcap, causal, want_window,
+                                              want_cap):  # fmt: skip
+    """Windows and softcap reach diyfa with flash-attn's conventions, and the dense and varlen
+    results equal diyfa's own call on the same options bitwise."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 16, generator=g).to(DEVICE, F16) for _ in range(3))
+    out = fai.flash_attn_func(q, k, v, causal=causal, window_size=window_size, softcap=softcap)
+    want = diyfa.flash_attention(q, k, v, causal=causal, layout="bshd",
+                                 window_size=want_window, softcap=want_cap)  # fmt: skip
+    assert torch.equal(out, want)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32, device=DEVICE)
+    out = fai.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 25, 25, causal=causal,
+                                     window_size=window_size, softcap=softcap)  # fmt: skip
+    want = diyfa.flash_attention_varlen(q[0], k[0], v[0], cu, cu, 25, 25, causal=causal,
+                                        window_size=want_window, softcap=want_cap)  # fmt: skip
+    assert torch.equal(out, want)
