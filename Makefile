@@ -22,7 +22,7 @@ setup: $(SETUP)
 	.venv/bin/pip install -q --upgrade pip
 	# CPU-only machines: torch==2.13.0 resolves to the local CPU build (no CUDA download).
 	.venv/bin/pip install -q torch==2.13.0
-	.venv/bin/pip install -q -e ".[dev,bench]"
+	.venv/bin/pip install -q -e ".[dev,bench,transformers]"
 	touch $@
 
 demo: $(SETUP)
