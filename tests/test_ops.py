@@ -1,4 +1,5 @@
-"""Attention as torch custom operators (diyfa/attention/ops.py): what torch.compile sees.
+"""Attention and matmul as torch custom operators (diyfa/attention/ops.py, the end of
+diyfa/ops/matmul.py): what torch.compile sees.
 
 CPU runs go through the Triton interpreter. The GPU checks (fullgraph compile with Inductor,
 CUDA-graph capture) are `gpu`-marked.
@@ -11,6 +12,7 @@ import torch
 
 import diyfa
 from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attention_*)
+from diyfa.ops import matmul  # noqa: F401  (registers torch.ops.diyfa.matmul)
 
 from .conftest import DEVICE
 
@@ -91,6 +93,89 @@ def test_eager_calls_do_not_go_through_the_ops(monkeypatch):
     q, k, v = _qkv(grad=False)
     diyfa.flash_attention(q, k, v)
     assert calls == []
+
+
+def _varlen_inputs(grad=True):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(37, 4, 16, generator=g).to(DEVICE).requires_grad_(grad)
+    k = torch.randn(52, 2, 16, generator=g).to(DEVICE).requires_grad_(grad)
+    v = torch.randn(52, 2, 16, generator=g).to(DEVICE).requires_grad_(grad)
+    cu_q = torch.tensor([0, 20, 20, 37], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 30, 41, 52], dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu_q, cu_k
+
+
+def _cache_inputs():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 4, 16, generator=g).to(DEVICE)
+    k_cache = torch.randn(2, 40, 2, 16, generator=g).to(DEVICE)
+    v_cache = torch.randn(2, 40, 2, 16, generator=g).to(DEVICE)
+    k = torch.randn(2, 3, 2, 16, generator=g).to(DEVICE)
+    v = torch.randn(2, 3, 2, 16, generator=g).to(DEVICE)
+    lens = torch.tensor([5, 30], dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, k, v, lens
+
+
+def test_opcheck_varlen_kvcache_and_matmul():
+    """opcheck (schema, fake shapes and strides, autograd registration, mutation declared
+    for the cache append) for the packed-sequence ops, the KV-cache op and the matmul op."""
+    q, k, v, cu_q, cu_k = _varlen_inputs(grad=False)
+    options = (True, None, "auto", False, 5, 0, 2.0)
+    torch.library.opcheck(torch.ops.diyfa.attention_varlen_fwd.default,
+                          (q, k, v, cu_q, cu_k, 20, 30) + options)  # fmt: skip
+    q, k, v, cu_q, cu_k = _varlen_inputs()
+    out, lse2 = torch.ops.diyfa.attention_varlen_fwd(q, k, v, cu_q, cu_k, 20, 30, *options)
+    do = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.diyfa.attention_varlen_bwd.default,
+                          (do, q.detach(), k.detach(), v.detach(), out.detach(), lse2, cu_q,
+                           cu_k, 20, 30) + options)  # fmt: skip
+    q, k_cache, v_cache, k, v, lens = _cache_inputs()
+    torch.library.opcheck(torch.ops.diyfa.attention_kvcache.default,
+                          (q, k_cache, v_cache, k, v, lens, None, True, None, 0))
+    a, b = torch.randn(2, 33, 40).to(DEVICE), torch.randn(2, 40, 24).to(DEVICE)
+    torch.library.opcheck(torch.ops.diyfa.matmul.default,
+                          (a, b, None, None, None, torch.randn(24).to(DEVICE), "gelu", "ieee",
+                           "auto"))  # fmt: skip
+
+
+def _serving_step(q, k, v, cu_q, cu_k, w, cq, k_cache, v_cache, nk, nv, lens):
+    packed = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 20, 30, causal=True,
+                                          window_size=(8, 0))  # fmt: skip
+    y = diyfa.triton_matmul(packed.reshape(37, 64), w, activation="silu", precision="ieee")
+    dec = diyfa.flash_attention_with_kvcache(cq, k_cache, v_cache, nk, nv, cache_seqlens=lens)
+    return y, dec
+
+
+def test_compile_varlen_kvcache_and_matmul_without_graph_breaks():
+    """One graph, no breaks, for a function calling the packed-sequence, KV-cache and
+    matmul entry points; compiled results (and the cache it appends to) equal eager's
+    bitwise; the packed-sequence gradients flow through the backward op."""
+    q, k, v, cu_q, cu_k = _varlen_inputs(grad=False)
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    cq, k_cache, v_cache, nk, nv, lens = _cache_inputs()
+    args = (q, k, v, cu_q, cu_k, w, cq)
+    explain = torch._dynamo.explain(_serving_step)(*args, k_cache.clone(), v_cache.clone(), nk,
+                                                   nv, lens)  # fmt: skip
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    compiled = torch.compile(_serving_step, fullgraph=True, backend="aot_eager")
+    caches = (k_cache.clone(), v_cache.clone())
+    y, dec = compiled(*args, *caches, nk, nv, lens)
+    y_ref, dec_ref = _serving_step(*args, k_cache, v_cache, nk, nv, lens)
+    assert torch.equal(y, y_ref) and torch.equal(dec, dec_ref)
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+
+    q, k, v, cu_q, cu_k = _varlen_inputs()
+    f = torch.compile(lambda q, k, v: diyfa.flash_attention_varlen(
+        q, k, v, cu_q, cu_k, 20, 30, softcap=3.0).square().sum(), fullgraph=True,
+        backend="aot_eager")  # fmt: skip
+    f(q, k, v).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 20, 30, softcap=3.0).square().sum(
+        ).backward()  # fmt: skip
+    for a, t in zip(grads, (q, k, v), strict=True):
+        assert torch.equal(a, t.grad)
 
 
 @pytest.mark.gpu

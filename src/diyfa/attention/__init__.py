@@ -30,7 +30,6 @@ from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attent
 from diyfa.attention.checks import (
     SUPPORTED_DTYPES,
     check_inputs,
-    check_kvcache_inputs,
     check_varlen_inputs,
 )
 from diyfa.attention.dispatch import select
@@ -141,11 +140,17 @@ def flash_attention_varlen(
     The lengths are read to the host and checked against the tensors before any kernel runs
     (one device synchronisation per call). Programs past a sequence's end exit at once.
     """
-    problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                  deterministic=deterministic, window_size=window_size,
-                                  softcap=softcap)  # fmt: skip
-    out, lse2 = run(q, k, v, problem, select(problem, backend))
+    if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
+        wl, wr = window_size
+        out, lse2 = torch.ops.diyfa.attention_varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+            softmax_scale, backend, deterministic, wl, wr, float(softcap))
+    else:
+        problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                      deterministic=deterministic, window_size=window_size,
+                                      softcap=softcap)  # fmt: skip
+        out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out
 
 
@@ -186,29 +191,16 @@ def flash_attention_with_kvcache(
     before anything is written: on an error the cache is untouched. The lengths are read to
     the host (one device synchronisation per call).
     """
-    from diyfa.attention import decode
+    if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
+        out, lse2 = torch.ops.diyfa.attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                      block_table, causal, softmax_scale,
+                                                      num_splits)  # fmt: skip
+    else:
+        from diyfa.attention import decode
 
-    scale, lengths = check_kvcache_inputs(q, k_cache, v_cache, k, v,
-                                          cache_seqlens=cache_seqlens,
-                                          block_table=block_table, causal=causal,
-                                          softmax_scale=softmax_scale, num_splits=num_splits)
-    seqlens = cache_seqlens
-    if k is not None and k.shape[1] > 0:
-        pos = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
-        rows = torch.arange(q.shape[0], device=q.device)[:, None].expand_as(pos)
-        if block_table is None:
-            k_cache[rows, pos] = k
-            v_cache[rows, pos] = v
-        else:
-            page = k_cache.shape[1]
-            pages = block_table.long()[rows, pos // page]
-            k_cache[pages, pos % page] = k
-            v_cache[pages, pos % page] = v
-        seqlens = cache_seqlens + k.shape[1]
-    out, lse2 = decode.kvcache_attention(q, k_cache, v_cache, seqlens, block_table,
-                                         causal=causal, softmax_scale=scale,
-                                         num_splits=num_splits,
-                                         max_seqlen_k=max(lengths, default=0))  # fmt: skip
+        out, lse2 = decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens,
+                                             block_table, causal, softmax_scale,
+                                             num_splits)  # fmt: skip
     return (out, lse2 * LN2) if return_lse else out
 
 

@@ -134,9 +134,11 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                    window_right, softcap)  # fmt: skip
 
 
-def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
+def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
+                      fake: bool = False) -> int:
     """Check one cumulative-lengths tensor against its packed tensor's rows; returns the
-    number of sequences. Reads the (small) tensor to the host: a device sync."""
+    number of sequences. Reads the (small) tensor to the host: a device sync (``fake``:
+    tracing, the values are unknown: everything but them is checked)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -151,6 +153,8 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
                          f"got strides {cu.stride()}")  # fmt: skip
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
+    if fake:
+        return cu.shape[0] - 1
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name} must start at 0 and end at the packed rows ({total}), got "
@@ -166,7 +170,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         causal, softmax_scale, deterministic=False, window_size=(-1, -1),
-                        softcap=0.0) -> Problem:
+                        softcap=0.0, fake=False) -> Problem:
     """Check packed (total, heads, head_dim) q, k, v and their cumulative lengths; return the
     call's :class:`Problem` (``cu_seqlens_*`` set; seqlen_q / seqlen_k the longest
     sequences; causal is bottom-right per sequence). The tensor checks are check_inputs's
@@ -181,11 +185,11 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     one = check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal=causal,
                        softmax_scale=softmax_scale, layout="bshd", align="bottom_right",
                        deterministic=deterministic, window_size=window_size,
-                       softcap=softcap)  # fmt: skip
+                       softcap=softcap, fake=fake)  # fmt: skip
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                              "max_seqlen_q", q.device)  # fmt: skip
+                              "max_seqlen_q", q.device, fake)  # fmt: skip
     batch_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
-                                "max_seqlen_k", q.device)  # fmt: skip
+                                "max_seqlen_k", q.device, fake)  # fmt: skip
     if batch != batch_k:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {batch} and {batch_k}")  # fmt: skip
@@ -217,11 +221,12 @@ MAX_SPLITS = 128  # split-KV ranges per sequence: more never pays, and the combi
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,
-                         softmax_scale, num_splits) -> tuple[float, list[int]]:
+                         softmax_scale, num_splits, fake=False) -> tuple[float, list[int]]:
     """Check a KV-cache call before anything is written or launched; returns (the resolved
     softmax scale, each sequence's cache length after the append). Reads cache_seqlens and
     the used part of block_table to the host (one device synchronisation): lengths past the
-    cache and pages outside the pool are errors here, never writes out of place."""
+    cache and pages outside the pool are errors here, never writes out of place. ``fake``:
+    tracing (the values are unknown): every check but those, lengths returned empty."""
     names = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or "
@@ -263,7 +268,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens must have one entry per sequence ({b}), got "
                          f"{cache_seqlens.shape[0]}")  # fmt: skip
-    lengths = cache_seqlens.tolist()
+    lengths = [] if fake else cache_seqlens.tolist()
     if block_table is None:
         if k_cache.shape[0] != b:
             raise ValueError(f"a contiguous cache must be (batch={b}, max_len, kv_heads, "
@@ -281,7 +286,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
         if n < 0 or n + s_new > capacity:
             raise ValueError(f"cache_seqlens[{i}] = {n} plus {s_new} new tokens does not fit "
                              f"the cache ({capacity} rows per sequence)")  # fmt: skip
-    if block_table is not None:
+    if block_table is not None and not fake:
         pool = k_cache.shape[0]
         for i, (n, pages) in enumerate(zip(lengths, block_table.tolist(), strict=True)):
             used = pages[:-(-(n + s_new) // rows)]

@@ -154,6 +154,36 @@ def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.devi
     return max(1, min(want, cdiv(max_seqlen_k, 4 * BLOCK_N), 64))
 
 
+def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal: bool,
+                      softmax_scale, num_splits: int):
+    """``flash_attention_with_kvcache``'s work, for the eager call and the custom op alike:
+    every check first (nothing is written on an error), then k/v appended in place at rows
+    cache_seqlens[b].. (torch indexing, only those rows), then attention. Returns (out,
+    lse2) with lse2 base 2."""
+    from diyfa.attention.checks import check_kvcache_inputs
+
+    scale, lengths = check_kvcache_inputs(q, k_cache, v_cache, k, v,
+                                          cache_seqlens=cache_seqlens,
+                                          block_table=block_table, causal=causal,
+                                          softmax_scale=softmax_scale, num_splits=num_splits)
+    seqlens = cache_seqlens
+    if k is not None and k.shape[1] > 0:
+        pos = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
+        rows = torch.arange(q.shape[0], device=q.device)[:, None].expand_as(pos)
+        if block_table is None:
+            k_cache[rows, pos] = k
+            v_cache[rows, pos] = v
+        else:
+            page = k_cache.shape[1]
+            pages = block_table.long()[rows, pos // page]
+            k_cache[pages, pos % page] = k
+            v_cache[pages, pos % page] = v
+        seqlens = cache_seqlens + k.shape[1]
+    return kvcache_attention(q, k_cache, v_cache, seqlens, block_table, causal=causal,
+                             softmax_scale=scale, num_splits=num_splits,
+                             max_seqlen_k=max(lengths, default=0))
+
+
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal: bool,
                       softmax_scale: float, num_splits: int, max_seqlen_k: int):
     """(out, lse2) for checked inputs, the new keys already appended: q (batch, seqlen_q,

@@ -3,7 +3,11 @@
 ``torch.ops.diyfa.attention_fwd(q, k, v, causal, align, softmax_scale, layout, backend,
     deterministic, window_left, window_right, softcap)`` -> (out, lse2), lse2 the base-2
     log-sum-exp (batch, heads, seqlen_q) fp32;
-``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, <the same options>)`` -> (dq, dk, dv).
+``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, <the same options>)`` -> (dq, dk, dv);
+``torch.ops.diyfa.attention_varlen_fwd`` / ``attention_varlen_bwd``: the same for packed
+sequences (cumulative lengths and max lengths after q, k, v);
+``torch.ops.diyfa.attention_kvcache``: the KV-cache call, declaring k_cache and v_cache
+mutated (the append); no autograd (inference).
 
 Each op runs the eager path on real tensors (checks -> problem -> dispatch -> family), so
 the checks, errors and kernel choice are the eager ones. Their fake implementations give
@@ -22,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from diyfa.attention.checks import check_inputs
+from diyfa.attention.checks import check_inputs, check_kvcache_inputs, check_varlen_inputs
 from diyfa.attention.dispatch import select
 from diyfa.attention.problem import bhsd_shape
 
@@ -90,3 +94,105 @@ def _backward(ctx, do, _dlse2):
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ packed sequences
+def _varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, deterministic,
+                    window_left, window_right, softcap, fake=False):
+    return check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                               softmax_scale=softmax_scale, deterministic=deterministic,
+                               window_size=(window_left, window_right), softcap=softcap,
+                               fake=fake)  # fmt: skip
+
+
+@torch.library.custom_op("diyfa::attention_varlen_fwd", mutates_args=())
+def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                         softmax_scale: Optional[float],  # noqa: UP045 (schema parser)
+                         backend: str, deterministic: bool, window_left: int,
+                         window_right: int,
+                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``flash_attention_varlen`` -> (out (total_q, heads, d), lse2 (heads, total_q))."""
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal, softmax_scale, deterministic, window_left, window_right,
+                              softcap)  # fmt: skip
+    return select(problem, backend).forward(q, k, v, problem)
+
+
+@attention_varlen_fwd.register_fake
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal, softmax_scale, backend, deterministic, window_left,
+                               window_right, softcap):  # fmt: skip
+    # Every check that needs no values of the lengths (those are read when it runs).
+    _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                    softmax_scale, deterministic, window_left, window_right, softcap,
+                    fake=True)  # fmt: skip
+    total, h, d = q.shape
+    return (torch.empty((total, h, d), dtype=q.dtype, device=q.device),
+            torch.empty((h, total), dtype=torch.float32, device=q.device))  # fmt: skip
+
+
+@torch.library.custom_op("diyfa::attention_varlen_bwd", mutates_args=())
+def attention_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse2: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                         causal: bool,
+                         softmax_scale: Optional[float],  # noqa: UP045 (schema parser)
+                         backend: str, deterministic: bool, window_left: int,
+                         window_right: int, softcap: float,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal, softmax_scale, deterministic, window_left, window_right,
+                              softcap)  # fmt: skip
+    return select(problem, backend).backward(do, q, k, v, out, lse2, problem)
+
+
+@attention_varlen_bwd.register_fake
+def _attention_varlen_bwd_fake(do, q, k, v, *options):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *options = inputs
+    out, lse2 = output
+    ctx.save_for_backward(q, k, v, out, lse2, cu_q, cu_k)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse2)
+
+
+def _varlen_backward(ctx, do, _dlse2):
+    q, k, v, out, lse2, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.diyfa.attention_varlen_bwd(do, q, k, v, out, lse2, cu_q, cu_k,
+                                                      *ctx.options)  # fmt: skip
+    return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
+
+
+attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# -------------------------------------------------------------------------------- KV cache
+@torch.library.custom_op("diyfa::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k: Optional[torch.Tensor], v: Optional[torch.Tensor],  # noqa: UP045
+                      cache_seqlens: torch.Tensor,
+                      block_table: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                      causal: bool, softmax_scale: Optional[float],  # noqa: UP045
+                      num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``flash_attention_with_kvcache``: appends k/v into the caches in place (declared as
+    mutated), then attends -> (out like q, lse2 (batch, heads, seqlen_q))."""
+    from diyfa.attention import decode
+
+    return decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                    causal, softmax_scale, num_splits)  # fmt: skip
+
+
+@attention_kvcache.register_fake
+def _attention_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                            softmax_scale, num_splits):  # fmt: skip
+    check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                         block_table=block_table, causal=causal, softmax_scale=softmax_scale,
+                         num_splits=num_splits, fake=True)  # fmt: skip
+    b, sq, h, _ = q.shape
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty((b, h, sq), dtype=torch.float32, device=q.device))  # fmt: skip
