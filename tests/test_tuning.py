@@ -78,3 +78,39 @@ def test_winners_are_keyed_by_the_bucket_the_kernels_look_up(tuned_file):
     mm = [blocksize.Result("matmul", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8,
                                           num_stages=3), tflops=1.0)]  # fmt: skip
     assert list(blocksize.winners_table({"matmul": mm}, 10, 64)[10]) == ["matmul_portable"]
+
+
+def test_autotuning_is_opt_in(monkeypatch):
+    """Off unless DIYFA_AUTOTUNE=1 (a first call compiles one config, not every one); never
+    under the interpreter."""
+    monkeypatch.setattr(tuning, "interpreter_enabled", lambda: False)
+    monkeypatch.delenv("DIYFA_AUTOTUNE", raising=False)
+    assert not tuning.autotune_enabled()
+    monkeypatch.setenv("DIYFA_AUTOTUNE", "0")
+    assert not tuning.autotune_enabled()
+    monkeypatch.setenv("DIYFA_AUTOTUNE", "1")
+    assert tuning.autotune_enabled()
+    monkeypatch.setattr(tuning, "interpreter_enabled", lambda: True)
+    assert not tuning.autotune_enabled()
+
+
+def test_autotune_winners_persist_across_processes(tmp_path, monkeypatch):
+    """A winner saved by one process is found by the next (the in-memory copy dropped and
+    the file read again); other keys, other Triton versions and a corrupt file give None."""
+    import json
+
+    monkeypatch.setenv("DIYFA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_disk", None)
+    key = ("attn_fwd", True, 0, "torch.bfloat16", 128, True, 4096, False, False, False, "H200")
+    assert tuning.cached_choice(key) is None
+    tuning.remember_choice(key, {"BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
+    monkeypatch.setattr(tuning, "_disk", None)  # a new process
+    assert tuning.cached_choice(key) == ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
+    assert tuning.cached_choice(key[:-1] + ("H100",)) is None
+    monkeypatch.setattr(tuning.triton, "__version__", "9.9.9")
+    assert tuning.cached_choice(key) is None
+    (tmp_path / "autotune.json").write_text("{not json")
+    monkeypatch.setattr(tuning, "_disk", None)
+    assert tuning.cached_choice(key) is None
+    tuning.remember_choice(key, {"BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)  # replaces it
+    assert json.loads((tmp_path / "autotune.json").read_text())

@@ -11,13 +11,18 @@ more, read after the packaged one). A tuned entry replaces the hand-set default 
 architecture, kernel and head-dim bucket, and joins the front of the autotuning space.
 
 Switches:
-- ``DIYFA_AUTOTUNE=0`` turns autotuning off: the default table's entry is used.
+- Autotuning is opt-in: ``DIYFA_AUTOTUNE=1`` turns it on (off, the default, a call uses the
+  tuned table's entry, else the hand-set default: a first call compiles one config instead
+  of benchmarking every one, seconds instead of tens of seconds). Its winners are kept on
+  disk (:func:`cached_choice`), so a later process starts from them.
 - ``with diyfa.tuning.pinned("attn_fwd", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2):``
   pins one config for one kernel (tests, experiments).
 - Under the Triton interpreter there is no autotuning: small default blocks keep it quick.
 
-Autotuning results are cached by Triton per key (head dim, causal, dtype, sequence bucket)
-for the life of the process.
+Autotuning winners are remembered per key (kernel, GPU, dtype, head dim, causal, sequence
+bucket, ...) for the process and in ``$DIYFA_CACHE_DIR`` (default ``~/.cache/diyfa``),
+``autotune.json``, for later processes; Triton's own compile cache (``~/.triton/cache``)
+keeps the compiled kernels.
 """
 
 from __future__ import annotations
@@ -80,7 +85,57 @@ _pinned: dict[str, dict] = {}
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get("DIYFA_AUTOTUNE", "1") != "0" and not interpreter_enabled()
+    """Autotuning on the GPU is opt-in (``DIYFA_AUTOTUNE=1``); never in the interpreter."""
+    return os.environ.get("DIYFA_AUTOTUNE", "0") == "1" and not interpreter_enabled()
+
+
+def cache_file() -> Path:
+    """Where autotuning winners persist across processes."""
+    base = os.environ.get("DIYFA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "diyfa")
+    return Path(base) / "autotune.json"
+
+
+_disk: dict | None = None  # the cache file's contents, read once per process
+
+
+def _cache_key(key: tuple) -> str:
+    import torch
+
+    return repr((triton.__version__, torch.__version__) + tuple(
+        str(k) if not isinstance(k, (int, float, bool, type(None))) else k for k in key))
+
+
+def cached_choice(key: tuple) -> tuple[dict, int, int] | None:
+    """An autotuning winner an earlier process saved for ``key`` (a launch key that names the
+    GPU), as (meta, num_warps, num_stages); None if there is none or the file is unreadable."""
+    global _disk
+    if _disk is None:
+        try:
+            _disk = json.loads(cache_file().read_text())
+        except (OSError, ValueError):
+            _disk = {}
+    entry = _disk.get(_cache_key(key))
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], dict)):
+        return None
+    return dict(entry[0]), int(entry[1]), int(entry[2])
+
+
+def remember_choice(key: tuple, meta: dict, num_warps: int, num_stages: int) -> None:
+    """Save an autotuning winner for later processes (best effort: a read-only home or a
+    full disk only costs the next process its own autotuning)."""
+    global _disk
+    if _disk is None:
+        cached_choice(key)
+    _disk[_cache_key(key)] = [dict(meta), num_warps, num_stages]
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(_disk, indent=0, sort_keys=True))
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager

@@ -559,6 +559,12 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
            args["SEQ_BUCKET"], args["VARLEN"], args["WINDOW"], args["SOFTCAP"])  # fmt: skip
     pinned = name in tuning._pinned
     choice = None if pinned else _chosen.get(key)
+    if choice is None and autotune and not pinned and t.is_cuda:
+        # A winner an earlier process found on this GPU (tuning.cached_choice).
+        disk_key = key + (torch.cuda.get_device_name(t.device),)
+        choice = tuning.cached_choice(disk_key)
+        if choice is not None:
+            _chosen[key] = choice
     if choice is not None and t.is_cuda:
         meta, num_warps, num_stages = choice
         fast_launch(kernel_fn, grid(meta), args, meta, num_warps, num_stages)
@@ -572,6 +578,7 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
                 tuned[grid](**args)  # benchmarks every config once, then runs the best
                 best = tuned.best_config
                 _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
+                tuning.remember_choice(disk_key, *_chosen[key])
                 return
             except OutOfResources:
                 pass  # every candidate was too large: fall back below

@@ -43,8 +43,9 @@ Kernels
 
 Launch configuration
     Config spaces, per-architecture defaults and shared-memory pruning are at the top of this
-    file. Autotuning runs on the GPU unless ``DIYFA_AUTOTUNE=0``; its key is the dtypes, the
-    layouts and the power-of-two buckets of M, N and K.
+    file. Autotuning is opt-in (``DIYFA_AUTOTUNE=1``, winners saved across processes: see
+    diyfa/tuning.py); its key is the dtypes, the layouts and the power-of-two buckets of M,
+    N and K.
 
 Limits
     a and b have the same rank (2-D or 3-D); no broadcasting of a batch dimension. The output
@@ -655,12 +656,19 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
     key = (kind, autotune, small, a.dtype, b.dtype, out.dtype, a.device.index,
            *(args.get(name) for name in _AUTOTUNE_KEY))  # fmt: skip
     choice = _chosen.get(key)
+    if choice is None and autotune:
+        # A winner an earlier process found on this GPU (tuning.cached_choice).
+        disk_key = key + (torch.cuda.get_device_name(a.device),)
+        choice = tuning.cached_choice(disk_key)
+        if choice is not None:
+            _chosen[key] = choice
     if choice is None:
         if autotune:
             tuned = _autotuned(kernel_fn, kind, elem_bytes, out_bytes, smem, major)
             tuned[grid](**args)  # benchmarks the configs once, then runs the best
             best = tuned.best_config
             _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
+            tuning.remember_choice(disk_key, *_chosen[key])
             return None
         cfg = default_config(kind, elem_bytes, out_bytes, major, smem, small)
         choice = _chosen[key] = (cfg.meta(), cfg.num_warps, cfg.num_stages)
