@@ -35,14 +35,16 @@ def test_opcheck(causal, layout, scale):
     q, k, v = (t.detach() for t in _qkv(layout=layout))
     torch.library.opcheck(torch.ops.diyfa.attention_fwd.default,
                           (q, k, v, causal, "bottom_right", scale, layout, "auto", False, -1, -1,
-                           0.0))  # fmt: skip
+                           0.0, None, None))  # fmt: skip
     q, k, v = _qkv(layout=layout)
     out, lse2 = torch.ops.diyfa.attention_fwd(q, k, v, causal, "bottom_right", scale, layout,
-                                              "auto", False, -1, -1, 0.0)  # fmt: skip
+                                              "auto", False, -1, -1, 0.0, None,
+                                              None)  # fmt: skip
     do = torch.randn_like(out)
     torch.library.opcheck(torch.ops.diyfa.attention_bwd.default,
                           (do, q.detach(), k.detach(), v.detach(), out.detach(), lse2, causal,
-                           "bottom_right", scale, layout, "auto", False, -1, -1, 0.0))  # fmt: skip
+                           "bottom_right", scale, layout, "auto", False, -1, -1, 0.0, None,
+                           None))  # fmt: skip
 
 
 def _model(q, k, v):
@@ -120,7 +122,7 @@ def test_opcheck_varlen_kvcache_and_matmul():
     """opcheck (schema, fake shapes and strides, autograd registration, mutation declared
     for the cache append) for the packed-sequence ops, the KV-cache op and the matmul op."""
     q, k, v, cu_q, cu_k = _varlen_inputs(grad=False)
-    options = (True, None, "auto", False, 5, 0, 2.0)
+    options = (True, None, "auto", False, 5, 0, 2.0, None, None)
     torch.library.opcheck(torch.ops.diyfa.attention_varlen_fwd.default,
                           (q, k, v, cu_q, cu_k, 20, 30) + options)  # fmt: skip
     q, k, v, cu_q, cu_k = _varlen_inputs()

@@ -18,6 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import diyfa  # noqa: E402
 import diyfa.integrations.transformers  # noqa: E402,F401  (registers "diyfa")
 
 from .conftest import DEVICE  # noqa: E402
@@ -114,3 +115,24 @@ def test_refusals_are_clear():
     attention_forward(module, q, q, q, None, dropout=0.1)  # evaluation: dropout is off
     with pytest.raises(NotImplementedError, match="2-D \\(batch, kv_len\\) padding mask"):
         attention_forward(module, q, q, q, torch.ones(1, 1, 4, 4, device=DEVICE))
+
+
+def test_sinks_pass_through():
+    """gpt-oss's per-head sink logits (s_aux) reach diyfa's sinks, padded batch or not."""
+    from diyfa.integrations.transformers import attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(2, 2, 6, 16, generator=g).to(DEVICE) for _ in range(2))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
+    module = torch.nn.Module()
+    out, _ = attention_forward(module, q, k, v, None, s_aux=sinks)
+    want = diyfa.flash_attention(q, k, v, causal=True, sinks=sinks).transpose(1, 2)
+    assert torch.equal(out, want)
+    mask = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+    mask[1, :2] = False
+    out, _ = attention_forward(module, q, k, v, mask, s_aux=sinks)
+    assert torch.allclose(out[0], want[0], atol=1e-6) and (out[1, :2] == 0).all()
+    tail = diyfa.flash_attention(q[1:, :, 2:], k[1:, :, 2:], v[1:, :, 2:], causal=True,
+                                 sinks=sinks).transpose(1, 2)  # fmt: skip
+    assert torch.allclose(out[1, 2:], tail[0], atol=1e-6)

@@ -1,4 +1,5 @@
-"""Attention variants (issue 14) on the portable kernels: sliding windows and softcap.
+"""Attention variants (issue 14) on the portable kernels: sliding windows, softcap, ALiBi and
+attention sinks.
 
 Every case against the float64 reference (diyfa.reference.attention_ref with the same window
 and softcap) by the 2x / 3x rule: forward and every gradient, with 16 x 16 blocks pinned so
@@ -40,23 +41,31 @@ def _ref_window(window_size, causal):
     return (left, 0 if causal else right)
 
 
-def _run_and_check(q, k, v, causal, window_size, softcap, layout="bhsd"):
+def _run_and_check(q, k, v, causal, window_size, softcap, layout="bhsd", alibi_slopes=None,
+                   sinks=None):
+    """diyfa against float64 (forward, dq, dk, dv, and the sinks' gradient) by the 2x / 3x
+    rule, PyTorch in the input dtype as the yardstick."""
     dtype = q.dtype
     with _small_blocks():
         out = diyfa.flash_attention(q, k, v, causal=causal, window_size=window_size,
-                                    softcap=softcap, layout=layout)  # fmt: skip
+                                    softcap=softcap, layout=layout, alibi_slopes=alibi_slopes,
+                                    sinks=sinks)  # fmt: skip
         do = torch.randn_like(out)
         out.backward(do)
     kw = dict(causal=causal, window=_ref_window(window_size, causal), softcap=softcap,
-              layout=layout)  # fmt: skip
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_ref(*ref_in, compute_dtype=torch.float64, **kw)
-    pt = attention_ref(*pt_in, compute_dtype=dtype, **kw)
+              layout=layout, alibi_slopes=alibi_slopes)  # fmt: skip
+    ins = [q, k, v] + ([sinks] if sinks is not None else [])
+    ref_in = [t.detach().double().requires_grad_() for t in ins]
+    pt_in = [t.detach().clone().requires_grad_() for t in ins]
+    ref = attention_ref(*ref_in[:3], compute_dtype=torch.float64, sinks=(
+        ref_in[3] if sinks is not None else None), **kw)  # fmt: skip
+    pt = attention_ref(*pt_in[:3], compute_dtype=dtype, sinks=(
+        pt_in[3] if sinks is not None else None), **kw)  # fmt: skip
     _check("out", out, pt, ref, 2, dtype)
     ref.backward(do.double())
     pt.backward(do)
-    for name, t, p, r in zip(("dq", "dk", "dv"), (q, k, v), pt_in, ref_in, strict=True):
+    names = ("dq", "dk", "dv", "dsinks")[: len(ins)]
+    for name, t, p, r in zip(names, ins, pt_in, ref_in, strict=True):
         _check(name, t.grad, p.grad, r.grad, 3, dtype)
 
 
@@ -85,6 +94,33 @@ def test_window_and_softcap(case):
     _run_and_check(q, k, v, causal, window_size, softcap, layout)
 
 
+BIAS_CASES = [
+    # (b, h, hk, sq, sk, d, dtype, causal, window_size, softcap, alibi shape, sinks, layout)
+    (1, 4, 2, 77, 100, 32, torch.float32, False, (-1, -1), 0.0, "heads", False, "bhsd"),
+    (2, 4, 2, 90, 60, 32, torch.bfloat16, True, (20, 0), 3.0, "batch", False, "bshd"),
+    (1, 4, 4, 70, 70, 16, torch.float16, True, (-1, -1), 0.0, None, True, "bhsd"),
+    (1, 4, 2, 100, 50, 16, torch.float32, True, (10, 0), 0.0, "heads", True, "bhsd"),
+    (1, 2, 1, 64, 128, 64, torch.bfloat16, False, (-1, -1), 0.0, None, True, "bshd"),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=lambda c: "{}-c{}-w{}_{}-cap{}-alibi_{}-sinks{}-{}"
+                         .format(str(c[6]).removeprefix("torch."), int(c[7]), *c[8], c[9],
+                                 c[10], int(c[11]), c[12]))  # fmt: skip
+def test_alibi_and_sinks(case):
+    """ALiBi ((heads,) and (batch, heads) slopes) and attention sinks, alone and with windows,
+    softcap, GQA and rows that see no key (their output is 0, the sink still in the LSE):
+    forward, every input's gradient and the sinks' gradient by the 2x / 3x rule."""
+    b, h, hk, sq, sk, d, dtype, causal, window_size, softcap, alibi, sinks, layout = case
+    q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
+    g = torch.Generator().manual_seed(7)
+    slopes = None
+    if alibi is not None:
+        slopes = (torch.rand((h,) if alibi == "heads" else (b, h), generator=g) * 0.5).to(DEVICE)
+    sink = torch.randn(h, generator=g).to(DEVICE, dtype).requires_grad_() if sinks else None
+    _run_and_check(q, k, v, causal, window_size, softcap, layout, slopes, sink)
+
+
 def test_blocks_outside_the_band_are_not_read():
     """NaN in V's first 16 keys: with causal and a 31-key window, the query blocks from row 48
     on have a band starting at key 17 or later, so the kernel must skip that block (reading
@@ -101,9 +137,10 @@ def test_blocks_outside_the_band_are_not_read():
     assert (tail.double() - ref[:, :, 48:]).abs().max().item() < 1e-5
 
 
-def test_varlen_window_and_softcap():
-    """Packed sequences: the band is per sequence (bottom-right within each), forward and
-    gradients per sequence against the reference."""
+def test_varlen_variants():
+    """Packed sequences: the band and the ALiBi bias are per sequence (bottom-right within
+    each, (batch, heads) slopes by sequence), forward and gradients per sequence against the
+    reference, the sinks' gradient summed over all of them."""
     lens_q, lens_k = [37, 0, 80], [50, 10, 80]
     h, hk, d, dtype = 2, 1, 32, torch.float32
     g = torch.Generator().manual_seed(0)
@@ -115,17 +152,22 @@ def test_varlen_window_and_softcap():
         return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                             device=DEVICE)  # fmt: skip
 
+    slopes = torch.tensor([[0.3, 0.1], [0.2, 0.05], [0.4, 0.25]], device=DEVICE)  # per sequence
+    sinks = torch.tensor([0.5, -1.0], device=DEVICE, requires_grad=True)
     with _small_blocks():
         out = diyfa.flash_attention_varlen(q, k, v, cu(lens_q), cu(lens_k), max(lens_q),
                                            max(lens_k), causal=True, window_size=(12, 0),
-                                           softcap=4.0)  # fmt: skip
+                                           softcap=4.0, alibi_slopes=slopes,
+                                           sinks=sinks)  # fmt: skip
         out.backward(torch.ones_like(out))
+    sinks_ref = sinks.detach().double().requires_grad_()
     qs, ks = 0, 0
-    for lq, lk in zip(lens_q, lens_k, strict=True):
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         ins = [t.detach()[s:s + n].double().transpose(0, 1).unsqueeze(0).requires_grad_()
                for t, s, n in ((q, qs, lq), (k, ks, lk), (v, ks, lk))]  # fmt: skip
         if lq:
-            ref = attention_ref(*ins, causal=True, window=(12, 0), softcap=4.0)
+            ref = attention_ref(*ins, causal=True, window=(12, 0), softcap=4.0,
+                                alibi_slopes=slopes[i].double(), sinks=sinks_ref)
             ref.sum().backward()
             got = out[qs:qs + lq].transpose(0, 1).unsqueeze(0)
             assert (got.double() - ref).abs().max().item() < 1e-5
@@ -133,9 +175,18 @@ def test_varlen_window_and_softcap():
                 grad = t.grad[s:s + n].transpose(0, 1).unsqueeze(0).double()
                 assert (grad - r.grad).abs().max().item() < 1e-5
         qs, ks = qs + lq, ks + lk
+    assert (sinks.grad.double() - sinks_ref.grad).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("kwargs, err, match", [
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError,
+     r"alibi_slopes.dtype is torch.float16; accepted: float32"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError,
+     r"alibi_slopes must have shape \(2,\) or \(1, 2\) \(heads=2, batch=1\), got \(3,\)"),
+    (dict(alibi_slopes=torch.ones(4)[::2]), ValueError, r"alibi_slopes must be contiguous"),
+    (dict(sinks=torch.ones(2, 1)), ValueError, r"sinks must have shape \(2,\)"),
+    (dict(sinks=torch.ones(2, dtype=torch.int32)), TypeError, r"sinks.dtype is torch.int32"),
+    (dict(sinks=[0.0, 1.0]), TypeError, r"sinks must be a torch.Tensor or None, got list"),
     (dict(window_size=(-2, 0)), ValueError, r"window_size sides must be >= 0 or -1.*\(-2, 0\)"),
     (dict(window_size=(3,)), TypeError, r"window_size must be a \(left, right\) pair"),
     (dict(window_size=(1.5, 0)), TypeError, r"pair of ints, got \(1.5, 0\)"),
@@ -144,7 +195,8 @@ def test_varlen_window_and_softcap():
     (dict(softcap=float("inf")), ValueError, r"softcap must be a finite number >= 0.*inf"),
     (dict(softcap=float("nan")), ValueError, r"softcap must be a finite number >= 0.*nan"),
     (dict(softcap=True), TypeError, r"softcap must be a number, got True"),
-], ids=["left-2", "one-side", "float", "causal-ahead", "cap-neg", "cap-inf", "cap-nan",
+], ids=["alibi-fp16", "alibi-shape", "alibi-strided", "sinks-shape", "sinks-int", "sinks-list",
+        "left-2", "one-side", "float", "causal-ahead", "cap-neg", "cap-inf", "cap-nan",
         "cap-bool"])
 def test_bad_values(kwargs, err, match):
     q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32)
@@ -156,7 +208,9 @@ def test_bad_values(kwargs, err, match):
     (dict(window_left=100), "no sliding window yet"),
     (dict(window_right=3), "no sliding window yet"),
     (dict(softcap=30.0), "no softcap yet"),
-], ids=["left", "right", "softcap"])
+    (dict(alibi_slopes=torch.ones(4)), "no ALiBi yet"),
+    (dict(sinks=torch.ones(4)), "no attention sinks yet"),
+], ids=["left", "right", "softcap", "alibi", "sinks"])
 def test_hopper_family_refuses_variants(replace, reason):
     """On an H100 the variants run on the portable kernels, and "auto" says why."""
     problem = dataclasses.replace(_problem(), **replace)
@@ -170,8 +224,75 @@ def test_custom_op_carries_the_variants():
     """The custom ops take the window and softcap (torch.compile path): opcheck, and the
     op's result equals the eager call's."""
     q, k, v = (t.detach() for t in _inputs(1, 2, 1, 40, 56, 16, torch.float32))
-    args = (q, k, v, True, "bottom_right", None, "bhsd", "auto", False, 9, 0, 2.5)
+    args = (q, k, v, True, "bottom_right", None, "bhsd", "auto", False, 9, 0, 2.5, None, None)
     torch.library.opcheck(torch.ops.diyfa.attention_fwd.default, args)
     out, _ = torch.ops.diyfa.attention_fwd(*args)
     eager = diyfa.flash_attention(q, k, v, causal=True, window_size=(9, 0), softcap=2.5)
     assert torch.equal(out, eager)
+
+
+def test_compiled_alibi_and_sinks_match_eager():
+    """Under torch.compile (the custom ops): ALiBi and sinks reach the kernels, opcheck
+    passes with both, and the outputs and every gradient (the sinks' too) equal eager's."""
+    q, k, v = (t.detach() for t in _inputs(1, 4, 2, 33, 40, 16, torch.float32))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE)
+    sinks = torch.tensor([0.3, -0.2, 1.0, 0.0], device=DEVICE)
+    args = (q, k, v, True, "bottom_right", None, "bhsd", "auto", False, -1, 0, 0.0, slopes,
+            sinks)  # fmt: skip
+    torch.library.opcheck(torch.ops.diyfa.attention_fwd.default, args)
+
+    def f(q, k, v, sinks):
+        return diyfa.flash_attention(q, k, v, causal=True, alibi_slopes=slopes,
+                                     sinks=sinks).square().sum()  # fmt: skip
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    eager = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    f(*eager).backward()
+    for a, b in zip(leaves, eager, strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("shape, dtype, causal, layout", [
+    ((1, 2, 1, 40, 56, 192, 128), torch.bfloat16, True, "bhsd"),  # DeepSeek MLA's 192 / 128
+    ((2, 4, 2, 33, 47, 64, 32), torch.float16, False, "bshd"),
+    ((1, 2, 2, 30, 30, 32, 80), torch.float32, True, "bhsd"),  # a wider value
+], ids=["d192-dv128", "d64-dv32", "d32-dv80"])
+def test_value_head_dim(shape, dtype, causal, layout):
+    """v's head dim differs from q's and k's: output (and dO, dV) have v's; forward and every
+    gradient by the 2x / 3x rule."""
+    b, h, hk, sq, sk, d, dv = shape
+    q, k, _ = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
+    _, _, v = _inputs(b, h, hk, sq, sk, dv, dtype, layout=layout, seed=1)
+    _run_and_check(q, k, v, causal, (-1, -1), 0.0, layout)
+    assert diyfa.flash_attention(q, k, v, causal=causal, layout=layout).shape[-1] == dv
+
+
+def test_value_head_dim_everywhere_else():
+    """A different value dim through packed sequences, the SDPA drop-in (now on the kernel),
+    the custom op (opcheck: the fake output has v's head dim), with bad dims refused, and
+    "auto" says why the Hopper family passes it over."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(30, 2, 48, generator=g).to(DEVICE)
+    k = torch.randn(30, 2, 48, generator=g).to(DEVICE)
+    v = torch.randn(30, 2, 16, generator=g).to(DEVICE)
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32, device=DEVICE)
+    out = diyfa.flash_attention_varlen(q, k, v, cu, cu, 18, 18, causal=True)
+    assert out.shape == (30, 2, 16)
+    for s0, s1 in ((0, 12), (12, 30)):
+        ref = attention_ref(*(t[s0:s1].transpose(0, 1)[None].double() for t in (q, k, v)),
+                            causal=True)  # fmt: skip
+        assert (out[s0:s1].transpose(0, 1)[None].double() - ref).abs().max() < 1e-5
+    q4, k4, v4 = (t[None].transpose(1, 2) for t in (q, k, v))  # (1, heads, seq, dim)
+    sdpa = diyfa.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
+    assert torch.equal(sdpa, diyfa.flash_attention(q4, k4, v4, causal=True))  # no fallback
+    torch.library.opcheck(torch.ops.diyfa.attention_fwd.default,
+                          (q4, k4, v4, False, "bottom_right", None, "bhsd", "auto", False, -1,
+                           -1, 0.0, None, None))  # fmt: skip
+    with pytest.raises(ValueError, match="v's head_dim must be in 1..256, got 300"):
+        diyfa.flash_attention(q4, k4, torch.randn(1, 2, 30, 300))
+    with pytest.raises(ValueError, match="q and k must share head_dim, got q=48, k=16"):
+        diyfa.flash_attention(q4, v4, v4)
+    problem = dataclasses.replace(_problem(), value_dim=64)
+    assert dispatch.select(problem).name == "portable"
+    assert "value head dim (64) other than q's (128)" in dict(dispatch.explain(problem))["hopper"]

@@ -16,18 +16,18 @@ back into the packed tensor.
 
 What diyfa does not implement (yet) is refused with ``NotImplementedError`` naming the
 argument, the value given and what is supported, before any kernel runs or any cache row is
-written, never silently computed differently: attention dropout (``dropout_p`` != 0), ALiBi
-(``alibi_slopes``), ``return_attn_probs=True`` (diyfa never materialises the attention
+written, never silently computed differently: attention dropout (``dropout_p`` != 0),
+``return_attn_probs=True`` (diyfa never materialises the attention
 probabilities; its log-sum-exp comes from ``return_lse=True`` on diyfa's own functions),
-and in ``flash_attn_with_kvcache`` sliding windows, softcap, rotary embedding
+and in ``flash_attn_with_kvcache`` sliding windows, softcap, ALiBi, rotary embedding
 (``rotary_cos`` / ``rotary_sin``), ``cache_batch_idx`` and ``cache_leftpad``;
 ``block_table`` in ``flash_attn_varlen_func`` (paged caches run through
 ``flash_attn_with_kvcache``). Every refusal is a row of ``_UNSUPPORTED`` below: supporting
 an option means deleting its row and passing it on.
 
-Sliding windows (``window_size``) and softcap run in the other four functions with
-flash-attn's conventions: a negative side is unbounded, causal makes the right side 0, a
-softcap <= 0 is off.
+Sliding windows (``window_size``), softcap and ALiBi (``alibi_slopes``, fp32 (nheads,) or
+(batch, nheads)) run in the other four functions with flash-attn's conventions: a negative
+window side is unbounded, causal makes the right side 0, a softcap <= 0 is off.
 
 Importing this module imports neither torch nor a kernel: diyfa's functions load on the
 first call.
@@ -52,7 +52,9 @@ _UNSUPPORTED = {
     "softcap": (lambda c: c == 0.0,
                 "0.0 only in flash_attn_with_kvcache: diyfa's KV-cache path has no softcap "
                 "yet (flash_attn_func and flash_attn_varlen_func have)"),
-    "alibi_slopes": (lambda a: a is None, "None only: diyfa adds no ALiBi bias"),
+    "alibi_slopes": (lambda a: a is None,
+                     "None only in flash_attn_with_kvcache: diyfa's KV-cache path adds no ALiBi "
+                     "bias yet (the other four functions do)"),
     "return_attn_probs": (lambda r: not r,
                           "False only: diyfa never materialises the attention probabilities; "
                           "for the softmax log-sum-exp call {lse}"),
@@ -111,11 +113,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     q. Runs ``diyfa.flash_attention(..., layout="bshd")``: differentiable, causal aligned
     bottom-right. Refused options: see the module docstring."""
     _refuse_unsupported("flash_attn_func", _DENSE_LSE, dropout_p=dropout_p,
-                        alibi_slopes=alibi_slopes,
                         return_attn_probs=return_attn_probs)  # fmt: skip
     return diyfa.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                  layout="bshd", deterministic=deterministic,
-                                 **_variants(window_size, softcap, causal))  # fmt: skip
+                                 **_variants(window_size, softcap, causal),
+                                 alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -125,12 +127,12 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     Returns out (batch, seqlen, nheads, headdim); gradients flow into qkv (q, k, v are
     views of it, not copies)."""
     _refuse_unsupported("flash_attn_qkvpacked_func", _DENSE_LSE, dropout_p=dropout_p,
-                        alibi_slopes=alibi_slopes,
                         return_attn_probs=return_attn_probs)  # fmt: skip
     return diyfa.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal,
                                  softmax_scale=softmax_scale, layout="bshd",
                                  deterministic=deterministic,
-                                 **_variants(window_size, softcap, causal))  # fmt: skip
+                                 **_variants(window_size, softcap, causal),
+                                 alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -140,12 +142,12 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     (batch, seqlen_k, 2, nheads_k, headdim). Returns out shaped like q; gradients flow into
     q and kv (k, v are views of kv)."""
     _refuse_unsupported("flash_attn_kvpacked_func", _DENSE_LSE, dropout_p=dropout_p,
-                        alibi_slopes=alibi_slopes,
                         return_attn_probs=return_attn_probs)  # fmt: skip
     return diyfa.flash_attention(q, kv[:, :, 0], kv[:, :, 1], causal=causal,
                                  softmax_scale=softmax_scale, layout="bshd",
                                  deterministic=deterministic,
-                                 **_variants(window_size, softcap, causal))  # fmt: skip
+                                 **_variants(window_size, softcap, causal),
+                                 alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -158,13 +160,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     lengths (batch + 1,) starting at 0. Returns out (total_q, nheads, headdim);
     differentiable; causal aligned bottom-right per sequence."""
     _refuse_unsupported("flash_attn_varlen_func", _VARLEN_LSE, dropout_p=dropout_p,
-                        alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs,
-                        block_table=block_table)
+                        return_attn_probs=return_attn_probs, block_table=block_table)
     return diyfa.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, causal=causal,
                                         softmax_scale=softmax_scale,
                                         deterministic=deterministic,
-                                        **_variants(window_size, softcap, causal))  # fmt: skip
+                                        **_variants(window_size, softcap, causal),
+                                        alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,

@@ -53,6 +53,8 @@ def attention_ref(
     compute_dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """softmax(Q K^T * scale + mask) V computed in ``compute_dtype``.
 
@@ -63,6 +65,9 @@ def attention_ref(
     K/V may have fewer heads than Q (GQA/MQA) if they divide Q's. Returns the output in
     ``compute_dtype`` and layout ``layout``, plus the natural-log LSE (batch, heads, seqlen_q)
     if ``return_lse``. ``softcap`` > 0: scores become softcap * tanh(scores / softcap).
+    ``alibi_slopes`` ((heads,) or (batch, heads)): scores get -slope * |i + sk - sq - j|
+    (bottom-right, after the softcap). ``sinks`` ((heads,)): one more logit per row in the
+    softmax's denominator, with no value (its LSE includes it).
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -81,12 +86,23 @@ def attention_ref(
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
+    if alibi_slopes is not None:
+        sq, sk = q.shape[2], k.shape[2]
+        dist = (torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+                - torch.arange(sk, device=q.device)[None, :]).abs().to(s.dtype)
+        slopes = alibi_slopes.to(s.dtype)
+        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        s = s - slopes * dist
     keep = attention_mask(
         q.shape[2], k.shape[2], causal=causal, window=window, align=align, device=q.device
     )
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    if sinks is not None:  # one more column in the softmax, without a value
+        sink_col = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([s, sink_col], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
     # Rows that see no key: lse = -inf; exp(s - lse) would be NaN, the answer is 0.
     p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
     out = torch.matmul(p, v)

@@ -57,6 +57,8 @@ def flash_attention(
     deterministic: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """FlashAttention: softmax(q k^T * softmax_scale [+ causal mask]) v, differentiable.
 
@@ -87,19 +89,25 @@ def flash_attention(
             window are skipped: the cost grows with the window, not the sequence.
         softcap: > 0 caps the scores: softcap * tanh(scores / softcap) before the softmax
             (Gemma 2), gradients through the tanh; 0 (default) is off.
-        Windows and softcap run on the portable kernels for now (the Hopper family refuses
-        them, and "auto" says so).
+        alibi_slopes: fp32 (heads,) or (batch, heads): ALiBi, scores get
+            -slope * |i + sk - sq - j| (BLOOM, MPT); not differentiated.
+        sinks: (heads,) logits (fp16/bf16/fp32) that join every row's softmax denominator
+            with no value (gpt-oss's attention sinks); differentiable.
+        Windows, softcap, ALiBi and sinks run on the portable kernels for now (the Hopper
+        family refuses them, and "auto" says so).
     """
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         wl, wr = window_size
         out, lse2 = torch.ops.diyfa.attention_fwd(q, k, v, causal, "bottom_right", softmax_scale,
                                                   layout, backend, deterministic, wl, wr,
-                                                  float(softcap))  # fmt: skip
+                                                  float(softcap), alibi_slopes,
+                                                  sinks)  # fmt: skip
     else:
         problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                layout=layout, align="bottom_right",
                                deterministic=deterministic, window_size=window_size,
-                               softcap=softcap)  # fmt: skip
+                               softcap=softcap, alibi_slopes=alibi_slopes,
+                               sinks=sinks)  # fmt: skip
         out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
 
@@ -120,6 +128,8 @@ def flash_attention_varlen(
     deterministic: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """FlashAttention over packed sequences of different lengths (no padding), differentiable.
 
@@ -134,7 +144,8 @@ def flash_attention_varlen(
         softmax_scale, backend: as for :func:`flash_attention` (the Hopper family takes no
             packed sequences yet: "auto" runs the portable kernels).
         return_lse: also return the natural-log LSE, (heads, total_q) fp32.
-        deterministic, window_size, softcap: as for :func:`flash_attention` (per sequence;
+        deterministic, window_size, softcap, alibi_slopes, sinks: as for
+            :func:`flash_attention` (per sequence; alibi_slopes (batch, heads) per sequence;
             the portable kernels that run packed sequences are deterministic either way).
 
     The lengths are read to the host and checked against the tensors before any kernel runs
@@ -144,12 +155,13 @@ def flash_attention_varlen(
         wl, wr = window_size
         out, lse2 = torch.ops.diyfa.attention_varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-            softmax_scale, backend, deterministic, wl, wr, float(softcap))
+            softmax_scale, backend, deterministic, wl, wr, float(softcap), alibi_slopes, sinks)
     else:
         problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                       deterministic=deterministic, window_size=window_size,
-                                      softcap=softcap)  # fmt: skip
+                                      softcap=softcap, alibi_slopes=alibi_slopes,
+                                      sinks=sinks)  # fmt: skip
         out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out
 
@@ -227,7 +239,7 @@ def scaled_dot_product_attention(
 
     Runs the diyfa kernel when it can (backend "auto"); falls back to PyTorch's SDPA, with
     one logged warning per reason, for what the kernel does not do: ``attn_mask``,
-    ``dropout_p > 0``, inputs that are not 4-D, different q/k and v head dims, head_dim > 256,
+    ``dropout_p > 0``, inputs that are not 4-D, different q and k head dims, head_dim > 256,
     and devices other than CUDA. ``is_causal`` follows PyTorch: top-left aligned when
     seqlen_q != seqlen_k.
     """
@@ -241,8 +253,9 @@ def scaled_dot_product_attention(
     if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in args):
         return _fallback("only 4-D (batch, heads, seqlen, dim) inputs run on the kernel",
                          *args, **kwargs)  # fmt: skip
-    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] > 256:
-        return _fallback("head dims differ or exceed 256", *args, **kwargs)
+    if query.shape[-1] != key.shape[-1] or max(query.shape[-1], value.shape[-1]) > 256:
+        return _fallback("query and key head dims differ, or a head dim exceeds 256", *args,
+                         **kwargs)  # fmt: skip
     if any(t.dtype not in SUPPORTED_DTYPES for t in args):
         return _fallback("only float16, bfloat16 and float32 run on the kernel", *args, **kwargs)
     if scale is not None and scale < 0:
@@ -257,7 +270,7 @@ def scaled_dot_product_attention(
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         out, _ = torch.ops.diyfa.attention_fwd(query, key, value, bool(is_causal), "top_left",
                                                scale, "bhsd", "auto", False, -1, -1,
-                                               0.0)  # fmt: skip
+                                               0.0, None, None)  # fmt: skip
         return out
     problem = check_inputs(query, key, value, causal=bool(is_causal), softmax_scale=scale,
                            layout="bhsd", align="top_left")  # fmt: skip

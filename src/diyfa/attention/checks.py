@@ -59,8 +59,32 @@ def check_variants(window_size, softcap, causal) -> tuple[int, int, float]:
     return left, (0 if causal else right), float(softcap)
 
 
+def check_bias_tensors(alibi_slopes, sinks, batch: int, heads: int, device) -> None:
+    """ALiBi slopes: fp32, (heads,) or (batch, heads), contiguous, on the inputs' device.
+    Sinks: fp16/bf16/fp32 logits, (heads,), contiguous, on the inputs' device."""
+    for name, t, shapes, dtypes in (
+        ("alibi_slopes", alibi_slopes, ((heads,), (batch, heads)), (torch.float32,)),
+        ("sinks", sinks, ((heads,),), (torch.float16, torch.bfloat16, torch.float32)),
+    ):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name}.dtype is {t.dtype}; accepted: "
+                            + ", ".join(str(d).removeprefix("torch.") for d in dtypes))
+        if tuple(t.shape) not in shapes:
+            raise ValueError(f"{name} must have shape " + " or ".join(str(s) for s in shapes)
+                             + f" (heads={heads}, batch={batch}), got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the inputs on {device}: one device")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
 def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
-                 deterministic=False, window_size=(-1, -1), softcap=0.0) -> Problem:
+                 deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                 sinks=None) -> Problem:
     """Check q, k, v and the options; return the call's :class:`Problem`.
 
     ``layout`` is "bhsd" or "bshd"; ``align`` ("bottom_right" or "top_left") is chosen by
@@ -106,13 +130,12 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
             f"k and v must have the same heads and seqlen, got k (heads={hk}, seqlen={sk}) "
             f"and v (heads={hv}, seqlen={sv})"
         )
-    if not (d == dk == dv):
-        raise ValueError(
-            f"q, k, v must share head_dim, got q={d}, k={dk}, v={dv} (a different value dim "
-            "is not supported by the kernel)"
-        )
+    if d != dk:
+        raise ValueError(f"q and k must share head_dim, got q={d}, k={dk}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
+    if not 1 <= dv <= MAX_HEAD_DIM:
+        raise ValueError(f"v's head_dim must be in 1..{MAX_HEAD_DIM}, got {dv}")
     if hk == 0 or h % hk:
         raise ValueError(
             f"q heads ({h}) must be a multiple of k/v heads ({hk}) for GQA/MQA"
@@ -122,6 +145,7 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     window_left, window_right, softcap = check_variants(window_size, softcap, causal)
+    check_bias_tensors(alibi_slopes, sinks, q.shape[0], bhsd_shape(q, layout)[1], q.device)
     scale = _resolved_scale(softmax_scale, d)
     device = q.device
     # Fake tensors (torch.compile's tracing, ops.py) have no storage: alignment unknown.
@@ -131,7 +155,8 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                    bhsd_strides(q, layout), bhsd_strides(k, layout), bhsd_strides(v, layout),
                    device_capability(device), aligned16, None, None, 0,
                    deterministic or torch.are_deterministic_algorithms_enabled(), window_left,
-                   window_right, softcap)  # fmt: skip
+                   window_right, softcap, alibi_slopes, sinks,
+                   0 if dv == d else dv)  # fmt: skip
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
@@ -170,7 +195,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         causal, softmax_scale, deterministic=False, window_size=(-1, -1),
-                        softcap=0.0, fake=False) -> Problem:
+                        softcap=0.0, fake=False, alibi_slopes=None, sinks=None) -> Problem:
     """Check packed (total, heads, head_dim) q, k, v and their cumulative lengths; return the
     call's :class:`Problem` (``cu_seqlens_*`` set; seqlen_q / seqlen_k the longest
     sequences; causal is bottom-right per sequence). The tensor checks are check_inputs's
@@ -193,6 +218,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if batch != batch_k:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {batch} and {batch_k}")  # fmt: skip
+    check_bias_tensors(alibi_slopes, sinks, batch, q.shape[1], q.device)
 
     def packed(t):  # (total, heads, dim): sequences are row ranges, the batch stride unused
         return (0, t.stride(1), t.stride(0), t.stride(2))
@@ -200,7 +226,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return dataclasses.replace(
         one, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, q_strides=packed(q),
         k_strides=packed(k), v_strides=packed(v), cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, total_q=q.shape[0])  # fmt: skip
+        cu_seqlens_k=cu_seqlens_k, total_q=q.shape[0], alibi_slopes=alibi_slopes,
+        sinks=sinks)  # fmt: skip
 
 
 def _check_int32_tensor(name: str, t, dims: int, device) -> None:

@@ -2,7 +2,8 @@
 
 :func:`run` gives (out, lse2) for a checked problem. It builds an autograd node only when a
 gradient is wanted; inference calls the family's forward directly (about 10 us of host time
-less per call).
+less per call). Attention sinks (``problem.sinks``) are an input of the node, so their
+gradient flows too: :func:`sink_grad`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,29 @@ import torch
 from diyfa.attention.dispatch import Family
 from diyfa.attention.problem import Problem
 
+LOG2E = 1.4426950408889634
+
+
+def sink_grad(do, out, lse2, problem: Problem) -> torch.Tensor:
+    """dL/dsinks, (heads,), in the sinks' dtype. A sink s_h joins row i's softmax with
+    probability P_i = exp(s_h - lse_i) and no value, so dL/ds_h = -sum_i P_i * delta_i with
+    delta_i = rowsum(dO_i * O_i) (the backward's delta), over every row of head h."""
+    if problem.cu_seqlens_q is not None:  # packed: (total, heads, d); lse2 (heads, total)
+        delta = (do.float() * out.float()).sum(-1).transpose(0, 1)
+        sink2 = problem.sinks.float()[:, None] * LOG2E
+        dims = (1,)
+    else:
+        dims = (0, 2)
+        delta = (do.float() * out.float()).sum(-1)
+        if problem.layout == "bshd":
+            delta = delta.transpose(1, 2)
+        sink2 = problem.sinks.float()[None, :, None] * LOG2E
+    return -(torch.exp2(sink2 - lse2) * delta).sum(dims).to(problem.sinks.dtype)
+
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem, family: Family):
+    def forward(ctx, q, k, v, sinks, problem: Problem, family: Family):
         out, lse2 = family.forward(q, k, v, problem)
         ctx.set_materialize_grads(False)  # no zeros tensor (one more launch) for lse2's grad
         ctx.save_for_backward(q, k, v, out, lse2)
@@ -28,12 +48,15 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse2):
         q, k, v, out, lse2 = ctx.saved_tensors
         dq, dk, dv = ctx.family.backward(do, q, k, v, out, lse2, ctx.problem)
-        return dq, dk, dv, None, None
+        dsinks = sink_grad(do, out, lse2, ctx.problem) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None
 
 
 def run(q, k, v, problem: Problem, family: Family):
     """(out, lse2) of checked inputs, through autograd only when a gradient is wanted."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttention.apply(q, k, v, problem, family)
+    sinks = problem.sinks
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        return _FlashAttention.apply(q, k, v, sinks, problem, family)
     # Inference: no autograd node to build.
     return family.forward(q, k, v, problem)

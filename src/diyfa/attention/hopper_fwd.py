@@ -479,6 +479,12 @@ def supports(p: Problem) -> str | None:
         return "it takes no sliding window yet"
     if p.softcap > 0:
         return "it takes no softcap yet"
+    if p.alibi_slopes is not None:
+        return "it takes no ALiBi yet"
+    if p.head_dim_v != p.head_dim:
+        return f"it takes no value head dim ({p.head_dim_v}) other than q's ({p.head_dim}) yet"
+    if p.sinks is not None:
+        return "it takes no attention sinks yet"
     if not p.aligned16:
         return "q, k and v must start on 16-byte boundaries (TMA)"
     es = p.dtype.itemsize

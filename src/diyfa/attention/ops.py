@@ -1,9 +1,10 @@
 """Attention as PyTorch custom operators, for ``torch.compile`` (and anything else that traces).
 
 ``torch.ops.diyfa.attention_fwd(q, k, v, causal, align, softmax_scale, layout, backend,
-    deterministic, window_left, window_right, softcap)`` -> (out, lse2), lse2 the base-2
-    log-sum-exp (batch, heads, seqlen_q) fp32;
-``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, <the same options>)`` -> (dq, dk, dv);
+    deterministic, window_left, window_right, softcap, alibi_slopes, sinks)`` -> (out, lse2),
+    lse2 the base-2 log-sum-exp (batch, heads, seqlen_q) fp32;
+``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, <the same options>)`` -> (dq, dk, dv,
+    dsinks) (dsinks empty without sinks);
 ``torch.ops.diyfa.attention_varlen_fwd`` / ``attention_varlen_bwd``: the same for packed
 sequences (cumulative lengths and max lengths after q, k, v);
 ``torch.ops.diyfa.attention_kvcache``: the KV-cache call, declaring k_cache and v_cache
@@ -32,31 +33,43 @@ from diyfa.attention.problem import bhsd_shape
 
 
 def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, window_left,
-             window_right, softcap, fake=False):
+             window_right, softcap, alibi_slopes, sinks, fake=False):
     return check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                         align=align, fake=fake, deterministic=deterministic,
-                        window_size=(window_left, window_right), softcap=softcap)  # fmt: skip
+                        window_size=(window_left, window_right), softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+
+
+def _sink_grad(do, out, lse2, problem):
+    from diyfa.attention.function import sink_grad
+
+    if problem.sinks is None:
+        return do.new_empty((0,), dtype=torch.float32)
+    return sink_grad(do, out, lse2, problem)
 
 
 @torch.library.custom_op("diyfa::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, align: str,
                   softmax_scale: Optional[float], layout: str,  # noqa: UP045 (schema parser)
                   backend: str, deterministic: bool, window_left: int, window_right: int,
-                  softcap: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  softcap: float, alibi_slopes: Optional[torch.Tensor],  # noqa: UP045
+                  sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
-                       window_left, window_right, softcap)
+                       window_left, window_right, softcap, alibi_slopes, sinks)
     return select(problem, backend).forward(q, k, v, problem)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, causal, align, softmax_scale, layout, backend, deterministic,
-                        window_left, window_right, softcap):  # fmt: skip
+                        window_left, window_right, softcap, alibi_slopes, sinks):  # fmt: skip
     # The eager errors, now.
     _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, window_left,
-             window_right, softcap, fake=True)
+             window_right, softcap, alibi_slopes, sinks, fake=True)
     b, h, sq, _ = bhsd_shape(q, layout)
-    # The families return a contiguous output in the call's layout, i.e. of q's shape.
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # The families return a contiguous output in the call's layout: q's shape with v's head
+    # dim.
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     return out, torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
 
 
@@ -65,18 +78,23 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   out: torch.Tensor, lse2: torch.Tensor, causal: bool, align: str,
                   softmax_scale: Optional[float], layout: str,  # noqa: UP045 (schema parser)
                   backend: str, deterministic: bool, window_left: int, window_right: int,
-                  softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                  softcap: float, alibi_slopes: Optional[torch.Tensor],  # noqa: UP045
+                  sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
-                       window_left, window_right, softcap)
-    return select(problem, backend).backward(do, q, k, v, out, lse2, problem)
+                       window_left, window_right, softcap, alibi_slopes, sinks)
+    dq, dk, dv = select(problem, backend).backward(do, q, k, v, out, lse2, problem)
+    return dq, dk, dv, _sink_grad(do, out, lse2, problem)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, out, lse2, causal, align, softmax_scale, layout,
-                        backend, deterministic, window_left, window_right,
-                        softcap):  # fmt: skip
+                        backend, deterministic, window_left, window_right, softcap,
+                        alibi_slopes, sinks):  # fmt: skip
     # The families allocate gradients with empty_like (the inputs' strides).
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsinks = (torch.empty((0,), dtype=torch.float32, device=q.device) if sinks is None
+              else torch.empty_like(sinks))  # fmt: skip
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_context(ctx, inputs, output):
@@ -89,8 +107,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse2):
     q, k, v, out, lse2 = ctx.saved_tensors
-    dq, dk, dv = torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, *ctx.options)
-    return (dq, dk, dv) + (None,) * len(ctx.options)
+    dq, dk, dv, dsinks = torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, *ctx.options)
+    # The options end with (alibi_slopes, sinks): sinks get their gradient.
+    grads = (None,) * (len(ctx.options) - 1)
+    return (dq, dk, dv) + grads + (dsinks if ctx.options[-1] is not None else None,)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -98,11 +118,11 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # ------------------------------------------------------------------------ packed sequences
 def _varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, deterministic,
-                    window_left, window_right, softcap, fake=False):
+                    window_left, window_right, softcap, alibi_slopes, sinks, fake=False):
     return check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                softmax_scale=softmax_scale, deterministic=deterministic,
                                window_size=(window_left, window_right), softcap=softcap,
-                               fake=fake)  # fmt: skip
+                               fake=fake, alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
 
 
 @torch.library.custom_op("diyfa::attention_varlen_fwd", mutates_args=())
@@ -111,25 +131,27 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                          softmax_scale: Optional[float],  # noqa: UP045 (schema parser)
                          backend: str, deterministic: bool, window_left: int,
-                         window_right: int,
-                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                         window_right: int, softcap: float,
+                         alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                         sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``flash_attention_varlen`` -> (out (total_q, heads, d), lse2 (heads, total_q))."""
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, softmax_scale, deterministic, window_left, window_right,
-                              softcap)  # fmt: skip
+                              softcap, alibi_slopes, sinks)  # fmt: skip
     return select(problem, backend).forward(q, k, v, problem)
 
 
 @attention_varlen_fwd.register_fake
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal, softmax_scale, backend, deterministic, window_left,
-                               window_right, softcap):  # fmt: skip
+                               window_right, softcap, alibi_slopes, sinks):  # fmt: skip
     # Every check that needs no values of the lengths (those are read when it runs).
     _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                     softmax_scale, deterministic, window_left, window_right, softcap,
-                    fake=True)  # fmt: skip
-    total, h, d = q.shape
-    return (torch.empty((total, h, d), dtype=q.dtype, device=q.device),
+                    alibi_slopes, sinks, fake=True)  # fmt: skip
+    total, h, _ = q.shape
+    return (torch.empty((total, h, v.shape[-1]), dtype=q.dtype, device=q.device),
             torch.empty((h, total), dtype=torch.float32, device=q.device))  # fmt: skip
 
 
@@ -141,16 +163,23 @@ def attention_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          softmax_scale: Optional[float],  # noqa: UP045 (schema parser)
                          backend: str, deterministic: bool, window_left: int,
                          window_right: int, softcap: float,
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                         alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                         sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor]:  # fmt: skip
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, softmax_scale, deterministic, window_left, window_right,
-                              softcap)  # fmt: skip
-    return select(problem, backend).backward(do, q, k, v, out, lse2, problem)
+                              softcap, alibi_slopes, sinks)  # fmt: skip
+    dq, dk, dv = select(problem, backend).backward(do, q, k, v, out, lse2, problem)
+    return dq, dk, dv, _sink_grad(do, out, lse2, problem)
 
 
 @attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(do, q, k, v, *options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    sinks = options[-1]
+    dsinks = (torch.empty((0,), dtype=torch.float32, device=q.device) if sinks is None
+              else torch.empty_like(sinks))  # fmt: skip
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -163,9 +192,11 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, do, _dlse2):
     q, k, v, out, lse2, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.diyfa.attention_varlen_bwd(do, q, k, v, out, lse2, cu_q, cu_k,
-                                                      *ctx.options)  # fmt: skip
-    return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
+    dq, dk, dv, dsinks = torch.ops.diyfa.attention_varlen_bwd(do, q, k, v, out, lse2, cu_q,
+                                                              cu_k, *ctx.options)  # fmt: skip
+    grads = (None,) * (len(ctx.options) - 1)
+    return (dq, dk, dv, None, None) + grads + (
+        dsinks if ctx.options[-1] is not None else None,)
 
 
 attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -131,6 +131,21 @@ def _tanh(x):
 
 
 @triton.jit
+def _alibi(offs_q, offs_k, slope2, alibi_offset):
+    """ALiBi's bias in base 2, to subtract: slope * log2(e) * |i + sk - sq - j|."""
+    return slope2 * tl.abs(offs_q + alibi_offset - offs_k).to(tl.float32)
+
+
+@triton.jit
+def _slope(SLOPES, stride_slopes_b, off_b, off_h, ALIBI: tl.constexpr):
+    """The ALiBi slope of (sequence, query head) times log2(e); 0 without ALiBi."""
+    if ALIBI:
+        return tl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
+    else:
+        return 0.0
+
+
+@triton.jit
 def _sequence(off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN: tl.constexpr):
     """(first query row, first key row, seqlen_q, seqlen_k, causal offset) of sequence
     ``off_b``. Varlen: packed sequences, row ranges [CU[b], CU[b + 1]), causal bottom-right
@@ -180,13 +195,17 @@ def _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN: tl.const
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-               tanh_scale,
+               tanh_scale, slope2, alibi_offset,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-               MASKED: tl.constexpr, PRECISION: tl.constexpr):
+               ALIBI: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax over the K/V blocks [lo, hi). SOFTCAP: the raw scores become
-    tanh(q.k * tanh_scale) (qk_scale then carries softcap * log2(e))."""
+    tanh(q.k * tanh_scale) (qk_scale then carries softcap * log2(e)). ALIBI: the scores are
+    scaled here and get -slope2 * |i + alibi_offset - j| (base 2)."""
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # the value / output head dim
+    dv_ok = offs_dv < HEAD_DIM_V
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_2d(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
@@ -194,22 +213,28 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         qk = tl.dot(q, kt, input_precision=PRECISION)
         if SOFTCAP:
             qk = _tanh(qk * tanh_scale)
+        if ALIBI:  # base-2 scores from here on: the scale folded in, the bias added
+            qk = qk * qk_scale - _alibi(offs_m[:, None], offs_n[None, :], slope2, alibi_offset)
+            s_scale = 1.0
+        else:
+            s_scale = qk_scale
         if MASKED:
             keep = _visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, causal_offset,
                             left_offset, CAUSAL, WINDOW)
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            qk = tl.where(keep, qk * s_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(qk - m_use[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
             m_use = m_new
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+            p = tl.math.exp2(qk * s_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                     offs_n[:, None] < seqlen_k, d_ok[None, :], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                     offs_n[:, None] < seqlen_k, dv_ok[None, :], MASKED,
+                     HEAD_DIM_V != HEAD_DIM_V_PAD)  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -222,10 +247,12 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               stride_vb, stride_vh, stride_vs, stride_vd,
               stride_ob, stride_oh, stride_os, stride_od,
               heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, total_q, SEQ_BUCKET,
-              window_left, window_right, tanh_scale,
-              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+              window_left, window_right, tanh_scale, SLOPES, stride_slopes_b, SINK_LOGITS,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
               PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
-              SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
                    VARLEN, BLOCK_M))  # fmt: skip
@@ -245,7 +272,13 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    if SINKS:  # the head's sink logit joins every row's denominator (it has no value)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK_LOGITS + off_h).to(
+            tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    slope2 = _slope(SLOPES, stride_slopes_b, off_b, off_h, ALIBI)
+    alibi_offset = causal_offset  # the bias is bottom-right aligned, whatever the band
     causal_offset, left_offset = _band(causal_offset, window_left, window_right)
     lo, full_lo, full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, left_offset,
                                           BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
@@ -253,18 +286,22 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                    stride_vs, stride_vd, offs_m, offs_d, lo, full_lo,
                                    seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                                   tanh_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW,
-                                   SOFTCAP, True, PRECISION)
+                                   tanh_scale, slope2, alibi_offset, BLOCK_N, HEAD_DIM,
+                                   HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW,
+                                   SOFTCAP, ALIBI, True,
+                                   PRECISION)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi,
                                seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                               tanh_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW,
-                               SOFTCAP, False, PRECISION)
+                               tanh_scale, slope2, alibi_offset, BLOCK_N, HEAD_DIM,
+                               HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW, SOFTCAP,
+                               ALIBI, False, PRECISION)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_hi, hi,
                                seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                               tanh_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW,
-                               SOFTCAP, True, PRECISION)
+                               tanh_scale, slope2, alibi_offset, BLOCK_N, HEAD_DIM,
+                               HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW, SOFTCAP,
+                               ALIBI, True, PRECISION)
 
     empty = l_i == 0.0  # rows that saw no key
     l_safe = tl.where(empty, 1.0, l_i)  # (log2 of 0 would be -inf, then replaced anyway)
@@ -273,8 +310,9 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
     row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
     tl.store(LSE + row + offs_m, lse2, mask=m_ok)
     o_base = O + off_b * stride_ob + q_start * stride_os + off_h * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
-             acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od,
+             acc.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,23 +336,30 @@ def _load_row_stats(LSE, DELTA, offs_m, seqlen_q, MASKED: tl.constexpr):
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
                     stride_qs, stride_qd, stride_dos, stride_dod,
                     offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, left_offset,
-                    qk_scale, tanh_scale,
+                    qk_scale, tanh_scale, slope2, alibi_offset,
                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                    MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                    ALIBI: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dK and dV of one K/V block over the Q blocks [lo, hi) of one head."""
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # the value / output head dim
+    dv_ok = offs_dv < HEAD_DIM_V
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qt = _load_2d(q_base + offs_m[None, :] * stride_qs + offs_d[:, None] * stride_qd,
                       offs_m[None, :] < seqlen_q, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
-        do = _load_2d(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
-                      offs_m[:, None] < seqlen_q, d_ok[None, :], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        do = _load_2d(do_base + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod,
+                      offs_m[:, None] < seqlen_q, dv_ok[None, :], MASKED,
+                      HEAD_DIM_V != HEAD_DIM_V_PAD)  # fmt: skip
         lse, delta = _load_row_stats(LSE, DELTA, offs_m, seqlen_q, MASKED)
         qkt = tl.dot(k, qt, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         if SOFTCAP:
             qkt = _tanh(qkt * tanh_scale)
-        pt = tl.math.exp2(qkt * qk_scale - lse[None, :])
+        st = qkt * qk_scale
+        if ALIBI:
+            st = st - _alibi(offs_m[None, :], offs_n[:, None], slope2, alibi_offset)
+        pt = tl.math.exp2(st - lse[None, :])
         if MASKED:
             keep = _visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, causal_offset,
                             left_offset, CAUSAL, WINDOW)
@@ -337,16 +382,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                    stride_dkb, stride_dkh, stride_dks, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
                    heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
-                   total_q, SEQ_BUCKET, window_left, window_right, tanh_scale,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                   total_q, SEQ_BUCKET, window_left, window_right, tanh_scale, SLOPES,
+                   stride_slopes_b, SINK_LOGITS,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                    PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
-                   SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     kv_heads = heads // kv_group
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
     q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
         off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
+    alibi_offset = causal_offset
     causal_offset, left_offset = _band(causal_offset, window_left, window_right)
     start_n = tl.program_id(0) * BLOCK_N
     if VARLEN:
@@ -360,11 +409,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     k = tl.load(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh
                 + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask,
                 other=0.0)  # fmt: skip
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # the value head dim
+    v_mask = n_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     v = tl.load(V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh
-                + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask,
+                + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, mask=v_mask,
                 other=0.0)  # fmt: skip
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
 
     # Q blocks: [lo, mid_lo) causal diagonal (masked), [mid_lo, mid_hi) no mask needed,
     # [mid_hi, end) the ragged tail (masked).
@@ -396,30 +447,34 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
         q_base = Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh
         do_base = DO + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh
         row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
+        slope2 = _slope(SLOPES, stride_slopes_b, off_b, off_h, ALIBI)
         if PRECISION == "ieee":
             dk_g = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-            dv_g = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+            dv_g = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
         else:
             dk_g = dk
             dv_g = dv
         dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, lo, mid_lo, seqlen_q, seqlen_k,
-                                     causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_M,
-                                     HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, True,
-                                     PRECISION)
+                                     causal_offset, left_offset, qk_scale, tanh_scale, slope2,
+                                     alibi_offset, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
+                                     HEAD_DIM_V_PAD, CAUSAL,
+                                     WINDOW, SOFTCAP, ALIBI, True, PRECISION)
         dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, mid_lo, mid_hi, seqlen_q, seqlen_k,
-                                     causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_M,
-                                     HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, False,
-                                     PRECISION)
+                                     causal_offset, left_offset, qk_scale, tanh_scale, slope2,
+                                     alibi_offset, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
+                                     HEAD_DIM_V_PAD, CAUSAL,
+                                     WINDOW, SOFTCAP, ALIBI, False, PRECISION)
         dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, mid_hi, end, seqlen_q, seqlen_k,
-                                     causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_M,
-                                     HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, True,
-                                     PRECISION)
+                                     causal_offset, left_offset, qk_scale, tanh_scale, slope2,
+                                     alibi_offset, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
+                                     HEAD_DIM_V_PAD, CAUSAL,
+                                     WINDOW, SOFTCAP, ALIBI, True, PRECISION)
         if PRECISION == "ieee":
             dk += dk_g
             dv += dv_g
@@ -432,29 +487,36 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
              + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=kv_mask)  # fmt: skip
     tl.store(DV + off_b * stride_dvb + k_start * stride_dvs + off_hk * stride_dvh
-             + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=kv_mask)  # fmt: skip
+             + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=v_mask)  # fmt: skip
 
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
                   stride_vn, stride_vd, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k,
-                  causal_offset, left_offset, qk_scale, tanh_scale,
+                  causal_offset, left_offset, qk_scale, tanh_scale, slope2, alibi_offset,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                  MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                  ALIBI: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dQ of one Q block over the K/V blocks [lo, hi)."""
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # the value / output head dim
+    dv_ok = offs_dv < HEAD_DIM_V
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_2d(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                       offs_n[None, :] < seqlen_k, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
-        vt = _load_2d(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
-                      offs_n[None, :] < seqlen_k, d_ok[:, None], MASKED, HEAD_DIM != HEAD_DIM_PAD)
+        vt = _load_2d(v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                      offs_n[None, :] < seqlen_k, dv_ok[:, None], MASKED,
+                      HEAD_DIM_V != HEAD_DIM_V_PAD)  # fmt: skip
         qk = tl.dot(q, kt, input_precision=PRECISION)
         if SOFTCAP:
             qk = _tanh(qk * tanh_scale)
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        s = qk * qk_scale
+        if ALIBI:
+            s = s - _alibi(offs_m[:, None], offs_n[None, :], slope2, alibi_offset)
+        p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             keep = _visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, causal_offset,
                             left_offset, CAUSAL, WINDOW)
@@ -476,10 +538,13 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                  stride_dob, stride_doh, stride_dos, stride_dod,
                  stride_dqb, stride_dqh, stride_dqs, stride_dqd,
                  heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
-                 total_q, SEQ_BUCKET, window_left, window_right, tanh_scale,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                 total_q, SEQ_BUCKET, window_left, window_right, tanh_scale, SLOPES,
+                 stride_slopes_b, SINK_LOGITS,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                  PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
-                 SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
                    VARLEN, BLOCK_M))  # fmt: skip
@@ -494,11 +559,13 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     q = tl.load(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh
                 + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_mask,
                 other=0.0)  # fmt: skip
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # dO and O have the value head dim
+    o_mask = m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     do = tl.load(DO + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh
-                 + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=q_mask,
+                 + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod, mask=o_mask,
                  other=0.0)  # fmt: skip
     o = tl.load(O + off_b * stride_ob + q_start * stride_os + off_h * stride_oh
-                + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=q_mask,
+                + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od, mask=o_mask,
                 other=0.0)  # fmt: skip
     # delta = rowsum(dO * O): this kernel runs first and leaves it for the dK/dV kernel.
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -510,22 +577,30 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     v_base = V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    slope2 = _slope(SLOPES, stride_slopes_b, off_b, off_h, ALIBI)
+    alibi_offset = causal_offset
     causal_offset, left_offset = _band(causal_offset, window_left, window_right)
     lo, full_lo, full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, left_offset,
                                           BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     if WINDOW:
         dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                            stride_vs, stride_vd, offs_m, offs_d, lo, full_lo, seqlen_q,
-                           seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_N,
-                           HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, True, PRECISION)
+                           seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
+                           alibi_offset, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
+                           HEAD_DIM_V_PAD, CAUSAL, WINDOW,
+                           SOFTCAP, ALIBI, True, PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi, seqlen_q,
-                       seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_N,
-                       HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, False, PRECISION)
+                       seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
+                       alibi_offset, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                       CAUSAL, WINDOW, SOFTCAP,
+                       ALIBI, False, PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, offs_m, offs_d, full_hi, hi, seqlen_q,
-                       seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, BLOCK_N,
-                       HEAD_DIM, HEAD_DIM_PAD, CAUSAL, WINDOW, SOFTCAP, True, PRECISION)
+                       seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
+                       alibi_offset, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                       CAUSAL, WINDOW, SOFTCAP,
+                       ALIBI, True, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
@@ -556,7 +631,8 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
     """
     autotune = tuning.autotune_enabled()
     key = (name, autotune, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"],
-           args["SEQ_BUCKET"], args["VARLEN"], args["WINDOW"], args["SOFTCAP"])  # fmt: skip
+           args["SEQ_BUCKET"], args["VARLEN"], args["WINDOW"], args["SOFTCAP"], args["ALIBI"],
+           args["SINKS"], args["HEAD_DIM_V_PAD"])  # fmt: skip
     pinned = name in tuning._pinned
     choice = None if pinned else _chosen.get(key)
     if choice is None and autotune and not pinned and t.is_cuda:
@@ -610,7 +686,9 @@ def _common(problem: Problem, stats: torch.Tensor) -> dict:
     args = dict(
         heads=p.heads, kv_group=p.kv_group, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
         causal_offset=p.causal_offset, qk_scale=p.softmax_scale * LOG2E, HEAD_DIM=d,
-        HEAD_DIM_PAD=max(16, next_power_of_2(d)), CAUSAL=p.causal or p.window_right >= 0,
+        HEAD_DIM_PAD=max(16, next_power_of_2(d)), HEAD_DIM_V=p.head_dim_v,
+        HEAD_DIM_V_PAD=max(16, next_power_of_2(p.head_dim_v)),
+        CAUSAL=p.causal or p.window_right >= 0,
         PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
         CU_Q=p.cu_seqlens_q if varlen else stats, CU_K=p.cu_seqlens_k if varlen else stats,
         total_q=p.total_q, VARLEN=varlen,
@@ -619,6 +697,13 @@ def _common(problem: Problem, stats: torch.Tensor) -> dict:
         WINDOW=p.window_left >= 0,
         # Softcap: scores softcap * tanh(q.k * scale / softcap); qk_scale carries the softcap.
         SOFTCAP=p.softcap > 0, tanh_scale=p.softmax_scale / p.softcap if p.softcap > 0 else 1.0,
+        # ALiBi slopes ((heads,) or (batch, heads) fp32) and attention sinks ((heads,)); the
+        # LSE stands in for an absent tensor (never read).
+        ALIBI=p.alibi_slopes is not None,
+        SLOPES=p.alibi_slopes if p.alibi_slopes is not None else stats,
+        stride_slopes_b=(p.alibi_slopes.stride(0) if p.alibi_slopes is not None
+                         and p.alibi_slopes.dim() == 2 else 0),
+        SINKS=p.sinks is not None, SINK_LOGITS=p.sinks if p.sinks is not None else stats,
     )  # fmt: skip
     if p.softcap > 0:
         args["qk_scale"] = p.softcap * LOG2E
@@ -637,9 +722,9 @@ def _outputs(q, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty (out, lse2): (batch, heads, seqlen_q) LSE, or (heads, total_q) when packed."""
     p = problem
     if p.cu_seqlens_q is not None:
-        out = torch.empty((p.total_q, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty((p.total_q, p.heads, p.head_dim_v), dtype=q.dtype, device=q.device)
         return out, torch.empty((p.heads, p.total_q), dtype=torch.float32, device=q.device)
-    out = _empty(p.batch, p.heads, p.seqlen_q, p.head_dim, p.layout, q)
+    out = _empty(p.batch, p.heads, p.seqlen_q, p.head_dim_v, p.layout, q)
     return out, torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32,
                             device=q.device)  # fmt: skip
 

@@ -68,6 +68,17 @@ class Problem:
     window_left: int = -1
     window_right: int = -1
     softcap: float = 0.0
+    # ALiBi: fp32 slopes, (heads,) or (batch, heads): scores get -slope * |i + sk - sq - j|.
+    # Attention sinks: (heads,) logits that join each row's softmax denominator (no value).
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    # v's head dim when it differs from q's and k's (DeepSeek's MLA: 192 / 128); 0: the same.
+    value_dim: int = 0
+
+    @property
+    def head_dim_v(self) -> int:
+        """The head dim of v, the output, dO and dV."""
+        return self.value_dim or self.head_dim
 
     @property
     def kv_group(self) -> int:
