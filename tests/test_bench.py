@@ -296,19 +296,15 @@ def test_cli_bench_without_gpu_runs_the_smoke_suite(tmp_path, capsys):
     assert all(x["suite"] == "smoke" for x in lines[1:]) and len(lines) > 1
 
 
-def test_cli_tune_and_profile_without_gpu_or_ncu(capsys, monkeypatch):
-    import shutil
-
+def test_cli_tune_without_gpu_prints_the_arithmetic_then_one_error_line(capsys):
     from diyfa.cli import main
 
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert main(["profile", "--backward"]) == 0
-    text = capsys.readouterr().out
-    assert "ncu (Nsight Compute) is not on PATH" in text and "regex:_attn_bwd" in text
     if not torch.cuda.is_available():
-        assert main(["tune"]) == 0
-        text = capsys.readouterr().out
-        assert "49,152" in text and "No CUDA GPU" in text and "blocks/SM" in text
+        assert main(["tune"]) == 1
+        out, err = capsys.readouterr()
+        assert "49,152" in out and "blocks/SM" in out
+        assert err.startswith("diyfa: error: the block-size sweep needs a CUDA GPU")
+        assert err.count("\n") == 1
     assert main(["bench", "flash", "--list"]) == 0
     assert "fa-sweep" in capsys.readouterr().out
 
@@ -322,7 +318,7 @@ def test_block_size_example_main_runs(capsys):
     spec = importlib.util.spec_from_file_location("block_size_experiment", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--quick"]) == 0
+    assert module.main(["--quick"]) == 1  # the arithmetic, then: the sweep needs a GPU
     assert "4 blocks per SM" in capsys.readouterr().out
 
 
@@ -421,3 +417,246 @@ def test_varlen_suite_lengths_and_measurement_on_the_interpreter():
         assert rec["error"]["status"] == "ok" and rec["error"]["out_max_abs"] < 2e-3
     assert by[("diyfa", "bwd")]["error"]["grad_max_abs"] < 5e-3
     assert by[("sdpa-cudnn-padded", "fwd")]["status"] == "unsupported"  # no CUDA here
+
+
+# ------------------------------------------------------------------------------ resilience
+def test_oom_errors_and_missing_providers_become_rows_and_the_run_goes_on(scratch_provider):
+    def oom(case, q, k, v):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+                                     "GPU 0 has a total capacity of 139 GiB")  # fmt: skip
+
+    def boom(case, q, k, v):
+        raise RuntimeError("first line\n  second line")
+
+    def bad_check(case):
+        raise ValueError("the check itself failed")
+
+    scratch_provider("t-oom", oom)
+    scratch_provider("t-boom", boom)
+    scratch_provider("t-absent", lambda case, q, k, v: q, requires=("no_such_module_zz",))
+    scratch_provider("t-badcheck", lambda case, q, k, v: q, check=bad_check)
+    names = ("t-oom", "t-boom", "t-absent", "t-badcheck", "t-never-registered", "sdpa-math")
+    recs = harness.run([suites.Plan("t", "flash", (TINY,), ("fwd",), names)], _harness())
+    by = {r["provider"]: r for r in recs}
+    assert [r["status"] for r in recs] == ["oom", "error", "unavailable", "error",
+                                           "unavailable", "ok"]  # fmt: skip
+    assert by["t-oom"]["reason"] == ("OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                                     "2.00 GiB. GPU 0 has a total capacity of 139 GiB")
+    assert by["t-boom"]["reason"] == "RuntimeError: first line second line"
+    assert "no_such_module_zz" in by["t-absent"]["reason"]
+    assert by["t-badcheck"]["reason"] == "ValueError: the check itself failed"
+    assert "'t-never-registered' is registered" in by["t-never-registered"]["reason"]
+    assert by["t-never-registered"]["baseline"] is False
+    assert all("\n" not in r["reason"] for r in recs)
+    assert harness._classify(MemoryError(), [])[0] == "oom"
+    assert harness._classify(RuntimeError("DefaultCPUAllocator: can't allocate memory"),
+                             [])[0] == "oom"  # fmt: skip
+
+
+# -------------------------------------------------------------------------------- progress
+class _Terminal:
+    """A stream that says it is a terminal (rich draws a live bar on it)."""
+
+    def __init__(self):
+        import io
+
+        self.buf = io.StringIO()
+
+    def write(self, text):
+        return self.buf.write(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+    def fileno(self):
+        raise OSError("not a real terminal")
+
+    def getvalue(self):
+        return self.buf.getvalue()
+
+
+def test_progress_bar_shows_count_item_and_eta():
+    from rich.console import Console
+
+    from diyfa.bench import progress
+
+    stream = _Terminal()
+    console = Console(file=stream, force_terminal=True, width=160)
+    with progress.Bar(3, "measurements", console=console) as bar:
+        for item in ("first case", "second case", "third case"):
+            bar.show(item)
+            bar.advance()
+    text = stream.getvalue()
+    assert "3/3" in text and "measurements" in text and "ETA" in text and "third case" in text
+    with progress.Bar(3, "measurements", enabled=False) as bar:  # a no-op, same calls
+        bar.show("x")
+        bar.advance()
+
+
+def test_progress_only_on_terminals(monkeypatch):
+    import io
+    import sys
+
+    from diyfa.bench import progress
+
+    monkeypatch.setattr(sys, "stdout", _Terminal())
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert progress.wanted() and not progress.wanted(no_progress=True)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # piped or redirected output
+    assert not progress.wanted()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run")
+def test_cli_bench_draws_its_bar_on_stderr_of_a_terminal(tmp_path, monkeypatch):
+    import sys
+
+    from diyfa.cli import main
+
+    out, err = _Terminal(), _Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("COLUMNS", "160")  # room for the whole label
+    args = ["bench", "flash", "--providers", "sdpa-math", "--modes", "fwd", "--out",
+            str(tmp_path / "r.jsonl")]  # fmt: skip
+    assert main(args) == 0
+    assert "2/2" in err.getvalue() and "smoke sdpa-math fwd" in err.getvalue()
+    assert "2/2" not in out.getvalue()
+    err.buf.truncate(0)
+    assert main([*args, "--no-progress"]) == 0
+    assert "measurements" not in err.getvalue()
+
+
+# ------------------------------------------------------------------------ interrupt, resume
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run")
+def test_cli_bench_interrupt_keeps_rows_and_resume_finishes_the_run(tmp_path, capsys,
+                                                                    scratch_provider):  # fmt: skip
+    from diyfa.cli import main
+    from diyfa.report import render
+
+    state = {"interrupt": True}
+
+    def flaky(case, q, k, v):  # Ctrl-C while measuring the second (causal) smoke case
+        if state["interrupt"] and case.causal:
+            raise KeyboardInterrupt
+        return providers._sdpa("MATH", case, q, k, v)
+
+    scratch_provider("t-flaky", flaky)
+    scratch_provider("t-extra", lambda case, q, k, v: providers._sdpa("MATH", case, q, k, v))
+    path = tmp_path / "r.jsonl"
+    plan = ["bench", "flash", "--providers", "sdpa-math,t-flaky", "--modes", "fwd"]
+    assert main([*plan, "--out", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "interrupted: 3 finished measurements" in err and "(1 left)" in err
+    assert f"resume with: diyfa bench flash --providers sdpa-math,t-flaky --modes fwd " \
+           f"--resume {path}" in err  # fmt: skip
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["record"] == "run" and len(lines) == 4
+    run_id = lines[0]["run_id"]
+
+    state["interrupt"] = False
+    assert main([*plan, "--resume", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"1 measurements (smoke) -> {path} (resuming run {run_id}: 3 of this plan's 4" in out
+    runs, recs = results.load(path)
+    assert [r["run_id"] for r in runs] == [run_id, run_id] and runs[1]["resumed"] is True
+    assert len(recs) == 4 and len({results.record_key(r) for r in recs}) == 4
+    assert all(r["run_id"] == run_id and r["status"] == "ok" for r in recs)
+
+    # another provider list: what is done is skipped, what is missing is measured
+    assert main(["bench", "flash", "--providers", "sdpa-math,t-extra", "--modes", "fwd",
+                 "--resume", str(path)]) == 0  # fmt: skip
+    assert "2 measurements" in capsys.readouterr().out
+    size = path.stat().st_size
+    assert main([*plan, "--resume", str(path)]) == 0  # all done: nothing appended
+    assert "0 measurements" in capsys.readouterr().out and path.stat().st_size == size
+
+    report = render([path], tmp_path / "rep")
+    md = report["markdown"].read_text()
+    assert "(resumed 2x)" in md and md.count(f"| {run_id} |") == 1
+
+
+def test_resume_refuses_another_environment_or_other_timing(tmp_path, capsys):
+    from diyfa.cli import main
+
+    env = results.environment()
+    other = tmp_path / "other-gpu.jsonl"
+    with results.ResultsWriter(other, results.run_header({**env, "gpu": "NVIDIA H100"},
+                                                         suites=["smoke"])):  # fmt: skip
+        pass
+    size = other.stat().st_size
+    assert main(["bench", "flash", "--resume", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"diyfa: error: cannot resume {other}: its run ")
+    assert f"gpu 'NVIDIA H100' there, {env['gpu']!r} here" in err and "--out" in err
+    assert err.count("\n") == 1 and other.stat().st_size == size
+
+    slow = tmp_path / "slow.jsonl"
+    with results.ResultsWriter(slow, results.run_header(env, suites=["smoke"],
+                                                        options={"rep_ms": 100})):  # fmt: skip
+        pass
+    assert main(["bench", "flash", "--resume", str(slow)]) == 2
+    err = capsys.readouterr().err
+    assert "measured with rep_ms=100, this command with rep_ms=200" in err
+    with pytest.raises(SystemExit):  # one file or the other, not both
+        main(["bench", "flash", "--out", str(slow), "--resume", str(slow)])
+
+
+# ------------------------------------------------------------------------------ CLI errors
+@pytest.mark.parametrize("content", [
+    None, "dir", b"\xff\xfe\x00binary", "", "not json\n", "[1, 2]\n",
+    '{"op": "matmul", "M": 1024, "provider": "diyfa"}\n',
+    '{"record": "measurement", "run_id": "x"}\n',
+], ids=["missing", "directory", "binary", "empty", "not-json", "not-an-object",
+        "foreign-json", "lacking-fields"])  # fmt: skip
+def test_cli_report_refuses_a_bad_file_in_one_line(tmp_path, capsys, content):
+    from diyfa.cli import main
+
+    path = tmp_path / "bad.jsonl"
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    assert main(["report", str(path), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diyfa: error: ") and str(path) in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_results_load_names_a_bad_status(tmp_path):
+    rec = results.measurement(run_id="r", env={}, suite="t", case=TINY, provider="p",
+                              mode="fwd")  # fmt: skip
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({**rec, "status": "running"}) + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:1: status 'running'; accepted: ok, "):
+        results.load(path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")
+@pytest.mark.parametrize("argv", [["profile"], ["info", "--measure"]])
+def test_cli_commands_that_need_a_gpu_say_so_in_one_line(capsys, argv):
+    from diyfa.cli import main
+
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"diyfa: error: {' '.join(argv)} needs a CUDA GPU")
+    assert err.count("\n") == 1
+
+
+def test_cli_profile_without_ncu_says_so_in_one_line(capsys, monkeypatch):
+    import shutil
+
+    from diyfa.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert main(["profile", "--backward"]) == 1
+    out, err = capsys.readouterr()
+    assert "regex:_attn_bwd" in out  # the command, to run where ncu is
+    assert err.startswith("diyfa: error: ncu (Nsight Compute) is not on PATH")
+    assert err.count("\n") == 1

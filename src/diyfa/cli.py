@@ -5,7 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
+
+WARMUP_MS, REP_MS = 50, 200  # diyfa bench's do_bench defaults (the resume hint repeats others)
+
+
+class CommandError(Exception):
+    """This machine cannot do what was asked (no GPU, no ncu): ``main`` prints the message as
+    one line on stderr and exits 1."""
+
+
+def _require_gpu(what: str, instead: str) -> None:
+    """CommandError naming ``what`` needs the GPU and what was done ``instead``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CommandError(f"{what} needs a CUDA GPU and torch {torch.__version__} sees none "
+                           f"here; {instead}")  # fmt: skip
 
 
 def _ensure_interpreter_if_no_gpu() -> bool:
@@ -56,6 +73,8 @@ def _print_table(
 def cmd_info(args) -> int:
     from diyfa.device import check_hopper_features, device_info, measure_ceilings
 
+    if args.measure:
+        _require_gpu("info --measure", "`diyfa info` without --measure describes this machine")
     info = device_info()
     data = {"device": info.as_dict(), "hopper_features": check_hopper_features()}
     if args.measure:
@@ -199,9 +218,37 @@ def _split(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
+def _resume_command(args, path) -> str:
+    """The ``diyfa bench`` command that continues this one's run in ``path``."""
+    parts = ["diyfa", "bench", args.target]
+    for flag, value in (("--suite", args.suite), ("--providers", args.providers),
+                        ("--modes", args.modes)):  # fmt: skip
+        if value:
+            parts += [flag, value]
+    parts += ["--quick"] if args.quick else []
+    parts += ["--warmup", str(args.warmup)] if args.warmup != WARMUP_MS else []
+    parts += ["--rep", str(args.rep)] if args.rep != REP_MS else []
+    parts += ["--no-error"] if args.no_error else []
+    return shlex.join([*parts, "--resume", str(path)])
+
+
+def _same_measuring(run: dict, options, path) -> None:
+    """Refuse to continue ``run`` with other timing or error-check options: its rows and the
+    new ones share a run id and must be measured alike. Which jobs run (target, suites,
+    providers, modes, --quick) may differ: what is done is skipped, the rest is measured."""
+    before = run.get("options") or {}
+    differ = {k: (before[k], v) for k, v in vars(options).items() if k in before and before[k] != v}
+    if differ:
+        was = ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
+        now = ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items())
+        raise ValueError(f"cannot resume {path}: its run {run.get('run_id')} was measured with "
+                         f"{was}, this command with {now}; give the same --warmup/--rep/"
+                         "--no-error, or start a new file with --out")  # fmt: skip
+
+
 def cmd_bench(args) -> int:
     on_gpu = _ensure_interpreter_if_no_gpu()
-    from diyfa.bench import harness, results, suites
+    from diyfa.bench import harness, progress, results, suites
     from diyfa.bench import providers as _providers
     from diyfa.device import device_info, measure_ceilings
 
@@ -233,33 +280,60 @@ def cmd_bench(args) -> int:
     names = sorted({p.suite for p in plans})
     info = device_info()
     env = results.environment()
-    ceilings = None
-    if on_gpu and not args.no_ceilings:
-        print("measuring the cuBLAS and copy ceilings once for this run ...")
-        ceilings = measure_ceilings()
     options = harness.Options(warmup_ms=args.warmup, rep_ms=args.rep,
                               check_error=not args.no_error)  # fmt: skip
-    header = results.run_header(env, suites=names, device=info.as_dict(), ceilings=ceilings,
-                                options={**vars(options), "quick": args.quick,
-                                         "target": args.target, "providers": providers,
-                                         "modes": modes})  # fmt: skip
-    if args.out:
-        path = args.out
-    elif on_gpu:
-        path = results.default_path(env, names)
+    plan_options = {"quick": args.quick, "target": args.target, "providers": providers,
+                    "modes": modes}  # fmt: skip
+    done: dict = {}
+    if args.resume:
+        path = args.resume
+        run, finished = results.resume_point(path, env)
+        _same_measuring(run, options, path)
+        done = {results.record_key(r): r for r in finished}
+        ceilings = run.get("ceilings")  # the run's own, measured once when it began
+        header = {**{k: v for k, v in run.items() if k != "_file"}, "env": env,
+                  "suites": names, "options": {**vars(options), **plan_options},
+                  "resumed": True}  # fmt: skip
     else:
-        path = "report/interpreter_smoke.jsonl"
+        ceilings = None
+        if on_gpu and not args.no_ceilings:
+            print("measuring the cuBLAS and copy ceilings once for this run ...")
+            ceilings = measure_ceilings()
+        header = results.run_header(env, suites=names, device=info.as_dict(), ceilings=ceilings,
+                                    options={**vars(options), **plan_options})  # fmt: skip
+        if args.out:
+            path = args.out
+        elif on_gpu:
+            path = results.default_path(env, names)
+        else:
+            path = "report/interpreter_smoke.jsonl"
+    todo = [j for j in jobs if harness.job_key(j) not in done]
     for op in ("attention", "varlen", "decode", "matmul"):
         for n in _providers.names(op):
             why = _providers.get(op, n).unavailable()
-            if why and any(j[2] == n and j[1].op == op for j in jobs):
+            if why and any(j[2] == n and j[1].op == op for j in todo):
                 print(f"note: {op} provider {n} is unavailable here: {why}")
-    print(f"{len(jobs)} measurements ({', '.join(names)}) -> {path}")
-    h = harness.Harness(options, env=env, run_id=header["run_id"],
-                        datasheet=info.datasheet, ceilings=ceilings)  # fmt: skip
-    with results.ResultsWriter(path, header) as writer:
-        records = harness.run(plans, h, providers=providers, modes=modes, writer=writer,
-                              progress=not args.no_progress)  # fmt: skip
+    skipped = len(jobs) - len(todo)
+    print(f"{len(todo)} measurements ({', '.join(names)}) -> {path}"
+          + (f" (resuming run {header['run_id']}: {skipped} of this plan's {len(jobs)} "
+             "already there)" if args.resume else ""))  # fmt: skip
+    new: list[dict] = []
+    if todo:
+        h = harness.Harness(options, env=env, run_id=header["run_id"],
+                            datasheet=info.datasheet, ceilings=ceilings)  # fmt: skip
+        writer = results.ResultsWriter(path, header)
+        try:
+            new = harness.run(plans, h, providers=providers, modes=modes, writer=writer,
+                              progress=progress.wanted(args.no_progress), done=done)  # fmt: skip
+        except KeyboardInterrupt:
+            print(f"diyfa: interrupted: {writer.count} finished measurements of this command "
+                  f"are in {path} ({len(todo) - writer.count} left); resume with: "
+                  f"{_resume_command(args, path)}", file=sys.stderr)  # fmt: skip
+            return 130
+        finally:
+            writer.close()
+    by_key = {**done, **{results.record_key(r): r for r in new}}
+    records = [by_key[k] for k in map(harness.job_key, jobs) if k in by_key]
     columns, rows, notes = harness.summary_rows(records)
     _print_table(f"diyfa bench {args.target} ({info.name or 'CPU, Triton interpreter'})",
                  columns, rows, width=220)  # fmt: skip
@@ -292,7 +366,7 @@ def cmd_report(args) -> int:
 def cmd_tune(args) -> int:
     import torch
 
-    from diyfa.bench import blocksize
+    from diyfa.bench import blocksize, progress
 
     print(blocksize.format_seed_arithmetic())
     if not torch.cuda.is_available():
@@ -312,7 +386,8 @@ def cmd_tune(args) -> int:
         _print_table("attention tile: blocks per SM (fp16/bf16, K/V stages)",
                      ["BLOCK_M", "BLOCK_N", "d", "K/V stages", "warps", "regs/thread",
                       "smem KiB", "blocks/SM", "limited by"], rows, width=160)  # fmt: skip
-        return 0
+        sys.stdout.flush()  # the arithmetic above, then the error line below
+        _require_gpu("the block-size sweep", "printed the arithmetic above only")
     kernels = _split(args.kernels) or ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "matmul"]
     for k in kernels:
         if k not in blocksize.KERNELS:
@@ -325,7 +400,8 @@ def cmd_tune(args) -> int:
     summary = blocksize.experiment(kernels, head_dim=args.head_dim, seqlen=args.seqlen,
                                    causal=args.causal, dtype=args.dtype, size=args.size,
                                    quick=args.quick, out_dir=args.out,
-                                   write_table_path=table_path)  # fmt: skip
+                                   write_table_path=table_path,
+                                   progress=progress.wanted(args.no_progress))  # fmt: skip
     for kernel, res in summary["by_kernel"].items():
         cols, rows = blocksize.table_rows(res)
         _print_table(f"{kernel}: configs ranked by TFLOPS", cols, rows[: args.top], width=200)
@@ -351,11 +427,12 @@ def cmd_profile(args) -> int:
                                    size=args.size)  # fmt: skip
     regex = args.kernel_regex or profile.default_kernel_regex(args.op, args.backward)
     cmd = profile.ncu_command(program, regex, args.launch_count)
-    if shutil.which("ncu") is None:
-        print("ncu (Nsight Compute) is not on PATH: nothing profiled. The command would be:")
-        print(profile.format_command(cmd))
-        return 0
     print(profile.format_command(cmd))
+    sys.stdout.flush()  # the command (to run elsewhere), then any error line
+    _require_gpu("profile", "nothing profiled (the ncu command above is for a GPU machine)")
+    if shutil.which("ncu") is None:
+        raise CommandError("ncu (Nsight Compute) is not on PATH: nothing profiled (the command "
+                           "above was not run); install Nsight Compute or add it to PATH")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     launches = profile.parse_ncu_csv(proc.stdout)
     if proc.returncode != 0 or not launches:
@@ -415,16 +492,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--providers", default=None, help="comma list (default: the suite's)")
     s.add_argument("--modes", default=None, help="comma list of fwd,bwd,fwd_bwd")
     s.add_argument("--quick", action="store_true", help="trim every suite (a first GPU run)")
-    s.add_argument(
+    where = s.add_mutually_exclusive_group()
+    where.add_argument(
         "--out",
         default=None,
         help="results file (default benchmarks/results/<date>_<gpu>_<suites>.jsonl)",
     )
-    s.add_argument("--warmup", type=int, default=50, help="do_bench warmup, ms")
-    s.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    where.add_argument(
+        "--resume",
+        default=None,
+        metavar="FILE",
+        help="continue the last run in FILE: measure what this command's plan has that FILE "
+        "lacks and append it there (same GPU and versions required; docs/benchmarking.md)",
+    )
+    s.add_argument("--warmup", type=int, default=WARMUP_MS, help="do_bench warmup, ms")
+    s.add_argument("--rep", type=int, default=REP_MS, help="do_bench repetition time, ms")
     s.add_argument("--no-ceilings", action="store_true", help="skip measuring cuBLAS/copy")
     s.add_argument("--no-error", action="store_true", help="skip the float64 error check")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (none is drawn when stdout or stderr is not a "
+                   "terminal)")  # fmt: skip
     s.add_argument("--list", action="store_true", help="list suites and providers, run nothing")
     s.set_defaults(func=cmd_bench)
 
@@ -447,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size", type=int, default=8192, help="matmul M = N = K")
     s.add_argument("--quick", action="store_true")
     s.add_argument("--top", type=int, default=15, help="rows of each ranked table")
+    s.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (none is drawn when stdout or stderr is not a "
+                   "terminal)")  # fmt: skip
     s.add_argument("--out", default="report/blocksize", help="heatmaps and sweep JSON")
     s.add_argument(
         "--write-table",
@@ -477,12 +567,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. What the user gave (values, files) and what this machine lacks end in
+    one ``diyfa: error:`` line on stderr, never a traceback: 2 for bad input (ValueError,
+    TypeError, an unreadable file), 1 for a missing GPU or tool, 130 for Ctrl-C."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as e:
         print(f"diyfa: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"diyfa: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except CommandError as e:
+        print(f"diyfa: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("diyfa: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

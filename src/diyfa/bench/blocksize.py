@@ -26,6 +26,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from diyfa.bench.progress import Bar
+
 # Hopper (H100/H200 SXM) per-SM limits; used when no GPU says otherwise.
 H100_LIMITS = {
     "registers_per_sm": 65536,
@@ -255,9 +257,10 @@ def _matmul_kernels(module) -> _Kernels:
 
 def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool = False,
           dtype: str = "bf16", size: int = 8192, quick: bool = False,
-          configs: list[dict] | None = None, log=print) -> list[Result]:  # fmt: skip
+          configs: list[dict] | None = None, log=print, bar=None) -> list[Result]:  # fmt: skip
     """Measure every config of ``kernel`` on one shape (GPU only). FA-sweep shape: batch =
-    16384 // seqlen, heads = 2048 // head_dim; matmul: size^3."""
+    16384 // seqlen, heads = 2048 // head_dim; matmul: size^3. ``bar``: a
+    :class:`diyfa.bench.progress.Bar` advanced once per config."""
     import importlib
 
     import torch
@@ -272,9 +275,11 @@ def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool =
     tname, attr, modname = KERNELS[kernel]
     limits = limits_from_device(device_info())
     configs = configs if configs is not None else space(kernel, quick)
+    bar = bar or Bar(len(configs), enabled=False)
     try:
         module = importlib.import_module(modname)
     except ImportError as e:
+        bar.advance(len(configs))
         return [Result(kernel, {}, "unavailable", f"{modname}: {e}")]
     jit = getattr(module, attr) if attr else _matmul_kernels(module)
     dt = torch_dtype(dtype)
@@ -304,6 +309,7 @@ def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool =
             fn = lambda: flash_attention(q, k, v, causal=causal)  # noqa: E731
     results = []
     for cfg in configs:
+        bar.show(f"{kernel} {cfg}")
         res = Result(kernel, dict(cfg))
         before = set(compiled_kernels(jit))
         try:
@@ -337,6 +343,7 @@ def sweep(kernel: str, *, head_dim: int = 64, seqlen: int = 4096, causal: bool =
             f"{'' if res.tflops is None else f'{res.tflops:.1f} TFLOPS'} {res.reason}")  # fmt: skip
         results.append(res)
         torch.cuda.empty_cache()
+        bar.advance()
     return results
 
 
@@ -431,9 +438,11 @@ def winners_table(by_kernel: dict[str, list[Result]], capability_major: int,
 def experiment(kernels: list[str], *, head_dim: int = 64, seqlen: int = 4096,
                causal: bool = False, dtype: str = "bf16", size: int = 8192,
                quick: bool = False, out_dir: Path | str = "report/blocksize",
-               write_table_path: Path | str | None = None, log=print) -> dict:  # fmt: skip
+               write_table_path: Path | str | None = None, log=print,
+               progress: bool = False) -> dict:  # fmt: skip
     """Run the sweep for ``kernels`` (GPU), save heatmaps and results JSON, return a summary.
-    Without a GPU: the occupancy arithmetic only."""
+    Without a GPU: the occupancy arithmetic only. ``progress``: a bar on stderr over every
+    kernel's configs."""
     import torch
 
     from diyfa import tuning
@@ -445,15 +454,17 @@ def experiment(kernels: list[str], *, head_dim: int = 64, seqlen: int = 4096,
     summary["gpu"] = True
     out_dir = Path(out_dir)
     by_kernel = {}
-    for kernel in kernels:
-        res = sweep(kernel, head_dim=head_dim, seqlen=seqlen, causal=causal, dtype=dtype,
-                    size=size, quick=quick, log=log)  # fmt: skip
-        by_kernel[kernel] = res
-        summary["results"][kernel] = [r.as_dict() for r in res]
-        png = heatmap(res, out_dir / f"{kernel}_d{head_dim}.png",
-                      f"{kernel} d{head_dim} seq{seqlen} {dtype}")  # fmt: skip
-        if png:
-            summary["heatmaps"].append(str(png))
+    total = sum(len(space(k, quick)) for k in kernels)
+    with Bar(total, "configs", enabled=progress) as bar:
+        for kernel in kernels:
+            res = sweep(kernel, head_dim=head_dim, seqlen=seqlen, causal=causal, dtype=dtype,
+                        size=size, quick=quick, log=log, bar=bar)  # fmt: skip
+            by_kernel[kernel] = res
+            summary["results"][kernel] = [r.as_dict() for r in res]
+            png = heatmap(res, out_dir / f"{kernel}_d{head_dim}.png",
+                          f"{kernel} d{head_dim} seq{seqlen} {dtype}")  # fmt: skip
+            if png:
+                summary["heatmaps"].append(str(png))
     major = torch.cuda.get_device_capability()[0]
     table = winners_table(by_kernel, major, head_dim)
     summary["winners"] = table

@@ -26,8 +26,12 @@ What a record holds and how each number is made
                 cuBLAS ceiling measured once per run (:func:`diyfa.device.measure_ceilings`).
     bandwidth   minimum bytes (:mod:`diyfa.flops`) / median time, and % of measured copy rate.
 
-A provider that cannot run a case (unsupported, unavailable, out of memory, error) yields a
-record with that status and the reason; the run goes on.
+A provider that cannot run a case yields a record with that status and the reason, and the
+run goes on: ``unavailable`` (not importable here, or not registered for the op),
+``unsupported`` (its own check refuses the case, or it has no backward), ``oom`` (CUDA or host
+allocation failed; the memory is released before the next job) and ``error`` (anything else
+it raised, its check included). Reasons are one line: the exception's type and message with
+newlines folded. Only KeyboardInterrupt stops a run; every record written before stays.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ import gc
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from diyfa.bench import progress as _progress
 from diyfa.bench import providers as _providers
 from diyfa.bench import results as _results
 from diyfa.bench.suites import AttentionCase, MatmulCase, Plan
@@ -275,13 +280,18 @@ def _matmul_error(case, a, b, out, options: Options) -> dict:
 
 # --------------------------------------------------------------------------------- measure
 def _classify(exc: BaseException, caught: list) -> tuple[str, str]:
-    msg = f"{type(exc).__name__}: {exc}".strip()
+    """(status, one-line reason) of a failed measurement; warnings about kernels that were
+    not used (SDPA says why a backend refused) are appended."""
+    text = " ".join(str(exc).split())  # Triton's compile errors span lines
+    msg = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     notes = [str(w.message).strip().splitlines()[0] for w in caught
              if "kernel" in str(w.message).lower() or "not" in str(w.message).lower()]  # fmt: skip
     if notes:
         msg += " | " + " | ".join(dict.fromkeys(notes))
     msg = msg[:600]
-    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in msg.lower():
+    lower = msg.lower()
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in lower \
+            or "can't allocate memory" in lower:  # fmt: skip
         return "oom", msg
     if isinstance(exc, NotImplementedError) or "No available kernel" in msg:
         return "unsupported", msg
@@ -305,7 +315,7 @@ class Harness:
         self.ceilings = ceilings if ceilings and ceilings.get("available") else None
 
     def measure(self, suite: str, case, provider: str, mode: str) -> dict:
-        prov = _providers.get(case.op, provider)
+        prov = _providers.REGISTRY.get((case.op, provider))
         rec = _results.measurement(
             run_id=self.run_id,
             env=self.env,
@@ -313,28 +323,32 @@ class Harness:
             case=case,
             provider=provider,
             mode=mode,
-            baseline=prov.baseline,
+            baseline=prov is not None and prov.baseline,
         )
-        rec["options"]["layout"] = prov.layout if case.op == "attention" else None
+        rec["options"]["layout"] = prov.layout if prov and case.op == "attention" else None
+        if prov is None:  # a suite may name a provider this installation does not register
+            rec.update(status="unavailable", reason=f"no {case.op} provider {provider!r} is "
+                       f"registered; known: {', '.join(_providers.names(case.op))}")  # fmt: skip
+            return rec
         why = prov.unavailable()
         if why:
             rec.update(status="unavailable", reason=why)
             return rec
-        why = prov.cannot_run(case)
-        if why is None and mode != "fwd" and not prov.backward:
-            why = f"{provider} has no backward"
-        if why:
-            rec.update(status="unsupported", reason=why)
-            return rec
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                self._measure(rec, case, prov, mode)
+                why = prov.cannot_run(case)
+                if why is None and mode != "fwd" and not prov.backward:
+                    why = f"{provider} has no backward"
+                if why:
+                    rec.update(status="unsupported", reason=why)
+                else:
+                    self._measure(rec, case, prov, mode)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a record
                 status, reason = _classify(exc, caught)
                 rec.update(status=status, reason=reason)
             finally:
-                gc.collect()
+                gc.collect()  # a failed call's tensors (and an OOM's) go before the next job
                 if on_gpu():
                     torch.cuda.empty_cache()
         return rec
@@ -460,45 +474,30 @@ def expand(plans: list[Plan], providers: list[str] | None = None,
     return jobs
 
 
+def job_key(job: tuple) -> tuple:
+    """:func:`diyfa.bench.results.job_key` of a (suite, case, provider, mode) job."""
+    suite, case, provider, mode = job
+    return _results.job_key(suite, case.op, provider, case.shape(), case.options(), case.dtype,
+                            mode)  # fmt: skip
+
+
 def run(plans: list[Plan], harness: Harness, *, providers: list[str] | None = None,
         modes: list[str] | None = None, writer: _results.ResultsWriter | None = None,
-        progress: bool = False) -> list[dict]:  # fmt: skip
-    """Measure every job of ``plans``; write each record as it comes; return the records."""
-    jobs = expand(plans, providers, modes)
+        progress: bool = False, done: Collection[tuple] = ()) -> list[dict]:  # fmt: skip
+    """Measure every job of ``plans`` whose :func:`job_key` is not in ``done`` (a resumed
+    run's finished measurements); write each record as it comes, so an interrupt loses only
+    the measurement under way; return the records. ``progress``: draw a bar on stderr
+    (:class:`diyfa.bench.progress.Bar`)."""
+    jobs = [j for j in expand(plans, providers, modes) if job_key(j) not in done]
     records = []
-    bar = None
-    if progress:
-        try:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,  # fmt: skip
-                TimeRemainingColumn,
-            )
-
-            bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                           TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
-        except ImportError:
-            bar = None
-    task = None
-    if bar is not None:
-        bar.start()
-        task = bar.add_task("bench", total=len(jobs))
-    try:
+    with _progress.Bar(len(jobs), "measurements", enabled=progress) as bar:
         for suite, case, provider, mode in jobs:
-            if bar is not None:
-                bar.update(task, description=f"{suite} {provider} {mode} {case.label()}")
+            bar.show(f"{suite} {provider} {mode} {case.label()}")
             rec = harness.measure(suite, case, provider, mode)
             records.append(rec)
             if writer is not None:
                 writer.write(rec)
-            if bar is not None:
-                bar.advance(task)
-    finally:
-        if bar is not None:
-            bar.stop()
+            bar.advance()
     return records
 
 

@@ -8,6 +8,11 @@ schema of :func:`measurement`), each repeating the run's environment so a line s
 Default place: ``benchmarks/results/<date>_<gpu>_<suites>.jsonl`` (a second run the same
 day appends to the same file with a new ``run_id``). Reports are rendered from these files
 only (:mod:`diyfa.report`), never re-measured.
+
+Every line is flushed as it is written, so an interrupted run leaves its header and every
+finished measurement on disk. ``diyfa bench --resume FILE`` continues the file's last run
+(:func:`resume_point`): it writes another header with the same ``run_id`` and
+``"resumed": true`` and measures only the jobs whose :func:`record_key` is not in the file yet.
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ from pathlib import Path
 SCHEMA = 1
 DEFAULT_DIR = Path("benchmarks/results")
 STATUSES = ("ok", "unsupported", "unavailable", "oom", "error")
+# What a measurement line must hold for the report to read it (every field of
+# :func:`measurement` is written; these are the ones read without a default).
+REQUIRED = ("run_id", "suite", "op", "provider", "label", "shape", "options", "dtype", "mode",
+            "status", "reason", "flops", "median_ms", "peak_extra_mem_bytes")  # fmt: skip
+# The environment a resumed run must share with the run it continues: the rows of both carry
+# one run_id, and the report compares providers only within a run.
+RESUME_ENV = ("gpu", "driver", "cuda", "torch", "triton", "python", "commit", "interpreter")
 
 
 def _git_commit() -> str | None:
@@ -149,12 +161,14 @@ def default_path(env: dict, suites: list[str], directory: Path | str = DEFAULT_D
 
 
 class ResultsWriter:
-    """Appends a run header and then one line per measurement, flushed as it goes."""
+    """Appends a run header and then one line per measurement, flushed as it goes (an
+    interrupted run keeps every finished line). ``count``: measurements written."""
 
     def __init__(self, path: Path | str, header: dict):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.header = header
+        self.count = 0
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._write(header)
 
@@ -168,6 +182,7 @@ class ResultsWriter:
 
     def write(self, record: dict) -> None:
         self._write(record)
+        self.count += 1
 
     def close(self) -> None:
         self._fh.close()
@@ -200,30 +215,96 @@ def _json_default(obj):
 
 
 def load(paths) -> tuple[list[dict], list[dict]]:
-    """Read results files: (run headers, measurement records), in file order."""
+    """Read results files: (run headers, measurement records), in file order.
+
+    Raises ValueError naming the file and line for anything that is not a results line (not
+    JSON, not an object, another record kind, a measurement lacking :data:`REQUIRED` fields or
+    with an unknown status) and for an empty file; OSError when a file cannot be read."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     runs, records = [], []
     for path in paths:
         with open(path, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON ({e})") from e
-                kind = obj.get("record")
-                if kind == "run":
-                    obj["_file"] = str(path)
-                    runs.append(obj)
-                elif kind == "measurement":
-                    obj["_file"] = str(path)
-                    records.append(obj)
-                else:
-                    raise ValueError(f"{path}:{n}: unknown record kind {kind!r}")
+            try:
+                lines = fh.readlines()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not a text file ({e.reason} at byte {e.start}); "
+                                 "accepted: JSON lines written by diyfa bench") from e  # fmt: skip
+        if not any(line.strip() for line in lines):
+            raise ValueError(f"{path}: empty; a results file starts with a run header "
+                             "(diyfa bench writes one)")  # fmt: skip
+        for n, line in enumerate(lines, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: a JSON {type(obj).__name__}, not a record; "
+                                 "accepted: one JSON object per line")  # fmt: skip
+            kind = obj.get("record")
+            if kind == "run":
+                obj["_file"] = str(path)
+                runs.append(obj)
+            elif kind == "measurement":
+                missing = [k for k in REQUIRED if k not in obj]
+                if missing:
+                    raise ValueError(f"{path}:{n}: measurement without {', '.join(missing)}")
+                if obj["status"] not in STATUSES:
+                    raise ValueError(f"{path}:{n}: status {obj['status']!r}; accepted: "
+                                     f"{', '.join(STATUSES)}")  # fmt: skip
+                for k in ("shape", "options", "flops"):
+                    if not isinstance(obj[k], dict):
+                        raise ValueError(f"{path}:{n}: {k} is {obj[k]!r}; accepted: an object")
+                obj["_file"] = str(path)
+                records.append(obj)
+            else:
+                raise ValueError(f"{path}:{n}: record kind {kind!r}; accepted: 'run', "
+                                 "'measurement' (is this a diyfa bench results file?)")  # fmt: skip
     return runs, records
+
+
+def job_key(suite: str, op: str, provider: str, shape: dict, options: dict, dtype: str,
+            mode: str) -> tuple:  # fmt: skip
+    """What identifies one measurement of a plan in any run: suite, op, provider, the case's
+    shape and options, dtype and mode (options without ``layout``: the harness adds the
+    provider's own, which a case does not carry)."""
+    opts = {k: v for k, v in options.items() if k != "layout"}
+    return (suite, op, provider, json.dumps(shape, sort_keys=True, default=_json_default),
+            json.dumps(opts, sort_keys=True, default=_json_default), dtype, mode)  # fmt: skip
+
+
+def record_key(rec: dict) -> tuple:
+    """:func:`job_key` of a measurement record."""
+    return job_key(rec["suite"], rec["op"], rec["provider"], rec["shape"], rec["options"],
+                   rec["dtype"], rec["mode"])  # fmt: skip
+
+
+def resume_point(path: Path | str, env: dict) -> tuple[dict, list[dict]]:
+    """The last run of ``path`` (its first header) and that run's measurements, for this
+    process (environment ``env``) to continue.
+
+    Every written measurement counts as finished, whatever its status: the writer writes
+    none before it is. Refuses (ValueError) a file without a run header and a run whose
+    environment differs from ``env`` in any :data:`RESUME_ENV` field, naming each difference:
+    its rows and ours would share a run id, and numbers from another GPU or other versions
+    must not be compared as if measured together."""
+    runs, records = load(path)
+    if not runs:
+        raise ValueError(f"cannot resume {path}: it holds no run header (not written by "
+                         "diyfa bench)")  # fmt: skip
+    run_id = runs[-1].get("run_id")
+    run = next(r for r in runs if r.get("run_id") == run_id)
+    there = run.get("env") or {}
+    differ = [f"{k} {there.get(k)!r} there, {env.get(k)!r} here" for k in RESUME_ENV
+              if there.get(k) != env.get(k)]  # fmt: skip
+    if differ:
+        raise ValueError(f"cannot resume {path}: its run {run_id} was measured in another "
+                         f"environment ({'; '.join(differ)}); start a new file with "
+                         "--out")  # fmt: skip
+    return run, [r for r in records if r["run_id"] == run_id]
 
 
 def latest_files(directory: Path | str = DEFAULT_DIR) -> list[Path]:

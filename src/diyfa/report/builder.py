@@ -1,9 +1,14 @@
 """Render results files into Markdown and one self-contained HTML page. Never re-measures.
 
-Sections: the runs (GPU, versions, commit, ceilings), attention TFLOPS per provider, speed-up
-of diyfa over each baseline (only between records of the same run: a ratio across machines or
-processes means nothing), cases where the naive seqlen_q^2 FLOPs count would mislead (both
-numbers shown), peak extra memory, matmul, and every failed measurement with its reason.
+The report opens with the headline (:func:`headline`): per GPU, suite, op, mode and
+baseline, diyfa's rate over the baseline's (geometric mean, worst and best case, named) with
+the GPU, versions and commit it was measured with; diyfa-* variants follow in a table of
+their own. Then the full sections: the runs (GPU, versions, commit, ceilings), attention
+TFLOPS per provider, speed-up of diyfa over each baseline, cases where the naive seqlen_q^2
+FLOPs count would mislead (both numbers shown), peak extra memory, matmul, and every failed
+measurement with its reason. Ratios are taken only between records of one run: across
+machines or versions a ratio means nothing (a resumed run keeps its run id, and
+``diyfa bench --resume`` refuses another machine or other versions).
 Plots (matplotlib, PNG): TFLOPS vs seqlen, speed-up vs seqlen, utilisation, memory vs seqlen,
 matmul TFLOPS vs size. Markdown links the PNGs written next to it; the HTML embeds them as
 base64 so the page stands alone.
@@ -14,6 +19,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +48,8 @@ class Figure:
 class Report:
     title: str
     banner: str = ""
+    summary: list[str] = field(default_factory=list)  # the headline's lines: runs measured
+    headline: list[Table] = field(default_factory=list)  # shown first, before everything
     tables: list[Table] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
 
@@ -102,21 +110,149 @@ def _pivot(records, value) -> Table:
 
 
 def run_table(runs: list[dict]) -> Table:
-    rows = []
+    """One row per run; a resumed run (headers sharing its run id) shows once, with its
+    resumptions counted."""
+    first: dict = {}
+    resumed: dict = defaultdict(int)
     for run in runs:
+        rid = run.get("run_id", "?")
+        if rid in first:
+            resumed[rid] += 1
+        else:
+            first[rid] = run
+    rows = []
+    for rid, run in first.items():
         env = run.get("env", {})
         ceil = run.get("ceilings") or {}
         mm = ceil.get("matmul_tflops") or {}
         ceil_s = ", ".join(f"{k} {v:.0f} TFLOPS" for k, v in mm.items())
         if ceil.get("copy_tbps"):
             ceil_s += f", copy {ceil['copy_tbps']:.2f} TB/s"
-        rows.append([run.get("run_id", "?"), env.get("gpu", "?"), str(env.get("driver")),
+        when = env.get("timestamp", "?") + (f" (resumed {resumed[rid]}x)" if resumed[rid] else "")
+        rows.append([rid, env.get("gpu", "?"), str(env.get("driver")),
                      f"torch {env.get('torch')} / triton {env.get('triton')}",
-                     str(env.get("commit")), env.get("timestamp", "?"),
+                     str(env.get("commit")), when,
                      ", ".join(run.get("suites", [])), ceil_s or "not measured",
                      "FIXTURE" if run.get("fixture") else ""])  # fmt: skip
     return Table("Runs", ["run", "GPU", "driver", "versions", "commit", "time", "suites",
                           "measured ceilings", ""], rows)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- headline
+OURS = "diyfa"
+MODE_ORDER = {"fwd": 0, "bwd": 1, "fwd_bwd": 2}
+
+
+def _is_ours(provider: str) -> bool:
+    return provider == OURS or provider.startswith(OURS + "-")
+
+
+def _ratio(ours: dict, other: dict) -> tuple[float, str] | None:
+    """(ours / other, basis): by TFLOPS (GB/s for decode, whose figure of merit is the cache
+    read), both cases doing the same work; by time where no rate was derived (interpreter)."""
+    key, basis = ("bandwidth_tbps", "GB/s") if ours["op"] == "decode" else ("tflops", "TFLOPS")
+    if ours.get(key) and other.get(key):
+        return ours[key] / other[key], basis
+    if ours.get("median_ms") and other.get("median_ms"):
+        return other["median_ms"] / ours["median_ms"], "time"
+    return None
+
+
+def _headline_groups(records, runs) -> dict:
+    """{(gpu, suite, op, mode, ours, baseline): (run id, [(ratio, label, basis)])} from the
+    pairs measured ok in one run; per key the latest run (by its header's time) with pairs."""
+    by_run_case: dict = defaultdict(dict)
+    for r in _ok(records):
+        by_run_case[(r["run_id"], _case_key(r))][r["provider"]] = r
+    pairs: dict = defaultdict(list)
+    for (run_id, _key), provs in by_run_case.items():
+        for ours in (p for p in provs if _is_ours(p)):
+            for name, other in provs.items():
+                if not other.get("baseline") or _is_ours(name):
+                    continue
+                ratio = _ratio(provs[ours], other)
+                if ratio is not None:
+                    r = provs[ours]
+                    pairs[(run_id, r["suite"], r["op"], r["mode"], ours, name)].append(
+                        (ratio[0], r["label"], ratio[1]))
+    header = {}
+    for run in runs:  # a resumed run's later headers repeat its id: keep the first
+        header.setdefault(run.get("run_id"), run)
+    latest: dict = {}
+    for (run_id, *rest), values in pairs.items():
+        env = (header.get(run_id) or {}).get("env") or {}
+        key = (env.get("gpu", "?"), *rest)
+        when = env.get("timestamp", "")
+        if key not in latest or when > latest[key][0]:
+            latest[key] = (when, run_id, values)
+    return {k: (run_id, values) for k, (_, run_id, values) in latest.items()}
+
+
+def _headline_table(groups: dict, title: str, variants: bool, order: list) -> Table | None:
+    keys = [k for k in groups if (k[4] != OURS) == variants]
+    if not keys:
+        return None
+    gpus = {k[0] for k in keys}
+    run_ids = {groups[k][0] for k in keys}
+    keys.sort(key=lambda k: (k[0], order.index(k[1:3]), MODE_ORDER.get(k[3], 9), k[4], k[5]))
+    rows = []
+    for k in keys:
+        gpu, suite, op, mode, ours, name = k
+        run_id, values = groups[k]
+        ratios = [v[0] for v in values]
+        worst, best = min(values), max(values)
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        basis = ", ".join(sorted({v[2] for v in values}))
+        rows.append(([gpu] if len(gpus) > 1 else []) + [suite, op, mode]
+                    + ([ours] if variants else []) + [name, str(len(values)), f"{geo:.2f}x",
+                    f"{worst[0]:.2f}x", worst[1], f"{best[0]:.2f}x", best[1], basis]
+                    + ([run_id] if len(run_ids) > 1 else []))  # fmt: skip
+    columns = (["GPU"] if len(gpus) > 1 else []) + ["suite", "op", "mode"] \
+        + (["variant"] if variants else []) + ["vs", "cases", "geomean", "worst", "worst case",
+                                               "best", "best case", "by"] \
+        + (["run"] if len(run_ids) > 1 else [])  # fmt: skip
+    return Table(title, columns, rows)
+
+
+def headline(records, runs) -> tuple[list[str], list[Table]]:
+    """The first screen: one line per run the numbers come from (GPU, torch, triton,
+    commit) and the ratio tables, diyfa first, its variants after.
+
+    A ratio is diyfa's rate over a baseline's (providers marked ``baseline``) on one case,
+    both measured with status ok in the same run; above 1 diyfa is faster. Per (GPU, suite,
+    op, mode, baseline) the latest run with such pairs counts, so a report over many runs stays
+    one screen; the full tables below hold every run. Rows follow the suites' order in the
+    files, then fwd, bwd, fwd_bwd."""
+    groups = _headline_groups(records, runs)
+    order = list(dict.fromkeys((r["suite"], r["op"]) for r in records))
+    used = {run_id for run_id, _ in groups.values()}
+    lines, seen = [], set()
+    for run in runs:
+        rid = run.get("run_id")
+        if rid in seen or (used and rid not in used):
+            continue
+        seen.add(rid)
+        env = run.get("env") or {}
+        lines.append(f"{env.get('gpu', '?')}: torch {env.get('torch')}, triton "
+                     f"{env.get('triton')}, commit {env.get('commit')} (run {rid}, "
+                     f"{env.get('timestamp', '?')})")  # fmt: skip
+    if not groups:
+        lines.append(f"No case has {OURS} and a baseline both measured (status ok) in one run: "
+                     "no ratios.")  # fmt: skip
+    note = (f"{OURS} rate / baseline rate per case (TFLOPS; GB/s for decode; time where no "
+            "rate was derived), only cases where both ran ok in the same run; above 1.00x "
+            f"{OURS} is faster. Geometric mean over the cases; the worst and best case named.")
+    tables = []
+    main = _headline_table(groups, f"{OURS} against each baseline", False, order)
+    if main is not None:
+        main.note = note
+        tables.append(main)
+    var = _headline_table(groups, f"{OURS} variants (other backends of {OURS}) against the "
+                          "same baselines", True, order)  # fmt: skip
+    if var is not None:
+        var.note = f"Variants are {OURS} forced onto one kernel family; the same ratios as above."
+        tables.append(var)
+    return lines, tables
 
 
 def attention_table(records) -> Table | None:
@@ -406,6 +542,7 @@ def build(paths) -> Report:
         banner = ("Interpreter run (no GPU): timings are Triton-interpreter timings on the "
                   "CPU, not kernel speed.")  # fmt: skip
     rep = Report(title="diyfa benchmark report", banner=banner)
+    rep.summary, rep.headline = headline(records, runs)
     rep.tables.append(run_table(runs))
     for make in (attention_table, speedup_table, naive_flops_table, error_table, memory_table,
                  matmul_table, failures_table):  # fmt: skip
@@ -416,9 +553,9 @@ def build(paths) -> Report:
     return rep
 
 
-def _md_table(t: Table) -> str:
+def _md_table(t: Table, level: int = 2) -> str:
     esc = [c.replace("|", "\\|") for c in t.columns]
-    lines = [f"## {t.title}", "", "| " + " | ".join(esc) + " |",
+    lines = [f"{'#' * level} {t.title}", "", "| " + " | ".join(esc) + " |",
              "|" + "|".join("---" for _ in t.columns) + "|"]  # fmt: skip
     lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in t.rows]
     if t.note:
@@ -430,6 +567,8 @@ def to_markdown(rep: Report, image_dir: str = "plots") -> str:
     parts = [f"# {rep.title}", ""]
     if rep.banner:
         parts += [f"> **{rep.banner}**", ""]
+    parts += ["## Headline", ""] + [f"- {line}" for line in rep.summary] + [""]
+    parts += [_md_table(t, level=3) for t in rep.headline]
     parts += [_md_table(t) for t in rep.tables]
     for fig in rep.figures:
         parts += [f"## {fig.title}", "", f"![{fig.title}]({image_dir}/{fig.name}.png)", ""]
@@ -443,6 +582,19 @@ th{background:#f3f3f3}.banner{background:#fff3cd;border:1px solid #e0c060;paddin
 .note{color:#555;font-size:13px}img{max-width:100%}"""
 
 
+def _html_table(t: Table, level: int = 2) -> list[str]:
+    e = html.escape
+    parts = [f"<h{level}>{e(t.title)}</h{level}><table><thead><tr>"]
+    parts += [f"<th>{e(c)}</th>" for c in t.columns]
+    parts.append("</tr></thead><tbody>")
+    for row in t.rows:
+        parts.append("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>")
+    parts.append("</tbody></table>")
+    if t.note:
+        parts.append(f"<p class='note'>{e(t.note)}</p>")
+    return parts
+
+
 def to_html(rep: Report) -> str:
     e = html.escape
     parts = ["<!DOCTYPE html>", "<html><head><meta charset='utf-8'>",
@@ -450,15 +602,13 @@ def to_html(rep: Report) -> str:
              f"<h1>{e(rep.title)}</h1>"]  # fmt: skip
     if rep.banner:
         parts.append(f"<p class='banner'><b>{e(rep.banner)}</b></p>")
+    parts.append("<h2>Headline</h2><ul>")
+    parts += [f"<li>{e(line)}</li>" for line in rep.summary]
+    parts.append("</ul>")
+    for t in rep.headline:
+        parts += _html_table(t, level=3)
     for t in rep.tables:
-        parts.append(f"<h2>{e(t.title)}</h2><table><thead><tr>")
-        parts += [f"<th>{e(c)}</th>" for c in t.columns]
-        parts.append("</tr></thead><tbody>")
-        for row in t.rows:
-            parts.append("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>")
-        parts.append("</tbody></table>")
-        if t.note:
-            parts.append(f"<p class='note'>{e(t.note)}</p>")
+        parts += _html_table(t)
     for fig in rep.figures:
         data = base64.b64encode(fig.png).decode("ascii")
         parts.append(f"<h2>{e(fig.title)}</h2><img alt='{e(fig.title)}' "
@@ -482,4 +632,4 @@ def render(paths, out_dir: Path | str = "report") -> dict:
     page = out / "report.html"
     page.write_text(to_html(rep))
     return {"markdown": md, "html": page, "figures": [f.name for f in rep.figures],
-            "tables": [t.title for t in rep.tables], "report": rep}  # fmt: skip
+            "tables": [t.title for t in rep.headline + rep.tables], "report": rep}  # fmt: skip
