@@ -386,14 +386,14 @@ def test_launch_steps_down_when_a_config_does_not_fit(monkeypatch):
     monkeypatch.setattr(portable, "_chosen", {})
     t = torch.empty(1, dtype=torch.float32)
     args = dict(CAUSAL=False, SEQ_BUCKET=1024, VARLEN=False, WINDOW=False, SOFTCAP=False,
-                ALIBI=False, SINKS=False, HEAD_DIM_V_PAD=256)  # fmt: skip
+                ALIBI=False, SINKS=False, HEAD_DIM_V_PAD=256, DROPOUT=False)  # fmt: skip
     with diyfa.tuning.pinned("attn_fwd", BLOCK_M=128, BLOCK_N=128):
         portable._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)
     assert launched == [(32, 32)]
     # Unpinned: the default (here the interpreter's 32x32) fits and is remembered.
     portable._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)
     assert portable._chosen[("attn_fwd", False, None, torch.float32, 256, False, 1024,
-                             False, False, False, False, False, 256)][0] == {
+                             False, False, False, False, False, 256, False)][0] == {
         "BLOCK_M": 32, "BLOCK_N": 32}
     with pytest.raises(OutOfResources):
         with diyfa.tuning.pinned("attn_fwd", BLOCK_M=64, BLOCK_N=64):

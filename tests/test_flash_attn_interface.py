@@ -281,7 +281,8 @@ def test_positional_arguments_reach_diyfa_by_name(spies):
     args, kw = spies["flash_attention"].calls[-1]
     assert _same(args, (q, k, v))
     assert kw == dict(causal=True, softmax_scale=0.5, layout="bshd", deterministic=True,
-                      window_size=(-1, 0), softcap=0.0, alibi_slopes=None)  # fmt: skip
+                      window_size=(-1, 0), softcap=0.0, alibi_slopes=None,
+                      dropout_p=0.0)  # fmt: skip
 
     qkv = torch.zeros(1, 4, 3, 2, 8)
     fai.flash_attn_qkvpacked_func(qkv, 0.0, 0.25, False, (-1, -1), 0.0, None, True)
@@ -289,14 +290,16 @@ def test_positional_arguments_reach_diyfa_by_name(spies):
     for i, t in enumerate(args):  # views into qkv, not copies
         assert t.shape == (1, 4, 2, 8) and _same_storage(t, qkv, i * 2 * 8)
     assert kw == dict(causal=False, softmax_scale=0.25, layout="bshd", deterministic=True,
-                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None)  # fmt: skip
+                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                      dropout_p=0.0)  # fmt: skip
 
     kv = torch.zeros(1, 6, 2, 1, 8)
     fai.flash_attn_kvpacked_func(q, kv, 0.0, None, True)
     args, kw = spies["flash_attention"].calls[-1]
     assert args[0] is q and _same_storage(args[1], kv, 0) and _same_storage(args[2], kv, 8)
     assert kw == dict(causal=True, softmax_scale=None, layout="bshd", deterministic=False,
-                      window_size=(-1, 0), softcap=0.0, alibi_slopes=None)  # fmt: skip
+                      window_size=(-1, 0), softcap=0.0, alibi_slopes=None,
+                      dropout_p=0.0)  # fmt: skip
 
     cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
     fai.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 4, 5, 0.0, 0.125, True, (-1, -1),
@@ -305,7 +308,8 @@ def test_positional_arguments_reach_diyfa_by_name(spies):
     assert _same(args[3:], (cu_q, cu_k, 4, 5))
     assert all(torch.equal(a, b[0]) for a, b in zip(args[:3], (q, k, v), strict=True))
     assert kw == dict(causal=True, softmax_scale=0.125, deterministic=True,
-                      window_size=(-1, 0), softcap=0.0, alibi_slopes=None)  # fmt: skip
+                      window_size=(-1, 0), softcap=0.0, alibi_slopes=None,
+                      dropout_p=0.0)  # fmt: skip
 
     seqlens, table = object(), object()
     fai.flash_attn_with_kvcache(q, k, v, "k", "v", None, None, seqlens, None, None, table, 0.5,
@@ -334,8 +338,7 @@ def test_kvcache_seqlens_int_or_none_become_int32_tensors(spies):
 # --- refused options: NotImplementedError naming them, before anything runs ----------------
 
 _ALIBI = torch.ones(4)
-_COMMON = [("dropout_p", 0.1, "dropout_p=0.1"),
-           ("return_attn_probs", True, "return_attn_probs=True")]  # fmt: skip
+_COMMON = [("return_attn_probs", True, "return_attn_probs=True")]  # fmt: skip
 _KVCACHE = [("rotary_cos", torch.ones(48, 8), "rotary_cos=<Tensor torch.float32 (48, 8)>"),
             ("rotary_sin", torch.ones(48, 8), "rotary_sin=<Tensor torch.float32 (48, 8)>"),
             ("cache_batch_idx", torch.arange(2, dtype=torch.int32),

@@ -108,11 +108,11 @@ def test_refusals_are_clear():
     module = torch.nn.Module()
     with pytest.raises(NotImplementedError, match="output_attentions=True needs 'eager'"):
         attention_forward(module, q, q, q, None, output_attentions=True)
-    module.train()
-    with pytest.raises(NotImplementedError, match="no attention dropout .* asks for 0.1"):
-        attention_forward(module, q, q, q, None, dropout=0.1)
-    module.eval()
-    attention_forward(module, q, q, q, None, dropout=0.1)  # evaluation: dropout is off
+    module.eval()  # evaluation: the model's dropout is off
+    out, _ = attention_forward(module, q, q, q, None, dropout=0.5)
+    assert torch.equal(out, attention_forward(module, q, q, q, None)[0])
+    module.train()  # training: diyfa's dropout runs
+    assert not torch.equal(attention_forward(module, q, q, q, None, dropout=0.5)[0], out)
     with pytest.raises(NotImplementedError, match="2-D \\(batch, kv_len\\) padding mask"):
         attention_forward(module, q, q, q, torch.ones(1, 1, 4, 4, device=DEVICE))
 

@@ -296,3 +296,131 @@ def test_value_head_dim_everywhere_else():
     problem = dataclasses.replace(_problem(), value_dim=64)
     assert dispatch.select(problem).name == "portable"
     assert "value head dim (64) other than q's (128)" in dict(dispatch.explain(problem))["hopper"]
+
+
+def _dropout_mask(q, k, causal, p, seed, layout="bhsd"):
+    """The kept (query, key) pairs of diyfa's dropout for this seed: attention over a value
+    that is the identity (v's head dim >= seqlen_k) gives out[i, j] = P_ij * Z_ij / (1 - p),
+    nonzero exactly where a visible pair was kept (the mask depends on the seed and the
+    pair's position only)."""
+    kv_axis = 1 if layout == "bhsd" else 2
+    sk = k.shape[3 - kv_axis]
+    eye_shape = list(k.shape)
+    eye_shape[-1] = max(16, sk)
+    eye = torch.zeros(eye_shape, device=k.device, dtype=k.dtype)
+    idx = torch.arange(sk, device=k.device)
+    if layout == "bhsd":
+        eye[:, :, idx, idx] = 1.0
+    else:
+        eye[:, idx, :, idx] = 1.0
+    out = diyfa.flash_attention(q.detach(), k.detach(), eye, causal=causal, dropout_p=p,
+                                layout=layout, generator=torch.Generator().manual_seed(seed))
+    out = out if layout == "bhsd" else out.transpose(1, 2)
+    return out[..., :sk] != 0
+
+
+@pytest.mark.parametrize("shape, dtype, causal, p, layout", [
+    ((1, 4, 2, 40, 24, 16), torch.float32, False, 0.3, "bhsd"),
+    ((2, 2, 1, 33, 20, 32), torch.bfloat16, True, 0.1, "bshd"),
+    ((1, 2, 2, 50, 31, 64), torch.float16, False, 0.5, "bhsd"),
+], ids=["fp32-gqa", "bf16-causal-bshd", "fp16-half"])
+def test_dropout(shape, dtype, causal, p, layout):
+    """Dropout against the float64 reference with the same mask (read back from the kernel):
+    forward and every gradient by the 2x / 3x rule; the backward regenerates the forward's
+    mask (a wrong mask would fail the gradients)."""
+    b, h, hk, sq, sk, d = shape
+    q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
+    mask = _dropout_mask(q, k, causal, p, 11, layout)
+    out = diyfa.flash_attention(q, k, v, causal=causal, dropout_p=p, layout=layout,
+                                generator=torch.Generator().manual_seed(11))  # fmt: skip
+    do = torch.randn_like(out)
+    out.backward(do)
+    kw = dict(causal=causal, layout=layout, dropout_p=p, dropout_mask=mask)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_ref(*ref_in, compute_dtype=torch.float64, **kw)
+    pt = attention_ref(*pt_in, compute_dtype=dtype, **kw)
+    _check("out", out, pt, ref, 2, dtype)
+    ref.backward(do.double())
+    pt.backward(do)
+    for name, t, pti, r in zip(("dq", "dk", "dv"), (q, k, v), pt_in, ref_in, strict=True):
+        _check(name, t.grad, pti.grad, r.grad, 3, dtype)
+
+
+def test_dropout_seeding_and_rate():
+    """torch.manual_seed repeats a run bitwise, another seed changes the mask; about
+    1 - p of the pairs are kept; the SDPA drop-in and packed sequences run it on the kernel;
+    bad rates are refused; torch.compile refuses it clearly (the seed is drawn on the host)."""
+    q, k, v = (t.detach() for t in _inputs(1, 2, 2, 64, 64, 16, torch.float32))
+    torch.manual_seed(5)
+    a = diyfa.flash_attention(q, k, v, dropout_p=0.25)
+    torch.manual_seed(5)
+    b = diyfa.flash_attention(q, k, v, dropout_p=0.25)
+    c = diyfa.flash_attention(q, k, v, dropout_p=0.25)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    kept = _dropout_mask(q, k, False, 0.25, 3).float().mean().item()
+    assert abs(kept - 0.75) < 0.03  # 8192 pairs: 5 sigma is 0.024
+    torch.manual_seed(5)
+    sdpa = diyfa.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    assert torch.equal(sdpa, a)  # the kernel, top-left alignment is moot without causal
+    # Packed sequences: per sequence against the reference with the kernel's own mask (an
+    # identity value of 64 columns: key j of a sequence lands in column j).
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32, device=DEVICE)
+    qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    eye = torch.zeros(64, 2, 64, device=DEVICE)
+    for s0, s1 in ((0, 20), (20, 64)):
+        eye[torch.arange(s0, s1), :, torch.arange(s1 - s0)] = 1.0
+
+    def packed(value):
+        return diyfa.flash_attention_varlen(qp, kp, value, cu, cu, 44, 44, dropout_p=0.2,
+                                            generator=torch.Generator().manual_seed(9))
+    probs, out = packed(eye), packed(vp)
+    for s0, s1 in ((0, 20), (20, 64)):
+        n = s1 - s0
+        mask = (probs[s0:s1, :, :n] != 0).transpose(0, 1)[None]
+        ref = attention_ref(*(t[s0:s1].transpose(0, 1)[None].double() for t in (qp, kp, vp)),
+                            dropout_p=0.2, dropout_mask=mask)  # fmt: skip
+        assert (out[s0:s1].transpose(0, 1)[None].double() - ref).abs().max() < 1e-5
+    for bad, err in ((1.0, ValueError), (-0.1, ValueError), ("0.1", TypeError)):
+        with pytest.raises(err, match="dropout_p must be"):
+            diyfa.flash_attention(q, k, v, dropout_p=bad)
+    f = torch.compile(lambda q, k, v: diyfa.flash_attention(q, k, v, dropout_p=0.1),
+                      fullgraph=True, backend="aot_eager")  # fmt: skip
+    with pytest.raises(Exception, match="dropout_p > 0 under torch.compile is not supported"):
+        f(q, k, v)
+    problem = dataclasses.replace(_problem(), dropout_p=0.1)
+    assert "no dropout yet" in dict(dispatch.explain(problem))["hopper"]
+
+
+_COMPILE_VARIANTS = """
+import torch
+from diyfa._compile import compile_for_sm90
+from diyfa.attention import portable as P
+
+args = dict(LSE=torch.empty(16), DELTA=torch.empty(16), CU_Q=torch.empty(16, dtype=torch.int32),
+            CU_K=torch.empty(16, dtype=torch.int32), SLOPES=torch.empty(16),
+            SINK_LOGITS=torch.empty(16, dtype=torch.bfloat16), qk_scale=0.5, sm_scale=0.5,
+            tanh_scale=0.1, dropout_p=0.1, dropout_seed=2**40 + 3, HEAD_DIM=192, HEAD_DIM_PAD=256,
+            HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", VARLEN=False,
+            WINDOW=True, SOFTCAP=True, ALIBI=True, SINKS=True, DROPOUT=True, BLOCK_M=64,
+            BLOCK_N=32)
+for fn in (P._attn_fwd, P._attn_bwd_dq, P._attn_bwd_dkdv):
+    values = {p.name: args.get(p.name, torch.empty(16, dtype=torch.bfloat16) if p.name.isupper()
+                               else 17) for p in fn.params}
+    compile_for_sm90(fn, values, num_warps=4, num_stages=2)
+print("compiled")
+"""
+
+
+def test_variant_kernels_compile_for_hopper():
+    """The interpreter runs the variants but compiles nothing: the three kernels with every
+    variant on (window, softcap, ALiBi, sinks, dropout's Philox, a 192 / 128 value dim)
+    compile for sm90 with Triton's toolchain, in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_VARIANTS], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

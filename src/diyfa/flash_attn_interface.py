@@ -16,18 +16,20 @@ back into the packed tensor.
 
 What diyfa does not implement (yet) is refused with ``NotImplementedError`` naming the
 argument, the value given and what is supported, before any kernel runs or any cache row is
-written, never silently computed differently: attention dropout (``dropout_p`` != 0),
-``return_attn_probs=True`` (diyfa never materialises the attention
-probabilities; its log-sum-exp comes from ``return_lse=True`` on diyfa's own functions),
+written, never silently computed differently: ``return_attn_probs=True`` (diyfa never
+materialises the attention probabilities; its log-sum-exp comes from ``return_lse=True`` on
+diyfa's own functions),
 and in ``flash_attn_with_kvcache`` sliding windows, softcap, ALiBi, rotary embedding
 (``rotary_cos`` / ``rotary_sin``), ``cache_batch_idx`` and ``cache_leftpad``;
 ``block_table`` in ``flash_attn_varlen_func`` (paged caches run through
 ``flash_attn_with_kvcache``). Every refusal is a row of ``_UNSUPPORTED`` below: supporting
 an option means deleting its row and passing it on.
 
-Sliding windows (``window_size``), softcap and ALiBi (``alibi_slopes``, fp32 (nheads,) or
-(batch, nheads)) run in the other four functions with flash-attn's conventions: a negative
-window side is unbounded, causal makes the right side 0, a softcap <= 0 is off.
+Sliding windows (``window_size``), softcap, ALiBi (``alibi_slopes``, fp32 (nheads,) or
+(batch, nheads)) and dropout (``dropout_p``: diyfa's own Philox mask, seeded from torch's
+default generator; not flash-attn's mask) run in the other four functions with flash-attn's
+conventions: a negative window side is unbounded, causal makes the right side 0, a softcap
+<= 0 is off.
 
 Importing this module imports neither torch nor a kernel: diyfa's functions load on the
 first call.
@@ -43,9 +45,6 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 # The flash-attn options diyfa does not implement: name -> (is this value the supported
 # one?, what is supported and why). "{lse}" is the calling function's way to the LSE.
 _UNSUPPORTED = {
-    "dropout_p": (lambda p: p == 0.0,
-                  "0.0 only: diyfa's kernels have no attention dropout (pass 0.0 at "
-                  "evaluation, as flash-attn recommends)"),
     "window_size": (lambda w: tuple(w) == (-1, -1),
                     "(-1, -1) only in flash_attn_with_kvcache: diyfa's KV-cache path has no "
                     "sliding window yet (flash_attn_func and flash_attn_varlen_func have)"),
@@ -112,12 +111,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     (batch, seqlen_k, nheads_k, headdim), nheads_k dividing nheads. Returns out, shaped like
     q. Runs ``diyfa.flash_attention(..., layout="bshd")``: differentiable, causal aligned
     bottom-right. Refused options: see the module docstring."""
-    _refuse_unsupported("flash_attn_func", _DENSE_LSE, dropout_p=dropout_p,
+    _refuse_unsupported("flash_attn_func", _DENSE_LSE,
                         return_attn_probs=return_attn_probs)  # fmt: skip
     return diyfa.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                  layout="bshd", deterministic=deterministic,
                                  **_variants(window_size, softcap, causal),
-                                 alibi_slopes=alibi_slopes)  # fmt: skip
+                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)  # fmt: skip
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -126,13 +125,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """flash-attn's ``flash_attn_qkvpacked_func``: qkv (batch, seqlen, 3, nheads, headdim).
     Returns out (batch, seqlen, nheads, headdim); gradients flow into qkv (q, k, v are
     views of it, not copies)."""
-    _refuse_unsupported("flash_attn_qkvpacked_func", _DENSE_LSE, dropout_p=dropout_p,
+    _refuse_unsupported("flash_attn_qkvpacked_func", _DENSE_LSE,
                         return_attn_probs=return_attn_probs)  # fmt: skip
     return diyfa.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal,
                                  softmax_scale=softmax_scale, layout="bshd",
                                  deterministic=deterministic,
                                  **_variants(window_size, softcap, causal),
-                                 alibi_slopes=alibi_slopes)  # fmt: skip
+                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)  # fmt: skip
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -141,13 +140,13 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """flash-attn's ``flash_attn_kvpacked_func``: q (batch, seqlen_q, nheads, headdim), kv
     (batch, seqlen_k, 2, nheads_k, headdim). Returns out shaped like q; gradients flow into
     q and kv (k, v are views of kv)."""
-    _refuse_unsupported("flash_attn_kvpacked_func", _DENSE_LSE, dropout_p=dropout_p,
+    _refuse_unsupported("flash_attn_kvpacked_func", _DENSE_LSE,
                         return_attn_probs=return_attn_probs)  # fmt: skip
     return diyfa.flash_attention(q, kv[:, :, 0], kv[:, :, 1], causal=causal,
                                  softmax_scale=softmax_scale, layout="bshd",
                                  deterministic=deterministic,
                                  **_variants(window_size, softcap, causal),
-                                 alibi_slopes=alibi_slopes)  # fmt: skip
+                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)  # fmt: skip
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -159,14 +158,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim), int32 cumulative
     lengths (batch + 1,) starting at 0. Returns out (total_q, nheads, headdim);
     differentiable; causal aligned bottom-right per sequence."""
-    _refuse_unsupported("flash_attn_varlen_func", _VARLEN_LSE, dropout_p=dropout_p,
+    _refuse_unsupported("flash_attn_varlen_func", _VARLEN_LSE,
                         return_attn_probs=return_attn_probs, block_table=block_table)
     return diyfa.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, causal=causal,
                                         softmax_scale=softmax_scale,
                                         deterministic=deterministic,
                                         **_variants(window_size, softcap, causal),
-                                        alibi_slopes=alibi_slopes)  # fmt: skip
+                                        alibi_slopes=alibi_slopes, dropout_p=dropout_p)  # fmt: skip
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,

@@ -55,6 +55,8 @@ def attention_ref(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
 ):
     """softmax(Q K^T * scale + mask) V computed in ``compute_dtype``.
 
@@ -67,7 +69,10 @@ def attention_ref(
     if ``return_lse``. ``softcap`` > 0: scores become softcap * tanh(scores / softcap).
     ``alibi_slopes`` ((heads,) or (batch, heads)): scores get -slope * |i + sk - sq - j|
     (bottom-right, after the softcap). ``sinks`` ((heads,)): one more logit per row in the
-    softmax's denominator, with no value (its LSE includes it).
+    softmax's denominator, with no value (its LSE includes it). ``dropout_mask`` (bool,
+    broadcastable to (batch, heads, seqlen_q, seqlen_k), True = kept) with ``dropout_p``:
+    the probabilities are masked and the kept ones scaled by 1 / (1 - dropout_p) before
+    P @ V (the LSE is the undropped one).
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -105,6 +110,8 @@ def attention_ref(
         lse = torch.logsumexp(s, dim=-1)
     # Rows that see no key: lse = -inf; exp(s - lse) would be NaN, the answer is 0.
     p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
+    if dropout_mask is not None:
+        p = torch.where(dropout_mask, p / (1.0 - dropout_p), 0.0)
     out = torch.matmul(p, v)
     if layout == "bshd":
         out = out.transpose(1, 2)

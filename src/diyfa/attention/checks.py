@@ -82,9 +82,18 @@ def check_bias_tensors(alibi_slopes, sinks, batch: int, heads: int, device) -> N
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
+def check_dropout(dropout_p) -> float:
+    """``dropout_p`` as a float in [0, 1)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a number, got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
 def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                  deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                 sinks=None) -> Problem:
+                 sinks=None, dropout_p=0.0, dropout_seed=0) -> Problem:
     """Check q, k, v and the options; return the call's :class:`Problem`.
 
     ``layout`` is "bhsd" or "bshd"; ``align`` ("bottom_right" or "top_left") is chosen by
@@ -146,6 +155,7 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     window_left, window_right, softcap = check_variants(window_size, softcap, causal)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], bhsd_shape(q, layout)[1], q.device)
+    dropout_p = check_dropout(dropout_p)
     scale = _resolved_scale(softmax_scale, d)
     device = q.device
     # Fake tensors (torch.compile's tracing, ops.py) have no storage: alignment unknown.
@@ -156,7 +166,7 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                    device_capability(device), aligned16, None, None, 0,
                    deterministic or torch.are_deterministic_algorithms_enabled(), window_left,
                    window_right, softcap, alibi_slopes, sinks,
-                   0 if dv == d else dv)  # fmt: skip
+                   0 if dv == d else dv, dropout_p, dropout_seed)  # fmt: skip
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
@@ -195,7 +205,8 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         causal, softmax_scale, deterministic=False, window_size=(-1, -1),
-                        softcap=0.0, fake=False, alibi_slopes=None, sinks=None) -> Problem:
+                        softcap=0.0, fake=False, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                        dropout_seed=0) -> Problem:
     """Check packed (total, heads, head_dim) q, k, v and their cumulative lengths; return the
     call's :class:`Problem` (``cu_seqlens_*`` set; seqlen_q / seqlen_k the longest
     sequences; causal is bottom-right per sequence). The tensor checks are check_inputs's
@@ -210,7 +221,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     one = check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal=causal,
                        softmax_scale=softmax_scale, layout="bshd", align="bottom_right",
                        deterministic=deterministic, window_size=window_size,
-                       softcap=softcap, fake=fake)  # fmt: skip
+                       softcap=softcap, fake=fake, dropout_p=dropout_p,
+                       dropout_seed=dropout_seed)  # fmt: skip
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
                               "max_seqlen_q", q.device, fake)  # fmt: skip
     batch_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,

@@ -485,6 +485,8 @@ def supports(p: Problem) -> str | None:
         return f"it takes no value head dim ({p.head_dim_v}) other than q's ({p.head_dim}) yet"
     if p.sinks is not None:
         return "it takes no attention sinks yet"
+    if p.dropout_p > 0:
+        return "it takes no dropout yet"
     if not p.aligned16:
         return "q, k and v must start on 16-byte boundaries (TMA)"
     es = p.dtype.itemsize

@@ -137,6 +137,14 @@ def _alibi(offs_q, offs_k, slope2, alibi_offset):
 
 
 @triton.jit
+def _keep(row0, stride, offs_q, offs_k, dropout_p, seed):
+    """Whether (query, key) survives dropout: Philox on the pair's index in the whole problem,
+    (row0 + i) * stride + j, so the backward regenerates the forward's mask."""
+    offsets = (row0 + offs_q).to(tl.int64) * stride + offs_k
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
 def _slope(SLOPES, stride_slopes_b, off_b, off_h, ALIBI: tl.constexpr):
     """The ALiBi slope of (sequence, query head) times log2(e); 0 without ALiBi."""
     if ALIBI:
@@ -196,10 +204,12 @@ def _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN: tl.const
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
                tanh_scale, slope2, alibi_offset,
+               drop_row, dropout_stride, dropout_p, dropout_seed,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+               PRECISION: tl.constexpr):
     """Online softmax over the K/V blocks [lo, hi). SOFTCAP: the raw scores become
     tanh(q.k * tanh_scale) (qk_scale then carries softcap * log2(e)). ALIBI: the scores are
     scaled here and get -slope2 * |i + alibi_offset - j| (base 2)."""
@@ -232,6 +242,10 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
             p = tl.math.exp2(qk * s_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:  # the normaliser keeps every probability; P @ V only the kept ones
+            keep = _keep(drop_row, dropout_stride, offs_m[:, None], offs_n[None, :], dropout_p,
+                         dropout_seed)  # fmt: skip
+            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
         v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                      offs_n[:, None] < seqlen_k, dv_ok[None, :], MASKED,
                      HEAD_DIM_V != HEAD_DIM_V_PAD)  # fmt: skip
@@ -248,10 +262,12 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               stride_ob, stride_oh, stride_os, stride_od,
               heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, total_q, SEQ_BUCKET,
               window_left, window_right, tanh_scale, SLOPES, stride_slopes_b, SINK_LOGITS,
+              dropout_p, dropout_seed, dropout_stride,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
               PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
+              DROPOUT: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
@@ -282,32 +298,36 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
     causal_offset, left_offset = _band(causal_offset, window_left, window_right)
     lo, full_lo, full_hi, hi = _kv_ranges(start_m, seqlen_k, causal_offset, left_offset,
                                           BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    # The sequence's first row in the LSE (and the dropout mask's row numbering).
+    row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
     if WINDOW:  # keys left of the band's edge (masked)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                    stride_vs, stride_vd, offs_m, offs_d, lo, full_lo,
                                    seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                                   tanh_scale, slope2, alibi_offset, BLOCK_N, HEAD_DIM,
+                                   tanh_scale, slope2, alibi_offset, row, dropout_stride, dropout_p,
+                                   dropout_seed, BLOCK_N, HEAD_DIM,
                                    HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW,
-                                   SOFTCAP, ALIBI, True,
+                                   SOFTCAP, ALIBI, DROPOUT, True,
                                    PRECISION)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi,
                                seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                               tanh_scale, slope2, alibi_offset, BLOCK_N, HEAD_DIM,
+                               tanh_scale, slope2, alibi_offset, row, dropout_stride, dropout_p,
+                               dropout_seed, BLOCK_N, HEAD_DIM,
                                HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW, SOFTCAP,
-                               ALIBI, False, PRECISION)
+                               ALIBI, DROPOUT, False, PRECISION)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_hi, hi,
                                seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                               tanh_scale, slope2, alibi_offset, BLOCK_N, HEAD_DIM,
+                               tanh_scale, slope2, alibi_offset, row, dropout_stride, dropout_p,
+                               dropout_seed, BLOCK_N, HEAD_DIM,
                                HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW, SOFTCAP,
-                               ALIBI, True, PRECISION)
+                               ALIBI, DROPOUT, True, PRECISION)
 
     empty = l_i == 0.0  # rows that saw no key
     l_safe = tl.where(empty, 1.0, l_i)  # (log2 of 0 would be -inf, then replaced anyway)
     acc = acc / l_safe[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
-    row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
     tl.store(LSE + row + offs_m, lse2, mask=m_ok)
     o_base = O + off_b * stride_ob + q_start * stride_os + off_h * stride_oh
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
@@ -337,10 +357,12 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
                     stride_qs, stride_qd, stride_dos, stride_dod,
                     offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, left_offset,
                     qk_scale, tanh_scale, slope2, alibi_offset,
+                    drop_row, dropout_stride, dropout_p, dropout_seed,
                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                    ALIBI: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """Accumulate dK and dV of one K/V block over the Q blocks [lo, hi) of one head."""
     d_ok = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # the value / output head dim
@@ -364,8 +386,16 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
             keep = _visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, causal_offset,
                             left_offset, CAUSAL, WINDOW)
             pt = tl.where(keep, pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        if DROPOUT:  # the forward's mask, regenerated
+            kept = _keep(drop_row, dropout_stride, offs_m[None, :], offs_n[:, None], dropout_p,
+                         dropout_seed)  # fmt: skip
+            dv = tl.dot(tl.where(kept, pt * (1.0 / (1.0 - dropout_p)), 0.0).to(do.dtype), do,
+                        dv, input_precision=PRECISION)  # fmt: skip
+        else:
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            dpt = tl.where(kept, dpt * (1.0 / (1.0 - dropout_p)), 0.0)
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:  # through the tanh: d(softcap tanh(x / softcap)) = 1 - tanh^2
             dst = dst * (1.0 - qkt * qkt)
@@ -383,11 +413,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
                    heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
                    total_q, SEQ_BUCKET, window_left, window_right, tanh_scale, SLOPES,
-                   stride_slopes_b, SINK_LOGITS,
+                   stride_slopes_b, SINK_LOGITS, dropout_p, dropout_seed, dropout_stride,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                    PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
+                   DROPOUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     kv_heads = heads // kv_group
     off_bhk = tl.program_id(1)
@@ -458,23 +489,26 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, lo, mid_lo, seqlen_q, seqlen_k,
                                      causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                                     alibi_offset, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
+                                     alibi_offset, row, dropout_stride, dropout_p, dropout_seed,
+                                     BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
                                      HEAD_DIM_V_PAD, CAUSAL,
-                                     WINDOW, SOFTCAP, ALIBI, True, PRECISION)
+                                     WINDOW, SOFTCAP, ALIBI, DROPOUT, True, PRECISION)
         dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, mid_lo, mid_hi, seqlen_q, seqlen_k,
                                      causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                                     alibi_offset, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
+                                     alibi_offset, row, dropout_stride, dropout_p, dropout_seed,
+                                     BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
                                      HEAD_DIM_V_PAD, CAUSAL,
-                                     WINDOW, SOFTCAP, ALIBI, False, PRECISION)
+                                     WINDOW, SOFTCAP, ALIBI, DROPOUT, False, PRECISION)
         dk_g, dv_g = _bwd_dkdv_inner(dk_g, dv_g, k, v, q_base, do_base, LSE + row, DELTA + row,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, mid_hi, end, seqlen_q, seqlen_k,
                                      causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                                     alibi_offset, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
+                                     alibi_offset, row, dropout_stride, dropout_p, dropout_seed,
+                                     BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
                                      HEAD_DIM_V_PAD, CAUSAL,
-                                     WINDOW, SOFTCAP, ALIBI, True, PRECISION)
+                                     WINDOW, SOFTCAP, ALIBI, DROPOUT, True, PRECISION)
         if PRECISION == "ieee":
             dk += dk_g
             dv += dv_g
@@ -495,10 +529,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
 def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
                   stride_vn, stride_vd, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k,
                   causal_offset, left_offset, qk_scale, tanh_scale, slope2, alibi_offset,
+                  drop_row, dropout_stride, dropout_p, dropout_seed,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                   HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                  ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """Accumulate dQ of one Q block over the K/V blocks [lo, hi)."""
     d_ok = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # the value / output head dim
@@ -522,6 +558,10 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
                             left_offset, CAUSAL, WINDOW)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vt, input_precision=PRECISION)
+        if DROPOUT:  # the forward's mask, regenerated
+            kept = _keep(drop_row, dropout_stride, offs_m[:, None], offs_n[None, :], dropout_p,
+                         dropout_seed)  # fmt: skip
+            dp = tl.where(kept, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - qk * qk)
@@ -539,11 +579,12 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                  stride_dqb, stride_dqh, stride_dqs, stride_dqd,
                  heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
                  total_q, SEQ_BUCKET, window_left, window_right, tanh_scale, SLOPES,
-                 stride_slopes_b, SINK_LOGITS,
+                 stride_slopes_b, SINK_LOGITS, dropout_p, dropout_seed, dropout_stride,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                  PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
+                 DROPOUT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
@@ -586,21 +627,24 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
         dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                            stride_vs, stride_vd, offs_m, offs_d, lo, full_lo, seqlen_q,
                            seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                           alibi_offset, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
+                           alibi_offset, row, dropout_stride, dropout_p, dropout_seed, BLOCK_N,
+                           HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
                            HEAD_DIM_V_PAD, CAUSAL, WINDOW,
-                           SOFTCAP, ALIBI, True, PRECISION)
+                           SOFTCAP, ALIBI, DROPOUT, True, PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi, seqlen_q,
                        seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                       alibi_offset, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                       alibi_offset, row, dropout_stride, dropout_p, dropout_seed, BLOCK_N,
+                       HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                        CAUSAL, WINDOW, SOFTCAP,
-                       ALIBI, False, PRECISION)
+                       ALIBI, DROPOUT, False, PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, offs_m, offs_d, full_hi, hi, seqlen_q,
                        seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                       alibi_offset, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                       alibi_offset, row, dropout_stride, dropout_p, dropout_seed, BLOCK_N,
+                       HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                        CAUSAL, WINDOW, SOFTCAP,
-                       ALIBI, True, PRECISION)
+                       ALIBI, DROPOUT, True, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
@@ -632,7 +676,7 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
     autotune = tuning.autotune_enabled()
     key = (name, autotune, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"],
            args["SEQ_BUCKET"], args["VARLEN"], args["WINDOW"], args["SOFTCAP"], args["ALIBI"],
-           args["SINKS"], args["HEAD_DIM_V_PAD"])  # fmt: skip
+           args["SINKS"], args["HEAD_DIM_V_PAD"], args["DROPOUT"])  # fmt: skip
     pinned = name in tuning._pinned
     choice = None if pinned else _chosen.get(key)
     if choice is None and autotune and not pinned and t.is_cuda:
@@ -704,6 +748,9 @@ def _common(problem: Problem, stats: torch.Tensor) -> dict:
         stride_slopes_b=(p.alibi_slopes.stride(0) if p.alibi_slopes is not None
                          and p.alibi_slopes.dim() == 2 else 0),
         SINKS=p.sinks is not None, SINK_LOGITS=p.sinks if p.sinks is not None else stats,
+        # Dropout: Philox on (row, key) with the call's seed; rows numbered as in the LSE.
+        DROPOUT=p.dropout_p > 0, dropout_p=p.dropout_p, dropout_seed=p.dropout_seed,
+        dropout_stride=max(p.seqlen_k, 1),
     )  # fmt: skip
     if p.softcap > 0:
         args["qk_scale"] = p.softcap * LOG2E

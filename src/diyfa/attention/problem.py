@@ -74,6 +74,11 @@ class Problem:
     sinks: torch.Tensor | None = None
     # v's head dim when it differs from q's and k's (DeepSeek's MLA: 192 / 128); 0: the same.
     value_dim: int = 0
+    # Attention dropout: each probability is dropped with dropout_p (the kept ones scaled by
+    # 1 / (1 - dropout_p)); the mask is Philox of (dropout_seed, the pair's index), drawn
+    # once per call, so the backward regenerates it.
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
 
     @property
     def head_dim_v(self) -> int:

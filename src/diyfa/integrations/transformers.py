@@ -22,8 +22,8 @@ same call); with padding, the real tokens are packed and run through
 zeros), then scattered back. Model options: ``scaling``, ``sliding_window`` (a window of W
 tokens, the query's own included: window_size (W - 1, 0), as transformers' flash-attention
 path passes it), ``softcap`` (Gemma 2's logit softcapping), ``s_aux`` (gpt-oss's attention
-sinks, differentiable). Refused with ``NotImplementedError``: attention dropout while
-training, ``output_attentions``, a 4-D custom mask.
+sinks, differentiable), ``dropout`` while the module trains (diyfa's Philox dropout).
+Refused with ``NotImplementedError``: ``output_attentions``, a 4-D custom mask.
 
 Not yet: ``torch.compile(fullgraph=True)`` over a padded batch (the varlen path reads the
 lengths on the host), static caches.
@@ -59,10 +59,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("output_attentions", False):
         raise NotImplementedError("attn_implementation='diyfa' never materialises the "
                                   "attention weights: output_attentions=True needs 'eager'")
-    if dropout and module.training:
-        raise NotImplementedError(f"attn_implementation='diyfa' has no attention dropout "
-                                  f"(the model asks for {dropout}): set the config's "
-                                  "attention_dropout to 0.0 or train with another backend")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     b, h, sq, d = query.shape
     sk = key.shape[2]
@@ -70,7 +66,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sliding_window is not None and sk > sliding_window:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     options = dict(causal=causal, softmax_scale=scaling, window_size=window,
-                   softcap=float(softcap or 0.0), sinks=s_aux)  # fmt: skip
+                   softcap=float(softcap or 0.0), sinks=s_aux,
+                   dropout_p=float(dropout) if module.training else 0.0)  # fmt: skip
     if attention_mask is None:
         out = diyfa.flash_attention(query, key, value, **options)
         return out.transpose(1, 2).contiguous(), None
