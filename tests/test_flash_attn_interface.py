@@ -317,7 +317,8 @@ def test_positional_arguments_reach_diyfa_by_name(spies):
     args, kw = spies["flash_attention_with_kvcache"].calls[-1]
     assert _same(args, (q, k, v, "k", "v"))
     assert kw == dict(cache_seqlens=seqlens, block_table=table, causal=True, softmax_scale=0.5,
-                      num_splits=3, return_lse=True)  # fmt: skip
+                      num_splits=3, return_lse=True, window_size=(-1, 0), softcap=0.0,
+                      alibi_slopes=None)  # fmt: skip
 
 
 def test_kvcache_seqlens_int_or_none_become_int32_tensors(spies):
@@ -337,7 +338,6 @@ def test_kvcache_seqlens_int_or_none_become_int32_tensors(spies):
 
 # --- refused options: NotImplementedError naming them, before anything runs ----------------
 
-_ALIBI = torch.ones(4)
 _COMMON = [("return_attn_probs", True, "return_attn_probs=True")]  # fmt: skip
 _KVCACHE = [("rotary_cos", torch.ones(48, 8), "rotary_cos=<Tensor torch.float32 (48, 8)>"),
             ("rotary_sin", torch.ones(48, 8), "rotary_sin=<Tensor torch.float32 (48, 8)>"),
@@ -345,8 +345,7 @@ _KVCACHE = [("rotary_cos", torch.ones(48, 8), "rotary_cos=<Tensor torch.float32 
              "cache_batch_idx=<Tensor torch.int32 (2,)>"),
             ("cache_leftpad", torch.zeros(2, dtype=torch.int32),
              "cache_leftpad=<Tensor torch.int32 (2,)>"),
-            ("window_size", (-1, 0), "window_size=(-1, 0)"), ("softcap", 5.0, "softcap=5.0"),
-            ("alibi_slopes", _ALIBI, "alibi_slopes=<Tensor torch.float32 (4,)>")]  # fmt: skip
+]  # fmt: skip
 REFUSED = ([(f, *row) for f in ("flash_attn_func", "flash_attn_qkvpacked_func",
                                 "flash_attn_kvpacked_func", "flash_attn_varlen_func")
             for row in _COMMON]

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -137,9 +138,10 @@ def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     problem = _problem(**kwargs)
     calls = []
     monkeypatch.setattr(hopper_bwd, "hopper_backward", lambda *a, **k: calls.append("hopper"))
-    fam = portable.FAMILY
-    monkeypatch.setattr(portable, "FAMILY", dataclasses.replace(
-        fam, backward=lambda *a, **k: calls.append("portable")))
+    # hopper_bwd's own reference to the portable module (not portable.FAMILY itself, which
+    # dispatch.families() caches for the process).
+    fake = dataclasses.replace(portable.FAMILY, backward=lambda *a, **k: calls.append("portable"))
+    monkeypatch.setattr(hopper_bwd, "portable", types.SimpleNamespace(FAMILY=fake))
     dispatch.select(problem, backend).backward(None, None, None, None, None, None, problem)
     assert calls == [want]
 

@@ -94,6 +94,50 @@ def test_kvcache_append_and_attend(dtype, splits, sq, s_new, causal, paged):
         assert (out[0, : sq - LENS[0] - s_new] == 0).all()
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("variant", [
+    dict(window_size=(40, 0)), dict(softcap=2.0), dict(alibi="heads"), dict(sinks=True),
+    dict(window_size=(25, 0), softcap=3.0, alibi="batch", sinks=True),
+], ids=["window", "softcap", "alibi", "sinks", "all"])
+def test_kvcache_variants(variant, paged):
+    """Sliding window, softcap, ALiBi and sinks through the cache path (3 splits, so the
+    window's first key lands inside a split and the sinks join the merge), decode and a
+    3-token append, against the float64 reference per sequence by the 2x rule."""
+    dtype = torch.bfloat16
+    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+     after_v) = _setup(dtype, 3, 3)  # fmt: skip
+    kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+    b, h = q.shape[0], q.shape[2]
+    g = torch.Generator().manual_seed(4)
+    kw = dict(window_size=variant.get("window_size", (-1, -1)),
+              softcap=variant.get("softcap", 0.0))  # fmt: skip
+    if "alibi" in variant:
+        shape = (h,) if variant["alibi"] == "heads" else (b, h)
+        kw["alibi_slopes"] = (torch.rand(shape, generator=g) * 0.2).to(DEVICE)
+    if variant.get("sinks"):
+        kw["sinks"] = torch.randn(h, generator=g).to(DEVICE, dtype)
+    with torch.no_grad():
+        out = diyfa.flash_attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                                 block_table=bt, num_splits=3, **kw)
+    ref_kw = dict(window=None if kw["window_size"] == (-1, -1) else kw["window_size"],
+                  softcap=kw["softcap"])  # fmt: skip
+
+    def reference(cdt):
+        outs = []
+        for i, n in enumerate(n + 3 for n in LENS):
+            slopes = kw.get("alibi_slopes")
+            if slopes is not None and slopes.dim() == 2:
+                slopes = slopes[i]
+            sinks = kw.get("sinks")
+            outs.append(attention_ref(
+                q[i:i + 1], after_k[i:i + 1, :n], after_v[i:i + 1, :n], causal=True,
+                layout="bshd", compute_dtype=cdt, alibi_slopes=slopes,
+                sinks=sinks.to(cdt) if sinks is not None else None, **ref_kw))
+        return torch.cat(outs)
+
+    _check("out", out, reference(dtype), reference(torch.float64), 2, dtype)
+
+
 def test_splits_merge_to_the_unsplit_result():
     q, k_cache, v_cache, *_ = _setup(torch.float32, 1, 0)
     seqlens = torch.tensor([150, 299, 64], dtype=torch.int32, device=q.device)
@@ -161,9 +205,10 @@ from diyfa._compile import compile_for_sm90
 from diyfa.attention import decode
 
 tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32, "O_PART": torch.float32,
-           "LSE_PART": torch.float32, "LSE": torch.float32}
-args = dict(qk_scale=0.5, HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True, PAGED=True,
-            PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
+           "LSE_PART": torch.float32, "LSE": torch.float32, "SLOPES": torch.float32}
+args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True,
+            PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True, SINKS=True,
+            BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
 for fn in (decode._decode_split, decode._combine):
     values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.bfloat16))
                                if p.name.isupper() else 17) for p in fn.params}
@@ -173,7 +218,8 @@ print("compiled")
 
 
 def test_decode_kernels_compile_for_hopper():
-    """The split-KV and combine kernels compile for sm90 (the interpreter does not compile)."""
+    """The split-KV and combine kernels compile for sm90, every variant on (the interpreter
+    does not compile)."""
     import os
     import subprocess
     import sys

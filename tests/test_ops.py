@@ -133,7 +133,8 @@ def test_opcheck_varlen_kvcache_and_matmul():
                            cu_k, 20, 30) + options)  # fmt: skip
     q, k_cache, v_cache, k, v, lens = _cache_inputs()
     torch.library.opcheck(torch.ops.diyfa.attention_kvcache.default,
-                          (q, k_cache, v_cache, k, v, lens, None, True, None, 0))
+                          (q, k_cache, v_cache, k, v, lens, None, True, None, 0, 16, 0, 2.0,
+                           None, torch.tensor([0.5, 0.0, -0.5, 1.0], device=DEVICE)))
     a, b = torch.randn(2, 33, 40).to(DEVICE), torch.randn(2, 40, 24).to(DEVICE)
     torch.library.opcheck(torch.ops.diyfa.matmul.default,
                           (a, b, None, None, None, torch.randn(24).to(DEVICE), "gelu", "ieee",

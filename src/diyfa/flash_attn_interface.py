@@ -19,15 +19,15 @@ argument, the value given and what is supported, before any kernel runs or any c
 written, never silently computed differently: ``return_attn_probs=True`` (diyfa never
 materialises the attention probabilities; its log-sum-exp comes from ``return_lse=True`` on
 diyfa's own functions),
-and in ``flash_attn_with_kvcache`` sliding windows, softcap, ALiBi, rotary embedding
-(``rotary_cos`` / ``rotary_sin``), ``cache_batch_idx`` and ``cache_leftpad``;
+and in ``flash_attn_with_kvcache`` rotary embedding (``rotary_cos`` / ``rotary_sin``),
+``cache_batch_idx`` and ``cache_leftpad``;
 ``block_table`` in ``flash_attn_varlen_func`` (paged caches run through
 ``flash_attn_with_kvcache``). Every refusal is a row of ``_UNSUPPORTED`` below: supporting
 an option means deleting its row and passing it on.
 
 Sliding windows (``window_size``), softcap, ALiBi (``alibi_slopes``, fp32 (nheads,) or
 (batch, nheads)) and dropout (``dropout_p``: diyfa's own Philox mask, seeded from torch's
-default generator; not flash-attn's mask) run in the other four functions with flash-attn's
+default generator; not flash-attn's mask; not in the cache call) run with flash-attn's
 conventions: a negative window side is unbounded, causal makes the right side 0, a softcap
 <= 0 is off.
 
@@ -45,15 +45,6 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 # The flash-attn options diyfa does not implement: name -> (is this value the supported
 # one?, what is supported and why). "{lse}" is the calling function's way to the LSE.
 _UNSUPPORTED = {
-    "window_size": (lambda w: tuple(w) == (-1, -1),
-                    "(-1, -1) only in flash_attn_with_kvcache: diyfa's KV-cache path has no "
-                    "sliding window yet (flash_attn_func and flash_attn_varlen_func have)"),
-    "softcap": (lambda c: c == 0.0,
-                "0.0 only in flash_attn_with_kvcache: diyfa's KV-cache path has no softcap "
-                "yet (flash_attn_func and flash_attn_varlen_func have)"),
-    "alibi_slopes": (lambda a: a is None,
-                     "None only in flash_attn_with_kvcache: diyfa's KV-cache path adds no ALiBi "
-                     "bias yet (the other four functions do)"),
     "return_attn_probs": (lambda r: not r,
                           "False only: diyfa never materialises the attention probabilities; "
                           "for the softmax log-sum-exp call {lse}"),
@@ -186,8 +177,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     which is refused."""
     _refuse_unsupported("flash_attn_with_kvcache", rotary_cos=rotary_cos,
                         rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                        cache_leftpad=cache_leftpad, window_size=window_size, softcap=softcap,
-                        alibi_slopes=alibi_slopes)  # fmt: skip
+                        cache_leftpad=cache_leftpad)  # fmt: skip
     if cache_seqlens is None or (isinstance(cache_seqlens, int)
                                  and not isinstance(cache_seqlens, bool)):  # fmt: skip
         import torch
@@ -205,4 +195,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                               block_table=block_table, causal=causal,
                                               softmax_scale=softmax_scale,
                                               num_splits=num_splits,
-                                              return_lse=return_softmax_lse)  # fmt: skip
+                                              return_lse=return_softmax_lse,
+                                              **_variants(window_size, softcap, causal),
+                                              alibi_slopes=alibi_slopes)  # fmt: skip

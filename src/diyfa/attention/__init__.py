@@ -209,6 +209,10 @@ def flash_attention_with_kvcache(
     softmax_scale: float | None = None,
     num_splits: int = 0,
     return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of new query tokens against a KV cache (decoding, chunked prefill). No
     gradients (inference; inputs that require them are refused).
@@ -228,21 +232,26 @@ def flash_attention_with_kvcache(
         num_splits: how many ranges the keys are cut into (programs that run in parallel
             and are merged); 0 picks it from the problem and the GPU's SM count.
         return_lse: also return the natural-log LSE, (batch, heads, seqlen_q) fp32.
+        window_size, softcap, alibi_slopes, sinks: as for :func:`flash_attention`, aligned
+            bottom-right against each sequence's cache (a window reads only its keys).
 
     Every check (shapes, dtypes, lengths against the cache, pages against the pool) runs
     before anything is written: on an error the cache is untouched. The lengths are read to
     the host (one device synchronisation per call).
     """
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
+        wl, wr = window_size
         out, lse2 = torch.ops.diyfa.attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
                                                       block_table, causal, softmax_scale,
-                                                      num_splits)  # fmt: skip
+                                                      num_splits, wl, wr, float(softcap),
+                                                      alibi_slopes, sinks)  # fmt: skip
     else:
         from diyfa.attention import decode
 
         out, lse2 = decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens,
-                                             block_table, causal, softmax_scale,
-                                             num_splits)  # fmt: skip
+                                             block_table, causal, softmax_scale, num_splits,
+                                             window_size, softcap, alibi_slopes,
+                                             sinks)  # fmt: skip
     return (out, lse2 * LN2) if return_lse else out
 
 

@@ -23,6 +23,11 @@ Masking: keys [0, seqlen_k) of each sequence, seqlen_k = cache_seqlens[b] (after
 append); causal aligns the new queries bottom-right (query i sees keys j <= i + seqlen_k -
 seqlen_q). A row that sees no key gives zeros and LSE -inf.
 
+Variants, as in the portable kernels (compile-time flags): a sliding window (the split's key
+range starts at the window's first key, so a decode step reads only the window), softcap,
+ALiBi (per row: the rows of a tile span the group's heads), and attention sinks, which join
+the denominator once, in ``_combine``.
+
 Numerics are the portable kernel's: fp32 accumulation, base-2 softmax with the scale
 folded in, P rounded to the input dtype before P @ V (fp32 inputs: IEEE dots).
 """
@@ -35,6 +40,7 @@ import triton.language as tl
 
 from diyfa import _interpreter
 from diyfa._launcher import cdiv, next_power_of_2
+from diyfa.attention.portable import _tanh
 from diyfa.device import interpreter_enabled, kernel_limits
 
 if interpreter_enabled():
@@ -51,8 +57,10 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   stride_vb, stride_vs, stride_vh, stride_vd,
                   stride_tb, page_size,
                   kv_heads, kv_group, seqlen_q, split_len, qk_scale, batch,
+                  window_left, window_right, tanh_scale, SLOPES, stride_slopes_b,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                  PAGED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
@@ -62,11 +70,15 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
     seqlen_k = tl.load(CACHE_SEQLENS + off_b)
-    causal_offset = seqlen_k - seqlen_q
+    alibi_offset = seqlen_k - seqlen_q  # bottom-right
+    causal_offset = alibi_offset + window_right  # key j <= i + causal_offset (CAUSAL)
+    left_offset = alibi_offset - window_left  # key j >= i + left_offset (WINDOW)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seqlen_k)
     if CAUSAL:
         hi = tl.minimum(hi, tl.maximum(seqlen_q + causal_offset, 0))
+    if WINDOW:  # query 0 sees nothing left of left_offset: skip those blocks
+        lo = tl.maximum(lo, tl.maximum(left_offset, 0) // BLOCK_N * BLOCK_N)
 
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     head = off_hk * kv_group + rows // seqlen_q
@@ -76,6 +88,9 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
     d_ok = offs_d < HEAD_DIM
     q = tl.load(Q + off_b * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ALIBI:  # one slope per row (its head), times log2(e)
+        slope2 = tl.load(SLOPES + off_b * stride_slopes_b + head, mask=row_ok,
+                         other=0.0) * 1.4426950408889634  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -95,10 +110,18 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
         k = tl.load(K + k_rows[:, None] + off_hk * stride_kh + offs_d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP:
+            qk = _tanh(qk * tanh_scale)
+        qk = qk * qk_scale
+        if ALIBI:
+            qk = qk - slope2[:, None] * tl.abs(qpos[:, None] + alibi_offset
+                                               - offs_n[None, :]).to(tl.float32)  # fmt: skip
         keep = n_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= qpos[:, None] + causal_offset)
-        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        if WINDOW:
+            keep = keep & (offs_n[None, :] >= qpos[:, None] + left_offset)
+        qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
         p = tl.math.exp2(qk - m_use[:, None])
@@ -122,18 +145,25 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
 
 
 @triton.jit
-def _combine(O_PART, LSE_PART, O, LSE, rows_per_split, seqlen_q, heads,
+def _combine(O_PART, LSE_PART, O, LSE, SINK_LOGITS, rows_per_split, seqlen_q, heads,
              stride_ob, stride_os, stride_oh, stride_od,
-             NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """Program per (batch, head, query) row: merge the splits' partial outputs."""
+             NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+             SINKS: tl.constexpr):
+    """Program per (batch, head, query) row: merge the splits' partial outputs (and the
+    head's sink logit, which joins the denominator once, with no value)."""
     row = tl.program_id(0).to(tl.int64)  # (b * heads + h) * seqlen_q + s
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     splits = tl.arange(0, NUM_SPLITS)
     lse_s = tl.load(LSE_PART + splits * rows_per_split + row)
     m = tl.max(lse_s, 0)
+    if SINKS:
+        sink2 = tl.load(SINK_LOGITS + (row // seqlen_q) % heads).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink2)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse_s - m_use)
     total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.math.exp2(sink2 - m_use)
     o_s = tl.load(O_PART + (splits[:, None] * rows_per_split + row) * HEAD_DIM_PAD
                   + offs_d[None, :])  # fmt: skip
     total_safe = tl.where(total == 0.0, 1.0, total)
@@ -155,17 +185,20 @@ def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.devi
 
 
 def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal: bool,
-                      softmax_scale, num_splits: int):
+                      softmax_scale, num_splits: int, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, sinks=None):
     """``flash_attention_with_kvcache``'s work, for the eager call and the custom op alike:
     every check first (nothing is written on an error), then k/v appended in place at rows
     cache_seqlens[b].. (torch indexing, only those rows), then attention. Returns (out,
     lse2) with lse2 base 2."""
-    from diyfa.attention.checks import check_kvcache_inputs
+    from diyfa.attention.checks import check_bias_tensors, check_kvcache_inputs, check_variants
 
     scale, lengths = check_kvcache_inputs(q, k_cache, v_cache, k, v,
                                           cache_seqlens=cache_seqlens,
                                           block_table=block_table, causal=causal,
                                           softmax_scale=softmax_scale, num_splits=num_splits)
+    left, right, softcap = check_variants(window_size, softcap, causal)
+    check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     seqlens = cache_seqlens
     if k is not None and k.shape[1] > 0:
         pos = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
@@ -181,14 +214,17 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
         seqlens = cache_seqlens + k.shape[1]
     return kvcache_attention(q, k_cache, v_cache, seqlens, block_table, causal=causal,
                              softmax_scale=scale, num_splits=num_splits,
-                             max_seqlen_k=max(lengths, default=0))
+                             max_seqlen_k=max(lengths, default=0), window=(left, right),
+                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal: bool,
-                      softmax_scale: float, num_splits: int, max_seqlen_k: int):
+                      softmax_scale: float, num_splits: int, max_seqlen_k: int,
+                      window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None):
     """(out, lse2) for checked inputs, the new keys already appended: q (batch, seqlen_q,
     heads, d); out like q; lse2 base 2, (batch, heads, seqlen_q) fp32. ``max_seqlen_k`` is
-    the longest cache_seqlens entry (read on the host by the checks)."""
+    the longest cache_seqlens entry (read on the host by the checks). ``window`` is the
+    checked (left, right) pair (right 0 when causal)."""
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
     group = h // hk
@@ -211,14 +247,23 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         lse_part[splits * rows:].fill_(float("-inf"))
     paged = block_table is not None
     table = block_table if paged else cache_seqlens
+    left, right = window
+    qk_scale = softcap * LOG2E if softcap > 0 else softmax_scale * LOG2E
+    alibi = alibi_slopes is not None
     _decode_split[(b * hk, splits, cdiv(group * sq, block_m))](
         q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,
-        hk, group, sq, split_len, softmax_scale * LOG2E, b,
-        HEAD_DIM=d, HEAD_DIM_PAD=d_pad, CAUSAL=causal, PAGED=paged,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, num_warps=4 if not interpreter_enabled() else 1)  # fmt: skip
-    _combine[(rows,)](o_part, lse_part, out, lse2, rows, sq, h, *out.stride(),
-                      NUM_SPLITS=slots, HEAD_DIM=d, HEAD_DIM_PAD=d_pad)  # fmt: skip
+        hk, group, sq, split_len, qk_scale, b,
+        max(left, 0), 0 if causal else max(right, 0),
+        softmax_scale / softcap if softcap > 0 else 1.0,
+        alibi_slopes if alibi else lse_part,
+        alibi_slopes.stride(0) if alibi and alibi_slopes.dim() == 2 else 0,
+        HEAD_DIM=d, HEAD_DIM_PAD=d_pad, CAUSAL=causal or right >= 0, PAGED=paged,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
+        SOFTCAP=softcap > 0, ALIBI=alibi, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        num_warps=4 if not interpreter_enabled() else 1)  # fmt: skip
+    _combine[(rows,)](o_part, lse_part, out, lse2, sinks if sinks is not None else lse_part,
+                      rows, sq, h, *out.stride(), NUM_SPLITS=slots, HEAD_DIM=d,
+                      HEAD_DIM_PAD=d_pad, SINKS=sinks is not None)  # fmt: skip
     return out, lse2

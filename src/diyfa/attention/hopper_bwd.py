@@ -52,7 +52,6 @@ hands an expanded, stride-0 gradient for ``out.sum()``).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -67,18 +66,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from diyfa._launcher import cdiv, launch, next_power_of_2
 from diyfa.attention import portable
-from diyfa.attention.hopper_fwd import LOG2E, bhsd_view, head_dim_pad
+from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d, bhsd_view, head_dim_pad
 from diyfa.attention.hopper_fwd import supports as forward_supports
 from diyfa.attention.problem import Problem
 
 SUB_N = 64  # keys per consumer warpgroup: one m64 wgmma
 CONSUMERS = 2
 BLOCK_N = CONSUMERS * SUB_N
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 # padded head dim -> (BLOCK_M query rows per step, STAGES of Q/dO, consumer registers, loader
 # registers). Registers per consumer thread at d128: dK + dV 128, S^T + dP^T 64 (BLOCK_M
@@ -136,12 +133,6 @@ def _kv_program(heads, kv_group, seqlen_q, causal_offset, BLOCK_M: gl.constexpr,
         m_lo = gl.maximum(n0 - causal_offset, 0) // BLOCK_M
     num_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
     return n0, off_b, off_hk, m_lo, num_m
-
-
-@gluon.jit
-def _tile2d(bufs, i):
-    """Buffer ``i`` of a ring of (1, 1, rows, dim) TMA blocks, as a (rows, dim) operand."""
-    return bufs.index(i).reshape([bufs.type.shape[3], bufs.type.shape[4]])
 
 
 @gluon.jit
@@ -359,25 +350,6 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
-@functools.cache
-def _smem_layout(block: tuple, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
-
-
-def _desc(t4: torch.Tensor, rows: int, dim: int) -> GluonDescriptor:
-    """A host TMA descriptor of a (batch, heads, seqlen, dim) view with blocks (1, 1, rows,
-    dim); fields set directly, as in hopper_fwd (the rules were checked by ``supports``)."""
-    block = (1, 1, rows, dim)
-    desc = object.__new__(GluonDescriptor)
-    desc.base = t4
-    desc.shape = list(t4.shape)
-    desc.strides = list(t4.stride())
-    desc.block_shape = list(block)
-    desc.layout = _smem_layout(block, t4.dtype)
-    desc.padding = "zero"
-    return desc
-
-
 def tma_ready(t4: torch.Tensor) -> bool:
     """Whether a (batch, heads, seqlen, dim) view meets TMA's rules: 16-byte aligned base,
     contiguous last dim, the other strides multiples of 16 bytes."""

@@ -390,12 +390,13 @@ def _smem_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
-def _desc(t4: torch.Tensor, rows: int) -> GluonDescriptor:
-    """A host TMA descriptor of a (batch, heads, seqlen, dim) view, blocks (1, 1, rows, padded
-    dim). Its fields are set directly: ``supports`` has checked TMA's rules (alignment,
-    strides, a contiguous last dim), which the constructor would check again on every call
-    (with the layout lookup, ~10 us of the launch path's host time)."""
-    block = (1, 1, rows, head_dim_pad(t4.shape[3]))
+def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescriptor:
+    """A host TMA descriptor of a (batch, heads, seqlen, dim) view, blocks (1, 1, rows, dim:
+    the padded head dim unless given). Its fields are set directly: ``supports`` has checked
+    TMA's rules (alignment, strides, a contiguous last dim), which the constructor would
+    check again on every call (with the layout lookup, ~10 us of the launch path's host
+    time)."""
+    block = (1, 1, rows, dim or head_dim_pad(t4.shape[3]))
     desc = object.__new__(GluonDescriptor)
     desc.base = t4
     desc.shape = list(t4.shape)

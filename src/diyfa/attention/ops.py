@@ -27,7 +27,13 @@ from typing import Optional
 
 import torch
 
-from diyfa.attention.checks import check_inputs, check_kvcache_inputs, check_varlen_inputs
+from diyfa.attention.checks import (
+    check_bias_tensors,
+    check_inputs,
+    check_kvcache_inputs,
+    check_variants,
+    check_varlen_inputs,
+)
 from diyfa.attention.dispatch import select
 from diyfa.attention.problem import bhsd_shape
 
@@ -209,21 +215,29 @@ def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       cache_seqlens: torch.Tensor,
                       block_table: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
                       causal: bool, softmax_scale: Optional[float],  # noqa: UP045
-                      num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                      num_splits: int, window_left: int, window_right: int, softcap: float,
+                      alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                      sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``flash_attention_with_kvcache``: appends k/v into the caches in place (declared as
     mutated), then attends -> (out like q, lse2 (batch, heads, seqlen_q))."""
     from diyfa.attention import decode
 
     return decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                    causal, softmax_scale, num_splits)  # fmt: skip
+                                    causal, softmax_scale, num_splits,
+                                    (window_left, window_right), softcap, alibi_slopes,
+                                    sinks)  # fmt: skip
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
-                            softmax_scale, num_splits):  # fmt: skip
+                            softmax_scale, num_splits, window_left, window_right, softcap,
+                            alibi_slopes, sinks):  # fmt: skip
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                          block_table=block_table, causal=causal, softmax_scale=softmax_scale,
                          num_splits=num_splits, fake=True)  # fmt: skip
+    check_variants((window_left, window_right), softcap, causal)
+    check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     b, sq, h, _ = q.shape
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty((b, h, sq), dtype=torch.float32, device=q.device))  # fmt: skip
