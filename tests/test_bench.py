@@ -661,3 +661,26 @@ def test_cli_profile_without_ncu_says_so_in_one_line(capsys, monkeypatch):
     assert "regex:_attn_bwd" in out  # the command, to run where ncu is
     assert err.startswith("diyfa: error: ncu (Nsight Compute) is not on PATH")
     assert err.count("\n") == 1
+
+
+def test_variants_suite_runs_and_checks_each_option():
+    """The variants suite's options reach diyfa and the float64 error check (window,
+    softcap, ALiBi, sinks), windows count only their pairs, and SDPA reports it cannot run
+    them."""
+    from diyfa.bench.suites import AttentionCase, Plan
+
+    [plan] = suites.plans("flash", ["variants"])
+    assert [c.window for c in plan.cases].count((1023, 0)) == 1 and plan.modes == ("fwd", "bwd")
+    plain = AttentionCase(1, 2, 48, 48, 32, True, "fp32")
+    cases = (AttentionCase(1, 2, 48, 48, 32, True, "fp32", window=(15, 0)),
+             AttentionCase(1, 2, 48, 48, 32, True, "fp32", softcap=5.0, alibi=True, sinks=True))
+    recs = harness.run([Plan("variants", "flash", cases, ("fwd", "bwd"))], _harness(),
+                       providers=["diyfa", "sdpa-math"])  # fmt: skip
+    for r in recs:
+        if r["provider"] == "diyfa":
+            assert r["status"] == "ok" and r["error"]["status"] == "ok", r
+            assert r["error"]["out_max_abs"] < 1e-5
+        else:
+            assert r["status"] == "unsupported" and "no window, softcap" in r["reason"]
+    assert cases[0].flops("fwd")["exact"] < plain.flops("fwd")["exact"]
+    assert cases[0].options()["window"] == [15, 0] and "window" not in plain.options()

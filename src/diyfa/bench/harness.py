@@ -210,7 +210,15 @@ def _attention_error(case, prov, q, k, v, out, grads, dout, options: Options) ->
 
     ref_in = [sl(t, n).detach().double().requires_grad_(grads is not None)
               for t, n in ((q, g), (k, 1), (v, 1))]  # fmt: skip
-    ref = attention_ref(*ref_in, causal=case.causal, layout=lay)
+    # The variants (window, softcap, ALiBi, sinks) of the case, for the checked heads.
+    opts = case.kernel_options(q.device) if getattr(case, "variant", False) else {}
+    window = opts.get("window_size")
+    ref = attention_ref(*ref_in, causal=case.causal, layout=lay,
+                        window=(window[0], 0 if case.causal else window[1]) if window else None,
+                        softcap=opts.get("softcap", 0.0),
+                        alibi_slopes=(opts["alibi_slopes"][:g].double()
+                                      if "alibi_slopes" in opts else None),
+                        sinks=opts["sinks"][:g].double() if "sinks" in opts else None)  # fmt: skip
     info["status"] = "ok"
     info["out_max_abs"] = float((sl(out, g).double() - ref).abs().max())
     info["ref_max_abs"] = float(ref.abs().max())

@@ -101,6 +101,8 @@ def _sdpa(backend_name: str, case, q, k, v):
 
 
 def _sdpa_check(case) -> str | None:
+    if getattr(case, "variant", False):
+        return "SDPA's fused kernels take no window, softcap, ALiBi or sinks"
     if case.causal and case.seqlen_q != case.seqlen_k and case.hk != case.heads:
         return "SDPA takes no lower-right causal bias together with enable_gqa"
     return None
@@ -119,7 +121,7 @@ def _diyfa_attention(case, q, k, v):
     """diyfa.flash_attention, layout bhsd, backend "auto" (the Hopper forward on sm90)."""
     from diyfa.attention import flash_attention
 
-    return flash_attention(q, k, v, causal=case.causal)
+    return flash_attention(q, k, v, causal=case.causal, **case.kernel_options(q.device))
 
 
 @register("attention", "diyfa-portable", layout="bhsd", check=_diyfa_check)
@@ -128,7 +130,8 @@ def _diyfa_portable(case, q, k, v):
     the Hopper family gains over them)."""
     from diyfa.attention import flash_attention
 
-    return flash_attention(q, k, v, causal=case.causal, backend="portable")
+    return flash_attention(q, k, v, causal=case.causal, backend="portable",
+                           **case.kernel_options(q.device))  # fmt: skip
 
 
 def _hopper_check(case) -> str | None:
@@ -157,7 +160,8 @@ def _diyfa_hopper(case, q, k, v):
     applies (head dims up to 128), the Gluon backward in its fast mode (atomic dQ)."""
     from diyfa.attention import flash_attention
 
-    return flash_attention(q, k, v, causal=case.causal, backend="hopper")
+    return flash_attention(q, k, v, causal=case.causal, backend="hopper",
+                           **case.kernel_options(q.device))  # fmt: skip
 
 
 @register("attention", "diyfa-hopper-det", layout="bhsd", check=_hopper_check)
@@ -166,7 +170,8 @@ def _diyfa_hopper_det(case, q, k, v):
     (bitwise-reproducible gradients); the cost of determinism is this against diyfa-hopper."""
     from diyfa.attention import flash_attention
 
-    return flash_attention(q, k, v, causal=case.causal, backend="hopper", deterministic=True)
+    return flash_attention(q, k, v, causal=case.causal, backend="hopper", deterministic=True,
+                           **case.kernel_options(q.device))  # fmt: skip
 
 
 @register("attention", "sdpa-flash", layout="bhsd", baseline=True, check=_sdpa_check)
@@ -197,19 +202,61 @@ def _needs_cuda(case) -> str | None:
     return None if torch.cuda.is_available() else "needs a CUDA GPU"
 
 
+def _fa2_check(case) -> str | None:
+    if getattr(case, "sinks", False):
+        return "FA2 has no attention sinks"
+    return _needs_cuda(case)
+
+
 @register(
     "attention",
     "flash-attn-2",
     layout="bshd",
     requires=("flash_attn:flash_attn_func",),
     baseline=True,
-    check=_needs_cuda,
+    check=_fa2_check,
 )
 def _flash_attn_2(case, q, k, v):
     """flash_attn.flash_attn_func (FlashAttention-2 package), layout bshd."""
     from flash_attn import flash_attn_func
 
-    return flash_attn_func(q, k, v, causal=case.causal)
+    opts = case.kernel_options(q.device)
+    return flash_attn_func(q, k, v, causal=case.causal,
+                           window_size=opts.get("window_size", (-1, -1)),
+                           softcap=opts.get("softcap", 0.0),
+                           alibi_slopes=opts.get("alibi_slopes"))  # fmt: skip
+
+
+def _fa4_options(case, device) -> dict:
+    """FA4's keyword arguments for the case's variants, by the names its installed
+    ``flash_attn_func`` takes (window_size with None for an unbounded side, softcap,
+    learnable_sink); ALiBi it has none of."""
+    opts = case.kernel_options(device)
+    kw = {}
+    if "window_size" in opts:
+        kw["window_size"] = tuple(None if w < 0 else w for w in opts["window_size"])
+    if "softcap" in opts:
+        kw["softcap"] = opts["softcap"]
+    if "sinks" in opts:
+        kw["learnable_sink"] = opts["sinks"]
+    return kw
+
+
+def _fa4_check(case) -> str | None:
+    why = _needs_cuda(case)
+    if why or not getattr(case, "variant", False):
+        return why
+    if case.alibi:
+        return "FA4 has no ALiBi"
+    import inspect
+
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # reported by the provider's own availability check
+        return f"flash_attn.cute is not importable ({type(e).__name__})"
+    params = inspect.signature(flash_attn_func).parameters
+    missing = [n for n in _fa4_options(case, "cpu") if n not in params]
+    return f"its flash_attn_func takes no {', '.join(missing)}" if missing else None
 
 
 @register(
@@ -218,13 +265,13 @@ def _flash_attn_2(case, q, k, v):
     layout="bshd",
     requires=("flash_attn.cute:flash_attn_func",),
     baseline=True,
-    check=_needs_cuda,
+    check=_fa4_check,
 )
 def _fa4_cute(case, q, k, v):
     """flash_attn.cute.flash_attn_func (FlashAttention-4, CuTe DSL), layout bshd."""
     from flash_attn.cute import flash_attn_func
 
-    out = flash_attn_func(q, k, v, causal=case.causal)
+    out = flash_attn_func(q, k, v, causal=case.causal, **_fa4_options(case, q.device))
     return out[0] if isinstance(out, tuple) else out
 
 

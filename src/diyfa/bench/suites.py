@@ -20,6 +20,8 @@ Suites
     paged-decode  the same through a paged cache (page sizes 16 and 256, shuffled pages)
     varlen      64k tokens of packed sequences (lengths log-uniform in 128..8192), d 64/128,
                 causal and not, fwd and bwd; the padded cuDNN provider is the baseline
+    variants    8k tokens, d 128, causal: plain, a 1024-key window (exact FLOPs), softcap 30,
+                ALiBi, sinks; fwd and bwd (issue 14's cost of each option)
     smoke       tiny shapes for the CPU interpreter (tests, a machine without a GPU)
 """
 
@@ -35,7 +37,10 @@ TARGETS = ("flash", "matmul", "memory")
 
 @dataclass(frozen=True)
 class AttentionCase:
-    """One attention shape. ``kv_heads`` < ``heads`` is GQA; causal aligns bottom-right."""
+    """One attention shape. ``kv_heads`` < ``heads`` is GQA; causal aligns bottom-right.
+    Variants (the ``variants`` suite): ``window`` (left, right) as FlashAttention's
+    window_size, ``softcap``, ``alibi`` (geometric slopes per head), ``sinks`` (one logit
+    per head); :meth:`kernel_options` gives the tensors, the same for every provider."""
 
     batch: int
     heads: int
@@ -45,6 +50,10 @@ class AttentionCase:
     causal: bool = False
     dtype: str = "bf16"
     kv_heads: int | None = None
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
 
     op = "attention"
 
@@ -52,18 +61,47 @@ class AttentionCase:
     def hk(self) -> int:
         return self.kv_heads or self.heads
 
+    @property
+    def variant(self) -> bool:
+        return bool(self.window or self.softcap or self.alibi or self.sinks)
+
     def shape(self) -> dict:
         d = asdict(self)
         d["kv_heads"] = self.hk
-        d.pop("dtype")
-        d.pop("causal")
+        for name in ("dtype", "causal", "window", "softcap", "alibi", "sinks"):
+            d.pop(name)
         return d
 
     def options(self) -> dict:
-        return {"causal": self.causal, "align": "bottom_right"}
+        opts = {"causal": self.causal, "align": "bottom_right"}
+        # Only the variants in use: plain cases keep the keys of earlier results files.
+        if self.window:
+            opts["window"] = list(self.window)
+        for name in ("softcap", "alibi", "sinks"):
+            if getattr(self, name):
+                opts[name] = getattr(self, name)
+        return opts
+
+    def kernel_options(self, device) -> dict:
+        """diyfa's keyword arguments for the variants (slopes 2^(-8 (i + 1) / heads), as
+        ALiBi's paper sets them; sinks a fixed ramp), on ``device``."""
+        import torch
+
+        opts = {}
+        if self.window:
+            opts["window_size"] = tuple(self.window)
+        if self.softcap:
+            opts["softcap"] = self.softcap
+        if self.alibi:
+            i = torch.arange(1, self.heads + 1, dtype=torch.float32)
+            opts["alibi_slopes"] = torch.exp2(-8.0 * i / self.heads).to(device)
+        if self.sinks:
+            opts["sinks"] = torch.linspace(-1.0, 1.0, self.heads).to(device)
+        return opts
 
     def flops(self, mode: str) -> dict:
-        common = dict(head_dim=self.head_dim, kv_heads=self.hk, causal=self.causal, mode=mode)
+        common = dict(head_dim=self.head_dim, kv_heads=self.hk, causal=self.causal, mode=mode,
+                      window=tuple(self.window) if self.window else None)  # fmt: skip
         exact = flops.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
                                       **common)  # fmt: skip
         published = flops.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
@@ -80,8 +118,11 @@ class AttentionCase:
     def label(self) -> str:
         h = f"h{self.heads}" + (f"/{self.hk}" if self.hk != self.heads else "")
         c = " causal" if self.causal else ""
+        v = (f" win{self.window[0]},{self.window[1]}" if self.window else "") + (
+            f" cap{self.softcap:g}" if self.softcap else "") + (
+            " alibi" if self.alibi else "") + (" sinks" if self.sinks else "")  # fmt: skip
         return (f"b{self.batch} {h} sq{self.seqlen_q} sk{self.seqlen_k} d{self.head_dim}"
-                f"{c} {self.dtype}")  # fmt: skip
+                f"{c}{v} {self.dtype}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -282,6 +323,21 @@ def _llm_matmul(target: str, quick: bool) -> Plan | None:
     return Plan("llm-matmul", target, tuple(cases), ("fwd",))
 
 
+def _variants(target: str, quick: bool) -> Plan | None:
+    """Issue 14's cost of each option at 8k tokens, d128 (16 heads, causal, bf16): plain,
+    a 1024-key window (its FLOPs counted exactly: the window's pairs only), softcap 30,
+    ALiBi, sinks; fwd and bwd."""
+    if target != "flash":
+        return None
+    base = dict(batch=1, heads=16, seqlen_q=8192, seqlen_k=8192, head_dim=128, causal=True)
+    cases = [AttentionCase(**base), AttentionCase(**base, window=(1023, 0)),
+             AttentionCase(**base, softcap=30.0), AttentionCase(**base, alibi=True),
+             AttentionCase(**base, sinks=True)]  # fmt: skip
+    if quick:
+        cases = cases[:2]
+    return Plan("variants", target, tuple(cases), ("fwd", "bwd"))
+
+
 def _memory(target: str, quick: bool, suite: str = "memory") -> Plan | None:
     if target != "memory":
         return None
@@ -360,6 +416,7 @@ SUITES: dict[str, Callable[[str, bool], Plan | None]] = {
     "fa-sweep": _fa_sweep,
     "cross": _cross,
     "gqa": _gqa,
+    "variants": _variants,
     "llm-matmul": _llm_matmul,
     "memory": _memory,
     "decode": _decode,
