@@ -204,22 +204,26 @@ import torch
 from diyfa._compile import compile_for_sm90
 from diyfa.attention import decode
 
-tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32, "O_PART": torch.float32,
-           "LSE_PART": torch.float32, "LSE": torch.float32, "SLOPES": torch.float32}
-args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True,
-            PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True, SINKS=True,
-            BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
-for fn in (decode._decode_split, decode._combine):
-    values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.bfloat16))
-                               if p.name.isupper() else 17) for p in fn.params}
-    compile_for_sm90(fn, values, num_warps=4, num_stages=2)
+for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
+    tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32,
+               "O_PART": torch.float32, "LSE_PART": torch.float32, "LSE": torch.float32,
+               "SLOPES": torch.float32, "K_DESCALE": torch.float32, "V_DESCALE": torch.float32}
+    if fp8:
+        tensors.update(K=torch.float8_e4m3fn, V=torch.float8_e4m3fn)
+    args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True,
+                PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
+                SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
+    for fn in (decode._decode_split, decode._combine):
+        values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
+            p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
+        compile_for_sm90(fn, values, num_warps=4, num_stages=2)
 print("compiled")
 """
 
 
 def test_decode_kernels_compile_for_hopper():
-    """The split-KV and combine kernels compile for sm90, every variant on (the interpreter
-    does not compile)."""
+    """The split-KV and combine kernels compile for sm90, every variant on, with a bf16 and
+    an fp8 cache (the interpreter does not compile)."""
     import os
     import subprocess
     import sys
@@ -320,3 +324,95 @@ def test_greedy_generation_through_the_paged_cache_matches_sdpa():
             lens = lens + (prompt.shape[1] if t == 0 else 1)
             logits = model.step(nxt, out.shape[1] - 1, caches, lens, table)
     assert torch.equal(out, ref), (out, ref)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("per_batch, dtype", [(False, torch.bfloat16), (True, torch.float16)],
+                         ids=["per-head-bf16", "per-batch-head-fp16"])
+def test_fp8_cache(per_batch, dtype, paged):
+    """An e4m3 cache with per-kv-head descales: the append quantises the new rows (divided by
+    the descale, clamped, cast: exactly what ``decode.quantize`` gives), and attention over
+    the cache equals attention over its dequantised values (float64 reference) by the 2x
+    rule, PyTorch in the query dtype as the yardstick; a 3-token append with 3 splits."""
+    from diyfa.attention import decode
+
+    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+     after_v) = _setup(dtype, 3, 3)  # fmt: skip
+    b, hk = q.shape[0], k_cache.shape[2]
+    g = torch.Generator().manual_seed(3)
+    shape = (b, hk) if per_batch else (hk,)
+    k_desc = (0.02 + torch.rand(shape, generator=g) * 0.02).to(DEVICE)
+    v_desc = (0.02 + torch.rand(shape, generator=g) * 0.02).to(DEVICE)
+    batch = torch.arange(b, device=DEVICE)
+    kc_src, vc_src = (k_pages, v_pages) if paged else (k_cache, v_cache)
+    # Quantise the existing cache as a serving stack would have when writing it.
+    full_k = k_desc if per_batch else k_desc[None].expand(b, -1)
+    full_v = v_desc if per_batch else v_desc[None].expand(b, -1)
+    if paged:
+        owner = torch.full((k_pages.shape[0],), 0, dtype=torch.long)
+        for i in range(b):
+            owner[table[i].long().cpu()] = i
+        kq = (k_pages.float() / full_k[owner.to(DEVICE)][:, None, :, None]).clamp(
+            -448, 448).to(torch.float8_e4m3fn)  # fmt: skip
+        vq = (v_pages.float() / full_v[owner.to(DEVICE)][:, None, :, None]).clamp(
+            -448, 448).to(torch.float8_e4m3fn)  # fmt: skip
+    else:
+        kq, vq = decode.quantize(kc_src, k_desc, batch), decode.quantize(vc_src, v_desc, batch)
+    with torch.no_grad():
+        out = diyfa.flash_attention_with_kvcache(
+            q, kq, vq, k_new, v_new, cache_seqlens=seqlens, block_table=table if paged else None,
+            num_splits=3, k_descale=k_desc, v_descale=v_desc)  # fmt: skip
+    # The appended rows are the quantised new tokens.
+    new_k, new_v = decode.quantize(k_new, k_desc, batch), decode.quantize(v_new, v_desc, batch)
+    for i, n in enumerate(LENS):
+        for j in range(3):
+            pos = n + j
+            for cache, new in ((kq, new_k), (vq, new_v)):
+                row = cache[table[i, pos // 16], pos % 16] if paged else cache[i, pos]
+                assert torch.equal(row.view(torch.uint8), new[i, j].view(torch.uint8))
+    # Dequantised caches (contiguous, after the append) are the reference's inputs.
+    deq_k = after_k.clone().float()
+    deq_v = after_v.clone().float()
+    for i, n in enumerate(LENS):
+        m = n + 3
+        if paged:
+            idx = torch.arange(m, device=DEVICE)
+            rows_k = kq[table[i, idx // 16].long(), idx % 16]
+            rows_v = vq[table[i, idx // 16].long(), idx % 16]
+        else:
+            rows_k, rows_v = kq[i, :m], vq[i, :m]
+        deq_k[i, :m] = rows_k.float() * full_k[i][None, :, None]
+        deq_v[i, :m] = rows_v.float() * full_v[i][None, :, None]
+    lengths = [n + 3 for n in LENS]
+    ref = _reference(q.double(), deq_k.double(), deq_v.double(), lengths, True, torch.float64)
+    pt = _reference(q, deq_k.to(dtype), deq_v.to(dtype), lengths, True, dtype)
+    _check("out", out, pt, ref, 2, dtype)
+
+
+def test_fp8_cache_bad_input_writes_nothing():
+    """fp8 caches without descales, descales on a bf16 cache, wrong descale shapes or dtypes,
+    mixed cache dtypes, fp32 queries: clear errors, the cache untouched."""
+    (q, k_cache, v_cache, k_new, v_new, seqlens, *_rest) = _setup(torch.bfloat16, 1, 1)
+    kq = k_cache.to(torch.float8_e4m3fn)
+    vq = v_cache.to(torch.float8_e4m3fn)
+    good = torch.full((k_cache.shape[2],), 0.1, device=DEVICE)
+    before = kq.view(torch.uint8).clone()
+    cases = [
+        (dict(k_cache=kq, v_cache=vq), ValueError, "needs k_descale"),
+        (dict(k_cache=k_cache, v_cache=v_cache, k_descale=good, v_descale=good), ValueError,
+         "apply to an fp8"),
+        (dict(k_cache=kq, v_cache=vq, k_descale=good[:1], v_descale=good), ValueError,
+         "k_descale must have shape"),
+        (dict(k_cache=kq, v_cache=vq, k_descale=good.double(), v_descale=good), TypeError,
+         "k_descale must be a float32 tensor"),
+        (dict(k_cache=kq, v_cache=v_cache, k_descale=good, v_descale=good), TypeError,
+         "must both be float8_e4m3fn"),
+    ]
+    for kw, err, match in cases:
+        with pytest.raises(err, match=match), torch.no_grad():
+            diyfa.flash_attention_with_kvcache(q, k=k_new, v=v_new, cache_seqlens=seqlens, **kw)
+    with pytest.raises(TypeError, match="fp8 cache takes float16 or bfloat16 queries"):
+        with torch.no_grad():
+            diyfa.flash_attention_with_kvcache(q.float(), kq, vq, cache_seqlens=seqlens,
+                                               k_descale=good, v_descale=good)  # fmt: skip
+    assert torch.equal(kq.view(torch.uint8), before)

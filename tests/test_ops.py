@@ -134,7 +134,8 @@ def test_opcheck_varlen_kvcache_and_matmul():
     q, k_cache, v_cache, k, v, lens = _cache_inputs()
     torch.library.opcheck(torch.ops.diyfa.attention_kvcache.default,
                           (q, k_cache, v_cache, k, v, lens, None, True, None, 0, 16, 0, 2.0,
-                           None, torch.tensor([0.5, 0.0, -0.5, 1.0], device=DEVICE)))
+                           None, torch.tensor([0.5, 0.0, -0.5, 1.0], device=DEVICE), None,
+                           None))  # fmt: skip
     a, b = torch.randn(2, 33, 40).to(DEVICE), torch.randn(2, 40, 24).to(DEVICE)
     torch.library.opcheck(torch.ops.diyfa.matmul.default,
                           (a, b, None, None, None, torch.randn(24).to(DEVICE), "gelu", "ieee",

@@ -213,6 +213,8 @@ def flash_attention_with_kvcache(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Attention of new query tokens against a KV cache (decoding, chunked prefill). No
     gradients (inference; inputs that require them are refused).
@@ -234,6 +236,11 @@ def flash_attention_with_kvcache(
         return_lse: also return the natural-log LSE, (batch, heads, seqlen_q) fp32.
         window_size, softcap, alibi_slopes, sinks: as for :func:`flash_attention`, aligned
             bottom-right against each sequence's cache (a window reads only its keys).
+        k_descale, v_descale: an fp8 cache (``torch.float8_e4m3fn`` k_cache and v_cache, half
+            the bytes of bf16) with fp32 descales per kv head, (kv_heads,) or (batch,
+            kv_heads): a cached value times its descale is the real one. q, k and v stay
+            fp16/bf16; k and v are quantised on the append (divided by the descale, clamped
+            to +-448, cast).
 
     Every check (shapes, dtypes, lengths against the cache, pages against the pool) runs
     before anything is written: on an error the cache is untouched. The lengths are read to
@@ -244,14 +251,15 @@ def flash_attention_with_kvcache(
         out, lse2 = torch.ops.diyfa.attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
                                                       block_table, causal, softmax_scale,
                                                       num_splits, wl, wr, float(softcap),
-                                                      alibi_slopes, sinks)  # fmt: skip
+                                                      alibi_slopes, sinks, k_descale,
+                                                      v_descale)  # fmt: skip
     else:
         from diyfa.attention import decode
 
         out, lse2 = decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens,
                                              block_table, causal, softmax_scale, num_splits,
-                                             window_size, softcap, alibi_slopes,
-                                             sinks)  # fmt: skip
+                                             window_size, softcap, alibi_slopes, sinks,
+                                             k_descale, v_descale)  # fmt: skip
     return (out, lse2 * LN2) if return_lse else out
 
 

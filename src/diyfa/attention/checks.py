@@ -259,13 +259,51 @@ def _check_int32_tensor(name: str, t, dims: int, device) -> None:
 MAX_SPLITS = 128  # split-KV ranges per sequence: more never pays, and the combine holds them
 
 
+def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale) -> bool:
+    """Whether the cache is fp8 (e4m3, with per-kv-head descales: a cached value times its
+    descale is the real one), after checking that the two agree: fp16/bf16 queries, both
+    caches e4m3, fp32 descales of shape (kv_heads,) or (batch, kv_heads), contiguous, on
+    q's device; and that a cache in q's dtype gets no descales."""
+    e4m3 = torch.float8_e4m3fn
+    fp8 = getattr(k_cache, "dtype", None) == e4m3 or getattr(v_cache, "dtype", None) == e4m3
+    if not fp8:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError("k_descale/v_descale apply to an fp8 (float8_e4m3fn) cache; this "
+                             f"cache is {getattr(k_cache, 'dtype', None)}")  # fmt: skip
+        return False
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache must both be float8_e4m3fn, got {k_cache.dtype} "
+                        f"and {v_cache.dtype}")  # fmt: skip
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"an fp8 cache takes float16 or bfloat16 queries, got {q.dtype}")
+    b, hk = q.shape[0], k_cache.shape[2]
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            raise ValueError(f"an fp8 cache needs {name} (fp32, (kv_heads={hk},) or "
+                             f"(batch={b}, kv_heads={hk})): cached value x descale = value")
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")  # fmt: skip
+        if tuple(t.shape) not in ((hk,), (b, hk)):
+            raise ValueError(f"{name} must have shape ({hk},) or ({b}, {hk}), got "
+                             f"{tuple(t.shape)}")  # fmt: skip
+        if t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {q.device}")
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise ValueError("an fp8 cache needs a GPU with fp8 (compute capability >= 8.9)")
+    return True
+
+
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,
-                         softmax_scale, num_splits, fake=False) -> tuple[float, list[int]]:
+                         softmax_scale, num_splits, fake=False,
+                         fp8: bool = False) -> tuple[float, list[int]]:
     """Check a KV-cache call before anything is written or launched; returns (the resolved
     softmax scale, each sequence's cache length after the append). Reads cache_seqlens and
     the used part of block_table to the host (one device synchronisation): lengths past the
     cache and pages outside the pool are errors here, never writes out of place. ``fake``:
-    tracing (the values are unknown): every check but those, lengths returned empty."""
+    tracing (the values are unknown): every check but those, lengths returned empty.
+    ``fp8``: the caches are float8_e4m3fn (checked by :func:`check_fp8_cache`); k and v,
+    the new tokens, are in q's dtype and quantised on the append."""
     names = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or "
@@ -277,9 +315,12 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32")
-        if t.dtype != q.dtype:
+        if fp8 and name in ("k_cache", "v_cache"):
+            pass  # float8_e4m3fn, checked by check_fp8_cache
+        elif t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32 "
+                            "(and float8_e4m3fn for the caches, with k_descale/v_descale)")
+        elif t.dtype != q.dtype:
             raise TypeError(f"{name}.dtype is {t.dtype}, q's is {q.dtype}: they must match")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}: one device")

@@ -58,10 +58,11 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   stride_tb, page_size,
                   kv_heads, kv_group, seqlen_q, split_len, qk_scale, batch,
                   window_left, window_right, tanh_scale, SLOPES, stride_slopes_b,
+                  K_DESCALE, V_DESCALE, stride_descale_b,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
     query r % seqlen_q; one decode step's rows usually fit one block."""
@@ -88,6 +89,13 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
     d_ok = offs_d < HEAD_DIM
     q = tl.load(Q + off_b * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP8:  # e4m3 cache: its descales fold into the scores' scale and the output
+        k_descale = tl.load(K_DESCALE + off_b * stride_descale_b + off_hk)
+        v_descale = tl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
+        if SOFTCAP:
+            tanh_scale = tanh_scale * k_descale
+        else:
+            qk_scale = qk_scale * k_descale
     if ALIBI:  # one slope per row (its head), times log2(e)
         slope2 = tl.load(SLOPES + off_b * stride_slopes_b + head, mask=row_ok,
                          other=0.0) * 1.4426950408889634  # fmt: skip
@@ -109,6 +117,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + k_rows[:, None] + off_hk * stride_kh + offs_d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)
+        if FP8:  # exact in fp16/bf16: e4m3 has fewer exponent and mantissa bits
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if SOFTCAP:
             qk = _tanh(qk * tanh_scale)
@@ -129,12 +139,16 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + v_rows[:, None] + off_hk * stride_vh + offs_d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)  # (log2 of 0 would be -inf, then replaced anyway)
     acc = acc / l_safe[:, None]
+    if FP8:
+        acc = acc * v_descale
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     # Workspace rows: ((split * batch + b) * heads + head) * seqlen_q + query.
     heads = kv_heads * kv_group
@@ -184,25 +198,47 @@ def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.devi
     return max(1, min(want, cdiv(max_seqlen_k, 4 * BLOCK_N), 64))
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize(x: torch.Tensor, descale: torch.Tensor, batch_index: torch.Tensor) -> torch.Tensor:
+    """New keys or values (batch, n, kv_heads, d) in fp16/bf16 as e4m3 cache rows: divided by
+    their sequence's and head's descale, clamped to the e4m3 range (a cast alone would turn
+    larger values into NaN), cast."""
+    scale = descale if descale.dim() == 2 else descale[None].expand(batch_index.numel(), -1)
+    return (x.float() / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(
+        torch.float8_e4m3fn)  # fmt: skip
+
+
 def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal: bool,
                       softmax_scale, num_splits: int, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, sinks=None):
+                      alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
     """``flash_attention_with_kvcache``'s work, for the eager call and the custom op alike:
     every check first (nothing is written on an error), then k/v appended in place at rows
     cache_seqlens[b].. (torch indexing, only those rows), then attention. Returns (out,
     lse2) with lse2 base 2."""
-    from diyfa.attention.checks import check_bias_tensors, check_kvcache_inputs, check_variants
+    from diyfa.attention.checks import (
+        check_bias_tensors,
+        check_fp8_cache,
+        check_kvcache_inputs,
+        check_variants,
+    )
 
+    fp8 = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     scale, lengths = check_kvcache_inputs(q, k_cache, v_cache, k, v,
                                           cache_seqlens=cache_seqlens,
                                           block_table=block_table, causal=causal,
-                                          softmax_scale=softmax_scale, num_splits=num_splits)
+                                          softmax_scale=softmax_scale, num_splits=num_splits,
+                                          fp8=fp8)  # fmt: skip
     left, right, softcap = check_variants(window_size, softcap, causal)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     seqlens = cache_seqlens
     if k is not None and k.shape[1] > 0:
         pos = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
         rows = torch.arange(q.shape[0], device=q.device)[:, None].expand_as(pos)
+        if fp8:  # quantised on the write, with the cache's descales
+            batch = torch.arange(q.shape[0], device=q.device)
+            k, v = quantize(k, k_descale, batch), quantize(v, v_descale, batch)
         if block_table is None:
             k_cache[rows, pos] = k
             v_cache[rows, pos] = v
@@ -215,12 +251,14 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     return kvcache_attention(q, k_cache, v_cache, seqlens, block_table, causal=causal,
                              softmax_scale=scale, num_splits=num_splits,
                              max_seqlen_k=max(lengths, default=0), window=(left, right),
-                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                             k_descale=k_descale, v_descale=v_descale)
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal: bool,
                       softmax_scale: float, num_splits: int, max_seqlen_k: int,
-                      window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None):
+                      window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                      k_descale=None, v_descale=None):
     """(out, lse2) for checked inputs, the new keys already appended: q (batch, seqlen_q,
     heads, d); out like q; lse2 base 2, (batch, heads, seqlen_q) fp32. ``max_seqlen_k`` is
     the longest cache_seqlens entry (read on the host by the checks). ``window`` is the
@@ -230,6 +268,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     group = h // hk
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    fp8 = k_descale is not None
     if b * h * sq == 0:
         return out, lse2
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device)
@@ -259,9 +298,11 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         softmax_scale / softcap if softcap > 0 else 1.0,
         alibi_slopes if alibi else lse_part,
         alibi_slopes.stride(0) if alibi and alibi_slopes.dim() == 2 else 0,
+        k_descale if fp8 else lse_part, v_descale if fp8 else lse_part,
+        k_descale.stride(0) if fp8 and k_descale.dim() == 2 else 0,
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, CAUSAL=causal or right >= 0, PAGED=paged,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
-        SOFTCAP=softcap > 0, ALIBI=alibi, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         num_warps=4 if not interpreter_enabled() else 1)  # fmt: skip
     _combine[(rows,)](o_part, lse_part, out, lse2, sinks if sinks is not None else lse_part,
                       rows, sq, h, *out.stride(), NUM_SPLITS=slots, HEAD_DIM=d,

@@ -29,6 +29,7 @@ import torch
 
 from diyfa.attention.checks import (
     check_bias_tensors,
+    check_fp8_cache,
     check_inputs,
     check_kvcache_inputs,
     check_variants,
@@ -218,6 +219,8 @@ def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       num_splits: int, window_left: int, window_right: int, softcap: float,
                       alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
                       sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                      k_descale: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                      v_descale: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``flash_attention_with_kvcache``: appends k/v into the caches in place (declared as
     mutated), then attends -> (out like q, lse2 (batch, heads, seqlen_q))."""
@@ -225,17 +228,18 @@ def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     return decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                     causal, softmax_scale, num_splits,
-                                    (window_left, window_right), softcap, alibi_slopes,
-                                    sinks)  # fmt: skip
+                                    (window_left, window_right), softcap, alibi_slopes, sinks,
+                                    k_descale, v_descale)  # fmt: skip
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                             softmax_scale, num_splits, window_left, window_right, softcap,
-                            alibi_slopes, sinks):  # fmt: skip
+                            alibi_slopes, sinks, k_descale, v_descale):  # fmt: skip
+    fp8 = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                          block_table=block_table, causal=causal, softmax_scale=softmax_scale,
-                         num_splits=num_splits, fake=True)  # fmt: skip
+                         num_splits=num_splits, fake=True, fp8=fp8)  # fmt: skip
     check_variants((window_left, window_right), softcap, causal)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     b, sq, h, _ = q.shape
