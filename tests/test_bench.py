@@ -684,3 +684,21 @@ def test_variants_suite_runs_and_checks_each_option():
             assert r["status"] == "unsupported" and "no window, softcap" in r["reason"]
     assert cases[0].flops("fwd")["exact"] < plain.flops("fwd")["exact"]
     assert cases[0].options()["window"] == [15, 0] and "window" not in plain.options()
+
+
+def test_first_call_script_runs_two_fresh_processes(tmp_path, monkeypatch):
+    """benchmarks/first_call.py's plumbing, on the interpreter: a cold and a warm fresh
+    process each time a first forward + backward and leave one JSON line."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "first_call.py"
+    spec = importlib.util.spec_from_file_location("first_call", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert mod.main(["--dtype", "float32", "--head-dim", "16", "--causal"]) == 0
+    recs = [json.loads(x) for x in (tmp_path / "first_call.jsonl").read_text().splitlines()]
+    assert [r["caches"] for r in recs] == ["cold", "warm"]
+    assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["causal"] for r in recs)

@@ -1,0 +1,105 @@
+"""Time to first result: a fresh process's first forward + backward of a new (dtype, head dim,
+causal), with empty caches and then with warm ones (issue 15: <= 10 s cold, <= 1 s warm).
+
+Each measurement is its own Python process (imports, Triton's compile or its cache, diyfa's
+autotune choices: everything a user's first call pays). "cold" points ``TRITON_CACHE_DIR``
+and ``DIYFA_CACHE_DIR`` at empty folders; "warm" runs the same process again over the folders
+the cold run filled. Autotuning is off (the default) unless ``--autotune`` is given, which
+sets ``DIYFA_AUTOTUNE=1`` for both runs (the warm one then reads the saved winners).
+
+    python benchmarks/first_call.py [--dtype bf16] [--head-dim 128] [--causal] [--autotune]
+
+One JSON line per run goes to ``$OUT/first_call.jsonl`` (or ./first_call.jsonl); a table is
+printed last. On a machine without a GPU it runs the Triton interpreter on a tiny shape: the
+plumbing, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+import torch
+import diyfa
+t_import = time.perf_counter() - t0
+dtype = getattr(torch, sys.argv[1]); d = int(sys.argv[2]); causal = sys.argv[3] == "1"
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+b, h, s = (2, 16, 2048) if dev == "cuda" else (1, 2, 32)
+q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+           for _ in range(3))
+t1 = time.perf_counter()
+out = diyfa.flash_attention(q, k, v, causal=causal)
+if dev == "cuda":
+    torch.cuda.synchronize()
+t_fwd = time.perf_counter() - t1
+t2 = time.perf_counter()
+out.sum().backward()
+if dev == "cuda":
+    torch.cuda.synchronize()
+t_bwd = time.perf_counter() - t2
+print(json.dumps({"import_s": t_import, "fwd_s": t_fwd, "bwd_s": t_bwd,
+                  "total_s": time.perf_counter() - t0, "device": dev,
+                  "gpu": torch.cuda.get_device_name() if dev == "cuda" else None,
+                  "torch": torch.__version__}))
+"""
+
+
+def run_child(env: dict, dtype: str, head_dim: int, causal: bool) -> dict:
+    """One fresh process's first call; its JSON line as a dict."""
+    done = subprocess.run([sys.executable, "-c", CHILD, dtype, str(head_dim),
+                           "1" if causal else "0"], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the first-call process failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--autotune", action="store_true", help="DIYFA_AUTOTUNE=1 for both runs")
+    args = ap.parse_args(argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
+                   DIYFA_CACHE_DIR=os.path.join(tmp, "diyfa"),
+                   DIYFA_AUTOTUNE="1" if args.autotune else "0",
+                   PYTHONPATH=os.path.join(root, "src") + os.pathsep
+                   + os.environ.get("PYTHONPATH", ""))  # fmt: skip
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                env["TRITON_INTERPRET"] = "1"
+        except ImportError:
+            pass
+        for caches in ("cold", "warm"):
+            t = time.perf_counter()
+            rec = run_child(env, args.dtype, args.head_dim, args.causal)
+            rec.update(caches=caches, wall_s=time.perf_counter() - t, dtype=args.dtype,
+                       head_dim=args.head_dim, causal=args.causal, autotune=args.autotune)
+            records.append(rec)
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, "first_call.jsonl"), "a") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    print("caches  import_s  fwd_s  bwd_s  total_s  (process wall_s)")
+    for r in records:
+        print(f"{r['caches']:6s} {r['import_s']:8.2f} {r['fwd_s']:6.2f} {r['bwd_s']:6.2f} "
+              f"{r['total_s']:8.2f}  ({r['wall_s']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
