@@ -9,6 +9,7 @@ the full matrix, long sequences, bf16 on the hardware, determinism and memory.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -50,6 +51,66 @@ def _check(name, ours, pt, ref, factor, dtype):
         where = tuple(torch.nonzero(err == err.max())[0].tolist())
         pytest.fail(f"{name}: max error {err.max().item():.3e} (mean {err.mean().item():.3e}) "
                     f"at {where} exceeds {factor}x PyTorch's {pt_err:.3e} + {FLOOR[dtype]:.0e}")
+
+
+# The harness rule for tiny problems (tests/test_fuzz.py, test_numerics.py): the 2x / 3x rule
+# plus, elementwise, the roundings a correct kernel makes that PyTorch's result need not show
+# when the max error is taken over a handful of elements. Unit roundoff of the input dtype
+# (P, and dS in the backward, are rounded to it before their matmuls: FlashAttention's
+# practice), and fp32 rounding of the terms that cancel in dS (with room for a few roundings).
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 0.0}
+CANCEL_ULPS = 4 * 2.0**-24
+MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
+
+
+def half_ulp(ref: torch.Tensor, dtype: torch.dtype):
+    """Half a unit in the last place of ``dtype`` at each reference value (0 for fp32): a
+    result rounded to a 16-bit format may land on either neighbour of a value near the
+    midpoint, PyTorch's on the nearer one."""
+    if dtype not in MANTISSA_BITS:
+        return torch.zeros_like(ref)
+    _, exp = torch.frexp(ref.abs())
+    return torch.ldexp(torch.ones_like(ref), exp - 2 - MANTISSA_BITS[dtype])
+
+
+def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap, layout):
+    """Elementwise allowances (out, dq, dk, dv), shaped like out, q, k, v, computed in float64
+    from the inputs, for roundings that the max-error rule cannot see on tiny problems:
+
+    - out, dv: P rounded to ``dtype`` before P @ V and P^T @ dO: u x (P @ |V|), u x
+      (P^T @ |dO|) (dv summed over the GQA group).
+    - dq, dk: dS = P (dP - delta) with delta = rowsum(dO * O) (FlashAttention's form)
+      cancels exactly only in exact arithmetic: where a row sees one key dS is 0 and PyTorch
+      reaches 0 bitwise (its delta is rowsum(P * dP), the same sum as dP's), so the floor
+      alone would demand bitwise agreement of two summation orders; and dS is rounded to
+      ``dtype`` before dS @ K. (CANCEL_ULPS + u) x scale x (P (|dP| + |delta|)) @ |K|
+      (@ |Q| for dk, summed over the group).
+    """
+    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
+    if layout == "bshd":
+        q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    eye = torch.eye(sk, dtype=torch.float64, device=q.device).expand(b, hk, sk, sk)
+    p = attention_ref(q, k, eye, causal=causal, softmax_scale=softmax_scale, window=window,
+                      softcap=softcap, compute_dtype=torch.float64)  # (b, h, sq, sk): P
+    group = h // max(hk, 1)
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    u = UNIT_ROUNDOFF[dtype]
+    # The sizes of the products summed in dP = dO V^T and delta = rowsum(dO * O): a dot of
+    # d products in fp32 is off by a few ulps of these (not of its result, which cancels).
+    dp = do.abs() @ vr.abs().transpose(-1, -2)
+    delta = (do.abs() * (p @ vr).abs()).sum(-1, keepdim=True)
+    terms = p * (dp + delta)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    out = u * (p @ vr.abs())
+    dv = (u * (p.transpose(-1, -2) @ do.abs())).view(b, hk, group, sk, d).sum(2)
+    dq = (CANCEL_ULPS + u) * scale * (terms @ kr.abs())
+    dk = (CANCEL_ULPS + u) * scale * (terms.transpose(-1, -2) @ q.abs())
+    dk = dk.view(b, hk, group, sk, d).sum(2)
+    if layout == "bshd":
+        out, dq, dk, dv = (t.transpose(1, 2) for t in (out, dq, dk, dv))
+    return out, dq, dk, dv
 
 
 def _run_and_check(q, k, v, causal, layout="bhsd", scale=None, grads=True, **options):
