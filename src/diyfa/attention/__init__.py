@@ -23,12 +23,14 @@ imported on the first call that consults it.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attention_*)
 from diyfa.attention.checks import (
     SUPPORTED_DTYPES,
+    check_flag,
     check_inputs,
     check_kvcache_inputs,
     check_varlen_inputs,
@@ -91,6 +93,7 @@ def flash_attention(
         Windows and softcap run on the portable kernels for now (the Hopper family refuses
         them, and "auto" says so).
     """
+    check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         wl, wr = window_size
         out, lse2 = torch.ops.diyfa.attention_fwd(q, k, v, causal, "bottom_right", softmax_scale,
@@ -141,6 +144,7 @@ def flash_attention_varlen(
     The lengths are read to the host and checked against the tensors before any kernel runs
     (one device synchronisation per call). Programs past a sequence's end exit at once.
     """
+    check_flag("return_lse", return_lse)
     problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                   deterministic=deterministic, window_size=window_size,
@@ -188,6 +192,7 @@ def flash_attention_with_kvcache(
     """
     from diyfa.attention import decode
 
+    check_flag("return_lse", return_lse)
     scale, lengths = check_kvcache_inputs(q, k_cache, v_cache, k, v,
                                           cache_seqlens=cache_seqlens,
                                           block_table=block_table, causal=causal,
@@ -253,8 +258,12 @@ def scaled_dot_product_attention(
         return _fallback("head dims differ or exceed 256", *args, **kwargs)
     if any(t.dtype not in SUPPORTED_DTYPES for t in args):
         return _fallback("only float16, bfloat16 and float32 run on the kernel", *args, **kwargs)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
     if scale is not None and scale < 0:
         return _fallback("negative scales run on PyTorch", *args, **kwargs)
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     if query.device.type != "cuda" and not interpreter_enabled():
         return _fallback(f"device {query.device.type} has no Triton kernel", *args, **kwargs)
     if query.shape[1] != key.shape[1] and not enable_gqa:
