@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import diyfa
-from diyfa.reference import attention_ref
+from diyfa.reference import attention_mask, attention_ref
 
 from .conftest import DEVICE
 
@@ -83,26 +83,32 @@ def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap
       cancels exactly only in exact arithmetic: where a row sees one key dS is 0 and PyTorch
       reaches 0 bitwise (its delta is rowsum(P * dP), the same sum as dP's), so the floor
       alone would demand bitwise agreement of two summation orders; and dS is rounded to
-      ``dtype`` before dS @ K. (CANCEL_ULPS + u) x scale x (P (|dP| + |delta|)) @ |K|
-      (@ |Q| for dk, summed over the group).
+      ``dtype`` before dS @ K. (CANCEL_ULPS + u) x scale x (P (|dO| |V|^T + |dO| . |O|))
+      @ |K| (@ |Q| for dk, summed over the group): fp32 rounds dP and delta to a few ulps of
+      the products they sum, not of their (cancelling) values.
     """
     q, k, v, do = (t.detach().double() for t in (q, k, v, do))
     if layout == "bshd":
         q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    eye = torch.eye(sk, dtype=torch.float64, device=q.device).expand(b, hk, sk, sk)
-    p = attention_ref(q, k, eye, causal=causal, softmax_scale=softmax_scale, window=window,
-                      softcap=softcap, compute_dtype=torch.float64)  # (b, h, sq, sk): P
     group = h // max(hk, 1)
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    s = q @ kr.transpose(-1, -2) * scale  # P as attention_ref forms it
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    keep = attention_mask(sq, sk, causal=causal, window=window, device=q.device)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0))
     u = UNIT_ROUNDOFF[dtype]
     # The sizes of the products summed in dP = dO V^T and delta = rowsum(dO * O): a dot of
     # d products in fp32 is off by a few ulps of these (not of its result, which cancels).
     dp = do.abs() @ vr.abs().transpose(-1, -2)
     delta = (do.abs() * (p @ vr).abs()).sum(-1, keepdim=True)
     terms = p * (dp + delta)
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     out = u * (p @ vr.abs())
     dv = (u * (p.transpose(-1, -2) @ do.abs())).view(b, hk, group, sk, d).sum(2)
     dq = (CANCEL_ULPS + u) * scale * (terms @ kr.abs())
