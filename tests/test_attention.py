@@ -77,6 +77,11 @@ def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap
     """Elementwise allowances (out, dq, dk, dv), shaped like out, q, k, v, computed in float64
     from the inputs, for roundings that the max-error rule cannot see on tiny problems:
 
+    - every P element: its score is an fp32 dot (off by a few ulps of |q| . |k|) and the
+      kernels form P = 2^(s log2(e) - m) with the exponent rounded at the size of s: a
+      relative error of CANCEL_ULPS (1 + 2 scale |q| . |k|) in P, through out = P V /
+      rowsum(P), dV = P^T dO and dS = P (dP - delta).
+
     - out, dv: P rounded to ``dtype`` before P @ V and P^T @ dO: u x (P @ |V|), u x
       (P^T @ |dO|) (dv summed over the GQA group).
     - dq, dk: dS = P (dP - delta) with delta = rowsum(dO * O) (FlashAttention's form)
@@ -104,15 +109,25 @@ def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0))
     u = UNIT_ROUNDOFF[dtype]
+    # P's relative error is that of its score's exponent: the fp32 dot q . k is off by a few
+    # ulps of the products it sums (|q| . |k|), and the kernel's exponent s log2(e) - m is
+    # rounded at the size of s, not of s - m. Both grow with the scores (scale 1 and a large
+    # head dim: |s| ~ 20, and 2x PyTorch's error is then a coin toss on a handful of rows).
+    sizes = scale * (q.abs() @ kr.abs().transpose(-1, -2))
+    rel = CANCEL_ULPS * (1 + 2 * sizes)  # per P element
+    o = p @ vr
     # The sizes of the products summed in dP = dO V^T and delta = rowsum(dO * O): a dot of
     # d products in fp32 is off by a few ulps of these (not of its result, which cancels).
     dp = do.abs() @ vr.abs().transpose(-1, -2)
-    delta = (do.abs() * (p @ vr).abs()).sum(-1, keepdim=True)
+    delta = (do.abs() * o.abs()).sum(-1, keepdim=True)
     terms = p * (dp + delta)
-    out = u * (p @ vr.abs())
-    dv = (u * (p.transpose(-1, -2) @ do.abs())).view(b, hk, group, sk, d).sum(2)
-    dq = (CANCEL_ULPS + u) * scale * (terms @ kr.abs())
-    dk = (CANCEL_ULPS + u) * scale * (terms.transpose(-1, -2) @ q.abs())
+    pe = p * rel
+    out = u * (p @ vr.abs()) + pe @ vr.abs() + pe.sum(-1, keepdim=True) * o.abs()
+    dv = u * (p.transpose(-1, -2) @ do.abs()) + pe.transpose(-1, -2) @ do.abs()
+    dv = dv.view(b, hk, group, sk, d).sum(2)
+    dterms = terms * (CANCEL_ULPS + u + rel)
+    dq = scale * (dterms @ kr.abs())
+    dk = scale * (dterms.transpose(-1, -2) @ q.abs())
     dk = dk.view(b, hk, group, sk, d).sum(2)
     if layout == "bshd":
         out, dq, dk, dv = (t.transpose(1, 2) for t in (out, dq, dk, dv))
