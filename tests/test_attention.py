@@ -9,12 +9,13 @@ the full matrix, long sequences, bf16 on the hardware, determinism and memory.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
 
 import diyfa
-from diyfa.reference import attention_ref
+from diyfa.reference import attention_mask, attention_ref
 
 from .conftest import DEVICE
 
@@ -50,6 +51,87 @@ def _check(name, ours, pt, ref, factor, dtype):
         where = tuple(torch.nonzero(err == err.max())[0].tolist())
         pytest.fail(f"{name}: max error {err.max().item():.3e} (mean {err.mean().item():.3e}) "
                     f"at {where} exceeds {factor}x PyTorch's {pt_err:.3e} + {FLOOR[dtype]:.0e}")
+
+
+# The harness rule for tiny problems (tests/test_fuzz.py, test_numerics.py): the 2x / 3x rule
+# plus, elementwise, the roundings a correct kernel makes that PyTorch's result need not show
+# when the max error is taken over a handful of elements. Unit roundoff of the input dtype
+# (P, and dS in the backward, are rounded to it before their matmuls: FlashAttention's
+# practice), and fp32 rounding of the terms that cancel in dS (with room for a few roundings).
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 0.0}
+CANCEL_ULPS = 4 * 2.0**-24
+MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
+
+
+def half_ulp(ref: torch.Tensor, dtype: torch.dtype):
+    """Half a unit in the last place of ``dtype`` at each reference value (0 for fp32): a
+    result rounded to a 16-bit format may land on either neighbour of a value near the
+    midpoint, PyTorch's on the nearer one."""
+    if dtype not in MANTISSA_BITS:
+        return torch.zeros_like(ref)
+    _, exp = torch.frexp(ref.abs())
+    return torch.ldexp(torch.ones_like(ref), exp - 2 - MANTISSA_BITS[dtype])
+
+
+def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap, layout):
+    """Elementwise allowances (out, dq, dk, dv), shaped like out, q, k, v, computed in float64
+    from the inputs, for roundings that the max-error rule cannot see on tiny problems:
+
+    - every P element: its score is an fp32 dot (off by a few ulps of |q| . |k|) and the
+      kernels form P = 2^(s log2(e) - m) with the exponent rounded at the size of s: a
+      relative error of CANCEL_ULPS (1 + 2 scale |q| . |k|) in P, through out = P V /
+      rowsum(P), dV = P^T dO and dS = P (dP - delta).
+
+    - out, dv: P rounded to ``dtype`` before P @ V and P^T @ dO: u x (P @ |V|), u x
+      (P^T @ |dO|) (dv summed over the GQA group).
+    - dq, dk: dS = P (dP - delta) with delta = rowsum(dO * O) (FlashAttention's form)
+      cancels exactly only in exact arithmetic: where a row sees one key dS is 0 and PyTorch
+      reaches 0 bitwise (its delta is rowsum(P * dP), the same sum as dP's), so the floor
+      alone would demand bitwise agreement of two summation orders; and dS is rounded to
+      ``dtype`` before dS @ K. (CANCEL_ULPS + u) x scale x (P (|dO| |V|^T + |dO| . |O|))
+      @ |K| (@ |Q| for dk, summed over the group): fp32 rounds dP and delta to a few ulps of
+      the products they sum, not of their (cancelling) values.
+    """
+    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
+    if layout == "bshd":
+        q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    group = h // max(hk, 1)
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    s = q @ kr.transpose(-1, -2) * scale  # P as attention_ref forms it
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    keep = attention_mask(sq, sk, causal=causal, window=window, device=q.device)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0))
+    u = UNIT_ROUNDOFF[dtype]
+    # P's relative error is that of its score's exponent: the fp32 dot q . k is off by a few
+    # ulps of the products it sums (|q| . |k|), and the kernel's exponent s log2(e) - m is
+    # rounded at the size of s, not of s - m. Both grow with the scores (scale 1 and a large
+    # head dim: |s| ~ 20, and 2x PyTorch's error is then a coin toss on a handful of rows).
+    sizes = scale * (q.abs() @ kr.abs().transpose(-1, -2))
+    rel = CANCEL_ULPS * (1 + 2 * sizes)  # per P element
+    o = p @ vr
+    # The sizes of the products summed in dP = dO V^T and delta = rowsum(dO * O): a dot of
+    # d products in fp32 is off by a few ulps of these (not of its result, which cancels).
+    dp = do.abs() @ vr.abs().transpose(-1, -2)
+    delta = (do.abs() * o.abs()).sum(-1, keepdim=True)
+    terms = p * (dp + delta)
+    pe = p * rel
+    out = u * (p @ vr.abs()) + pe @ vr.abs() + pe.sum(-1, keepdim=True) * o.abs()
+    dv = u * (p.transpose(-1, -2) @ do.abs()) + pe.transpose(-1, -2) @ do.abs()
+    dv = dv.view(b, hk, group, sk, d).sum(2)
+    dterms = terms * (CANCEL_ULPS + u + rel)
+    dq = scale * (dterms @ kr.abs())
+    dk = scale * (dterms.transpose(-1, -2) @ q.abs())
+    dk = dk.view(b, hk, group, sk, d).sum(2)
+    if layout == "bshd":
+        out, dq, dk, dv = (t.transpose(1, 2) for t in (out, dq, dk, dv))
+    return out, dq, dk, dv
 
 
 def _run_and_check(q, k, v, causal, layout="bhsd", scale=None, grads=True, **options):

@@ -427,3 +427,21 @@ def test_window_and_softcap_follow_flash_attn(window_size, softcap, causal, want
     want = diyfa.flash_attention_varlen(q[0], k[0], v[0], cu, cu, 25, 25, causal=causal,
                                         window_size=want_window, softcap=want_cap)  # fmt: skip
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("options", [
+    dict(softcap=-2.0), dict(window_size=(-3, -2)), dict(window_size=[-1, -1]),
+    dict(window_size=(-1, 0), causal=True), dict(window_size=(-1, 5), causal=True),
+], ids=["softcap-negative", "window-negative", "window-list", "causal-right-0",
+        "causal-right-dropped"])
+def test_kvcache_takes_flash_attns_values_that_turn_variants_off(options):
+    """flash-attn reads a softcap <= 0 and negative window sides as off (causal drops the
+    right side): with_kvcache, which has neither variant, runs those like the plain call."""
+    kwargs = _valid_call("flash_attn_with_kvcache")
+    kwargs["k_cache"], kwargs["v_cache"] = kwargs["k_cache"].clone(), kwargs["v_cache"].clone()
+    plain = dict(kwargs, k_cache=kwargs["k_cache"].clone(), v_cache=kwargs["v_cache"].clone())
+    causal = options.get("causal", False)
+    with torch.no_grad():
+        got = fai.flash_attn_with_kvcache(**kwargs, **options)
+        want = fai.flash_attn_with_kvcache(**plain, causal=causal)
+    assert torch.equal(got, want)

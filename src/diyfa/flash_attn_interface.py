@@ -67,14 +67,36 @@ _DENSE_LSE = "diyfa.flash_attention(q, k, v, layout='bshd', return_lse=True)"
 _VARLEN_LSE = "diyfa.flash_attention_varlen(q, k, v, cu_seqlens_q, ..., return_lse=True)"
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _variants(window_size, softcap, causal) -> dict:
     """flash-attn's window and softcap conventions onto diyfa's: a negative window side is
     unbounded (-1), causal makes the right side 0 (flash-attn drops a positive one; diyfa's
-    own function refuses it), a softcap <= 0 is off."""
-    left, right = window_size
-    left = -1 if left < 0 else left
-    right = 0 if causal else (-1 if right < 0 else right)
-    return dict(window_size=(left, right), softcap=softcap if softcap > 0 else 0.0)
+    own function refuses it), a softcap <= 0 is off. Values that are not a pair of ints or
+    a number pass unchanged, so that diyfa's checks refuse them by name (a NaN softcap too,
+    rather than turning it off)."""
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+            _is_int(w) for w in window_size):  # fmt: skip
+        left, right = window_size
+        left = -1 if left < 0 else left
+        right = 0 if causal is True else (-1 if right < 0 else right)
+        window_size = (left, right)
+    if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap <= 0:
+        softcap = 0.0
+    return dict(window_size=window_size, softcap=softcap)
+
+
+def _unpack(name: str, packed, count: int, layout: str) -> tuple:
+    """The ``count`` views along axis 2 of a packed ``qkv`` / ``kv`` tensor, after checking
+    its shape (ValueError naming it, rather than an IndexError or extra entries ignored)."""
+    shape = getattr(packed, "shape", None)
+    if shape is None:
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if len(shape) != 5 or shape[2] != count:
+        raise ValueError(f"{name} must be 5-D {layout}, got shape {tuple(shape)}")
+    return tuple(packed[:, :, i] for i in range(count))
 
 
 def _show(value) -> str:
@@ -118,7 +140,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     views of it, not copies)."""
     _refuse_unsupported("flash_attn_qkvpacked_func", _DENSE_LSE,
                         return_attn_probs=return_attn_probs)  # fmt: skip
-    return diyfa.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal,
+    q, k, v = _unpack("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
+    return diyfa.flash_attention(q, k, v, causal=causal,
                                  softmax_scale=softmax_scale, layout="bshd",
                                  deterministic=deterministic,
                                  **_variants(window_size, softcap, causal),
@@ -133,7 +156,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     q and kv (k, v are views of kv)."""
     _refuse_unsupported("flash_attn_kvpacked_func", _DENSE_LSE,
                         return_attn_probs=return_attn_probs)  # fmt: skip
-    return diyfa.flash_attention(q, kv[:, :, 0], kv[:, :, 1], causal=causal,
+    k, v = _unpack("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return diyfa.flash_attention(q, k, v, causal=causal,
                                  softmax_scale=softmax_scale, layout="bshd",
                                  deterministic=deterministic,
                                  **_variants(window_size, softcap, causal),
@@ -178,14 +202,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _refuse_unsupported("flash_attn_with_kvcache", rotary_cos=rotary_cos,
                         rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                         cache_leftpad=cache_leftpad)  # fmt: skip
-    if cache_seqlens is None or (isinstance(cache_seqlens, int)
-                                 and not isinstance(cache_seqlens, bool)):  # fmt: skip
-        import torch
+    import torch
 
+    if not isinstance(return_softmax_lse, bool):
+        raise TypeError(f"return_softmax_lse must be a bool, got {return_softmax_lse!r}")
+    tensors = isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and (
+        block_table is None or isinstance(block_table, torch.Tensor)
+        and block_table.dim() == 2)  # else diyfa's checks name what is wrong
+    if tensors and (cache_seqlens is None or _is_int(cache_seqlens)):
         if cache_seqlens is None:  # flash-attn: every sequence is the whole cache
             if k is not None:
                 raise ValueError("flash_attn_with_kvcache: k and v are appended at "
-                                 "cache_seqlens: pass cache_seqlens with them")  # fmt: skip
+                                 "cache_seqlens, got cache_seqlens=None: pass "
+                                 "cache_seqlens with them")  # fmt: skip
             cache_seqlens = k_cache.shape[1] * (1 if block_table is None
                                                 else block_table.shape[1])  # fmt: skip
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,

@@ -23,12 +23,14 @@ imported on the first call that consults it.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attention_*)
 from diyfa.attention.checks import (
     SUPPORTED_DTYPES,
+    check_flag,
     check_inputs,
     check_varlen_inputs,
 )
@@ -119,6 +121,7 @@ def flash_attention(
         Windows, softcap, ALiBi, sinks and dropout run on the portable kernels for now (the
         Hopper family refuses them, and "auto" says so).
     """
+    check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         _no_compiled_dropout(dropout_p)
         wl, wr = window_size
@@ -178,6 +181,7 @@ def flash_attention_varlen(
     The lengths are read to the host and checked against the tensors before any kernel runs
     (one device synchronisation per call). Programs past a sequence's end exit at once.
     """
+    check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         _no_compiled_dropout(dropout_p)
         wl, wr = window_size
@@ -246,6 +250,7 @@ def flash_attention_with_kvcache(
     before anything is written: on an error the cache is untouched. The lengths are read to
     the host (one device synchronisation per call).
     """
+    check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
         wl, wr = window_size
         out, lse2 = torch.ops.diyfa.attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
@@ -304,8 +309,12 @@ def scaled_dot_product_attention(
                          **kwargs)  # fmt: skip
     if any(t.dtype not in SUPPORTED_DTYPES for t in args):
         return _fallback("only float16, bfloat16 and float32 run on the kernel", *args, **kwargs)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
     if scale is not None and scale < 0:
         return _fallback("negative scales run on PyTorch", *args, **kwargs)
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     if query.device.type != "cuda" and not interpreter_enabled():
         return _fallback(f"device {query.device.type} has no Triton kernel", *args, **kwargs)
     if query.shape[1] != key.shape[1] and not enable_gqa:

@@ -26,6 +26,13 @@ MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_flag(name: str, value) -> None:
+    """TypeError unless ``value`` is a bool (a flag given as 1, "yes" or None is refused, not
+    read as truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def _resolved_scale(softmax_scale, head_dim: int) -> float:
     """The softmax scale as a float: the one given (finite), or 1/sqrt(head_dim)."""
     if softmax_scale is None:
@@ -149,10 +156,8 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
         raise ValueError(
             f"q heads ({h}) must be a multiple of k/v heads ({hk}) for GQA/MQA"
         )
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    check_flag("causal", causal)
+    check_flag("deterministic", deterministic)
     window_left, window_right, softcap = check_variants(window_size, softcap, causal)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], bhsd_shape(q, layout)[1], q.device)
     dropout_p = check_dropout(dropout_p)
@@ -242,6 +247,13 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         sinks=sinks)  # fmt: skip
 
 
+def _show(value) -> str:
+    """A value for an error message: a tensor by its kind and shape, not its contents."""
+    if isinstance(value, torch.Tensor):
+        return f"<Tensor {value.dtype} {tuple(value.shape)}>"
+    return repr(value)
+
+
 def _check_int32_tensor(name: str, t, dims: int, device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -306,8 +318,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
     the new tokens, are in q's dtype and quantised on the append."""
     names = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new keys and values to append) or "
-                         "both left None")  # fmt: skip
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        raise ValueError(f"k and v must be given together (new keys and values to append) or "
+                         f"both left None, got {given}={_show(k if v is None else v)} and "
+                         f"{missing}=None")  # fmt: skip
     if k is not None:
         names += (("k", k), ("v", v))
     for name, t in names:
@@ -325,8 +339,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}: one device")
     require_kernel_device(q, "q, k_cache, v_cache")
-    if torch.is_grad_enabled() and any(t.requires_grad for _, t in names):
-        raise ValueError("flash_attention_with_kvcache has no backward: call it under "
+    grads = [name for name, t in names if t.requires_grad]
+    if torch.is_grad_enabled() and grads:
+        raise ValueError(f"{', '.join(grads)} requires_grad=True, but "
+                         "flash_attention_with_kvcache has no backward: call it under "
                          "torch.no_grad() (or detach the inputs)")  # fmt: skip
     b, sq, h, d = q.shape
     if k_cache.shape != v_cache.shape:
@@ -374,8 +390,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
             if bad:
                 raise ValueError(f"block_table[{i}] points outside the pool of {pool} pages: "
                                  f"{bad[:4]}")  # fmt: skip
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_flag("causal", causal)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
     if num_splits > MAX_SPLITS:

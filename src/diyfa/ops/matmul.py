@@ -896,6 +896,8 @@ def _check_scale(name: str, s, a, rows: int, per_row_shape: str):
     if s.numel() == 1:
         return "tensor", s, 0, 0
     batched = a.dim() == 3
+    if batched and tuple(s.shape) == (a.shape[0], rows):  # (B, M) / (B, N), before any
+        return "row", s, s.stride(0), s.stride(1)  # squeeze reads (B, 1) as (M, 1)
     squeezed = s.squeeze(-1) if name == "scale_a" and s.dim() >= 2 else s
     if name == "scale_b" and s.dim() >= 2 and s.shape[-2] == 1:
         squeezed = s.squeeze(-2)
