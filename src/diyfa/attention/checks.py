@@ -49,6 +49,8 @@ def check_variants(window_size, softcap, causal) -> tuple[int, int, float]:
     """(window_left, window_right, softcap) of the options, checked: FlashAttention's
     ``window_size=(left, right)``, -1 = unbounded (causal=True makes right 0 and forbids a
     positive one); ``softcap`` >= 0, 0 = off."""
+    if window_size == (-1, -1) and type(softcap) is float and softcap == 0.0:  # the defaults
+        return -1, (0 if causal else -1), 0.0
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
@@ -91,6 +93,8 @@ def check_bias_tensors(alibi_slopes, sinks, batch: int, heads: int, device) -> N
 
 def check_dropout(dropout_p) -> float:
     """``dropout_p`` as a float in [0, 1)."""
+    if type(dropout_p) is float and dropout_p == 0.0:  # the default
+        return 0.0
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a number, got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
@@ -159,7 +163,8 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
     check_flag("causal", causal)
     check_flag("deterministic", deterministic)
     window_left, window_right, softcap = check_variants(window_size, softcap, causal)
-    check_bias_tensors(alibi_slopes, sinks, q.shape[0], bhsd_shape(q, layout)[1], q.device)
+    if alibi_slopes is not None or sinks is not None:
+        check_bias_tensors(alibi_slopes, sinks, b, h, q.device)
     dropout_p = check_dropout(dropout_p)
     scale = _resolved_scale(softmax_scale, d)
     device = q.device
