@@ -56,7 +56,7 @@ from .test_attention import _check as _check_nonempty  # noqa: E402
 # exp2. The results are checked; these warnings are about discarded lanes.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered in (cast|exp2):RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:invalid value encountered in (matmul|multiply|subtract)"
+    pytest.mark.filterwarnings("ignore:invalid value encountered in (matmul|multiply|subtract|add)"
                                ":RuntimeWarning"),
 ]
 
