@@ -136,7 +136,8 @@ def _diyfa_portable(case, q, k, v):
 
 def _hopper_check(case) -> str | None:
     """Why the Hopper family cannot run ``case`` (None when it can), from its own supports()
-    on a problem of the case's shape (one-element storage: only shapes and strides are read)."""
+    on a problem of the case's shape (uninitialised tensors: only shapes, strides and the
+    alignment are read)."""
     if not torch.cuda.is_available():
         return "needs an sm90 GPU (H100/H200)"
     from diyfa.attention import dispatch
@@ -144,9 +145,7 @@ def _hopper_check(case) -> str | None:
 
     def view(heads, seqlen):
         shape = (case.batch, heads, seqlen, case.head_dim)
-        base = torch.empty(1, dtype=torch_dtype(case.dtype), device="cuda")
-        strides = (heads * seqlen * case.head_dim, seqlen * case.head_dim, case.head_dim, 1)
-        return base.as_strided(shape, strides)
+        return torch.empty(shape, dtype=torch_dtype(case.dtype), device="cuda")
 
     kv = view(case.hk, case.seqlen_k)
     problem = check_inputs(view(case.heads, case.seqlen_q), kv, kv, causal=case.causal,
