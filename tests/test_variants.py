@@ -179,13 +179,13 @@ def test_varlen_variants():
 
 
 @pytest.mark.parametrize("kwargs, err, match", [
-    (dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError,
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float16, device=DEVICE)), TypeError,
      r"alibi_slopes.dtype is torch.float16; accepted: float32"),
-    (dict(alibi_slopes=torch.ones(3)), ValueError,
+    (dict(alibi_slopes=torch.ones(3, device=DEVICE)), ValueError,
      r"alibi_slopes must have shape \(2,\) or \(1, 2\) \(heads=2, batch=1\), got \(3,\)"),
-    (dict(alibi_slopes=torch.ones(4)[::2]), ValueError, r"alibi_slopes must be contiguous"),
-    (dict(sinks=torch.ones(2, 1)), ValueError, r"sinks must have shape \(2,\)"),
-    (dict(sinks=torch.ones(2, dtype=torch.int32)), TypeError, r"sinks.dtype is torch.int32"),
+    (dict(alibi_slopes=torch.ones(4, device=DEVICE)[::2]), ValueError, r"alibi_slopes must be contiguous"),
+    (dict(sinks=torch.ones(2, 1, device=DEVICE)), ValueError, r"sinks must have shape \(2,\)"),
+    (dict(sinks=torch.ones(2, dtype=torch.int32, device=DEVICE)), TypeError, r"sinks.dtype is torch.int32"),
     (dict(sinks=[0.0, 1.0]), TypeError, r"sinks must be a torch.Tensor or None, got list"),
     (dict(window_size=(-2, 0)), ValueError, r"window_size sides must be >= 0 or -1.*\(-2, 0\)"),
     (dict(window_size=(3,)), TypeError, r"window_size must be a \(left, right\) pair"),
