@@ -13,7 +13,7 @@ PY := $(CURDIR)/.venv/bin/python
 SETUP := .venv/.installed
 endif
 
-.PHONY: demo test test-gpu lint info bench-flash bench-matmul bench-memory bench-all report tune setup
+.PHONY: gpu-wheels demo test test-gpu lint info bench-flash bench-matmul bench-memory bench-all report tune setup
 
 setup: $(SETUP)
 
@@ -58,3 +58,9 @@ report: $(SETUP)
 
 tune: $(SETUP)
 	$(PY) -m diyfa.cli tune
+
+# Wheels the GPU machine (no network) lacks, for benchmarks/gpu_tests.sh: carry .whl there.
+gpu-wheels:
+	mkdir -p .whl && python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform any -d .whl hypothesis "transformers>=4.56"
