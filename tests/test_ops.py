@@ -78,7 +78,8 @@ def test_fake_tensors_get_the_eager_errors_at_trace_time():
     compiled = torch.compile(lambda q, k, v: diyfa.flash_attention(q, k, v), fullgraph=True,
                              backend="aot_eager")  # fmt: skip
     with pytest.raises(Exception, match="q heads \\(4\\) must be a multiple of k/v heads \\(3\\)"):
-        compiled(q, torch.randn(1, 3, 47, 24), torch.randn(1, 3, 47, 24))
+        compiled(q, torch.randn(1, 3, 47, 24, device=DEVICE),
+                 torch.randn(1, 3, 47, 24, device=DEVICE))
 
 
 def test_eager_calls_do_not_go_through_the_ops(monkeypatch):

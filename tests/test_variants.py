@@ -292,7 +292,7 @@ def test_value_head_dim_everywhere_else():
                           (q4, k4, v4, False, "bottom_right", None, "bhsd", "auto", False, -1,
                            -1, 0.0, None, None))  # fmt: skip
     with pytest.raises(ValueError, match="v's head_dim must be in 1..256, got 300"):
-        diyfa.flash_attention(q4, k4, torch.randn(1, 2, 30, 300))
+        diyfa.flash_attention(q4, k4, torch.randn(1, 2, 30, 300, device=DEVICE))
     with pytest.raises(ValueError, match="q and k must share head_dim, got q=48, k=16"):
         diyfa.flash_attention(q4, v4, v4)
     problem = dataclasses.replace(_problem(), value_dim=64)

@@ -118,6 +118,21 @@ def _bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_od,
 
 
 @gluon.jit
+def _red_add_v2(base, offs, x):
+    """``base[offs] += x`` in fp32, two neighbouring columns per instruction (``red.global
+    .add.v2.f32``, sm90): ``x`` in a wgmma accumulator layout, whose threads hold column pairs
+    (2c, 2c + 1), which the inline assembly takes two at a time (``pack=2``). A fire-and-forget
+    reduction, no value returned (``gl.atomic_add`` issues one returning ``atom`` per element).
+    ``offs`` are int32 element offsets from the scalar pointer ``base`` (fewer registers than
+    a tensor of 64-bit pointers)."""
+    addr0 = base.to(gl.int64, bitcast=True)
+    gl.inline_asm_elementwise(
+        "{ .reg .b64 a; mad.wide.s32 a, $2, 4, $4; red.global.add.v2.f32 [a], {$6, $7}; }\n"
+        "mov.b32 $0, 0; mov.b32 $1, 0;",
+        "=r,=r,r,r,l,l,r,r", [offs, addr0, x], dtype=gl.int32, is_pure=False, pack=2)
+
+
+@gluon.jit
 def _kv_program(heads, kv_group, seqlen_q, causal_offset, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(first key, batch, kv head, first query block, query blocks per head) of this
@@ -170,8 +185,8 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs
 
 @gluon.jit
 def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                  kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
-                  causal_offset, qk_scale, sm_scale,
+                  kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
+                  seqlen_q_pad, causal_offset, qk_scale, sm_scale,
                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: keys [n0 + 64 C, n0 + 64 C + 64) of the program's block."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
@@ -201,7 +216,6 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
     key_tail = key0 + SUB_N > seqlen_k
     k_smem = _tile2d(k_bufs, C)
     v_smem = _tile2d(v_bufs, C)
-    ds_smem = ds_bufs.index(C)
     dk = gl.zeros([SUB_N, HEAD_DIM], gl.float32, layout=d_layout)
     dv = gl.zeros([SUB_N, HEAD_DIM], gl.float32, layout=d_layout)
     mbarrier.wait(kv_ready.index(0), 0)
@@ -244,36 +258,50 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
         dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)
         if DQ_ATOMIC:
-            ds_smem.store(ds16)  # read back as dQ's transposed A operand below
+            # This consumer's 64 rows of the step's (128 keys, BLOCK_M) dS^T, for dQ below.
+            ds_all = ds_bufs.index(it % 2)
+            ds_all.slice(C * SUB_N, SUB_N, dim=0).store(ds16)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's rows are written before the arrival
+            mbarrier.arrive(ds_ready.index(it % 2))
         dsa = gl.convert_layout(ds16, a_layout)
         dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
         dv, dk, _p, _ds, _q, _do = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p16, dsa, q_smem,
                                                                do_smem))
         mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
         if DQ_ATOMIC:
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's part of dS^T is written before the wgmma
-            ds_t = ds_smem.permute((1, 0))
-            # dQ in column halves of K at d128 (half the accumulator registers at a time; each
-            # half starts on a whole 128-byte swizzle block); in one piece at d64.
-            SPLIT: gl.constexpr = 2 if HEAD_DIM > 64 else 1
-            HALF: gl.constexpr = HEAD_DIM // SPLIT
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h_layout))
-            cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, h_layout))
-            base = (off_b.to(gl.int64) * heads + off_h) * seqlen_q_pad * HEAD_DIM
-            for h in gl.static_range(SPLIT):
-                k_half = k_smem.slice(h * HALF, HALF, dim=1)
-                dq_tok = warpgroup_mma(ds_t, k_half,
-                                       gl.zeros([BLOCK_M, HALF], gl.float32, h_layout),
-                                       use_acc=False, is_async=True)  # fmt: skip
-                dq, _dst, _kh = warpgroup_mma_wait(0, deps=(dq_tok, ds_t, k_half))
-                # The workspace is padded to whole query blocks and the padded head dim.
-                gl.atomic_add(DQ + base + rows[:, None] * HEAD_DIM + (h * HALF + cols[None, :]),
-                              dq, sem="relaxed")  # fmt: skip
-            gl.thread_barrier()  # dS^T is read before the next step overwrites it
+            if it % 2 == C:
+                # The consumers take turns: this one multiplies the whole block's dS (both
+                # halves, K = 128 keys) by K into the query block's dQ and adds it to the
+                # workspace, while the other one goes on with the next step. Buffer it % 2
+                # is written again two steps on, after this wait's partner has passed its
+                # own turn (see the module docstring).
+                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                # In column halves of K at d128 (half the accumulator registers at a time;
+                # each half starts on a whole 128-byte swizzle block); in one piece at d64.
+                # K = 128 keys as two products of 64, one per consumer's K buffer.
+                SPLIT: gl.constexpr = 2 if HEAD_DIM > 64 else 1
+                HALF: gl.constexpr = HEAD_DIM // SPLIT
+                rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h_layout))
+                cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, h_layout))
+                base = (off_b.to(gl.int64) * heads + off_h) * seqlen_q_pad * HEAD_DIM
+                dq_rows = DQ + base  # the workspace is padded to whole query blocks and dims
+                for h in gl.static_range(SPLIT):
+                    dq = gl.zeros([BLOCK_M, HALF], gl.float32, h_layout)
+                    for c in gl.static_range(CONSUMERS):
+                        ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
+                        k_half = _tile2d(k_bufs, c).slice(h * HALF, HALF, dim=1)
+                        dq = warpgroup_mma(ds_t, k_half, dq, use_acc=c > 0, is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
+                    offs = rows[:, None] * HEAD_DIM + (h * HALF + cols[None, :])
+                    _red_add_v2(dq_rows, offs, dq)
 
     # Epilogue: dK (scaled) and dV through this consumer's own K / V buffers, which nothing
-    # reads any more; TMA clips rows past seqlen_k and columns past the head dim.
+    # reads any more once the other consumer's last dQ product (which reads both halves of
+    # K) is done; TMA clips rows past seqlen_k and columns past the head dim.
+    if DQ_ATOMIC:
+        mbarrier.arrive(done.index(0))
+        mbarrier.wait(done.index(0), 0)
     k_smem.store((dk * sm_scale).to(dtype))
     v_smem.store(dv.to(dtype))
     fence_async_shared()
@@ -285,22 +313,22 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
 
 @gluon.jit
 def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                   kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
-                   causal_offset, qk_scale, sm_scale,
+                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
+                   seqlen_q_pad, causal_offset, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                  kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
-                  causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, 0)  # fmt: skip
+                  kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
+                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, 0)  # fmt: skip
 
 
 @gluon.jit
 def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                   kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
-                   causal_offset, qk_scale, sm_scale,
+                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
+                   seqlen_q_pad, causal_offset, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                  kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad,
-                  causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, 1)  # fmt: skip
+                  kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
+                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, 1)  # fmt: skip
 
 
 @gluon.jit
@@ -323,12 +351,17 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                                         do_desc.layout)  # fmt: skip
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_N, BLOCK_M], dtype)
-    ds_bufs = gl.allocate_shared_memory(dtype, [2, SUB_N, BLOCK_M], ds_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * SUB_N, BLOCK_M], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * SUB_N, BLOCK_M], ds_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
+    mbarrier.init(ds_ready.index(0), count=2)  # one arrival per consumer
+    mbarrier.init(ds_ready.index(1), count=2)
+    mbarrier.init(done.index(0), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect; TMA counts the bytes
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
@@ -336,11 +369,13 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     # members would reach the partitions as run-time values.)
     gl.warp_specialize([
         (_bwd_consumer0, (dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs,
-                          ds_bufs, kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k,
-                          seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC)),
+                          ds_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+                          seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
+                          CAUSAL, DQ_ATOMIC)),
         (_bwd_consumer1, (dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs,
-                          ds_bufs, kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k,
-                          seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC)),
+                          ds_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+                          seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
+                          CAUSAL, DQ_ATOMIC)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                        kv_ready, ready, empty, heads, kv_group, seqlen_q, causal_offset,
                        CAUSAL)),
