@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# diyfa against FlashAttention-4, cuDNN and FA2 in one process per suite, as one device call
+# (nvidia-h200, ~9 minutes). FA4 comes from ../shared/tools/fa4-prepare: the call before this
+# one ran `bash .fa4a/fa4.sh stash` (carry .fa4a), this one carries .fa4b and runs
+#   source .fa4b/fa4.sh install && bash benchmarks/gpu_side_by_side.sh
+# Measures (results to $OUT, a table per file last):
+#   fa-sweep --quick (d64/d128, 1k/4k/16k, causal or not) and seed + cross + gqa, fwd and bwd,
+#     with every diyfa backward mode: diyfa ("auto"), diyfa-hopper (Gluon backward, atomic
+#     dQ), diyfa-hopper-det (Gluon dK/dV + the portable dQ kernel);
+#   the variants suite (window, softcap, ALiBi, sinks against full causal), fwd and bwd;
+#   benchmarks/first_call.py (time to the first result, cold and warm caches).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+fa4=""; python3 -c "import flash_attn.cute" 2>/dev/null && fa4=",fa4-cute"
+echo "fa4: ${fa4:-absent}"
+bench() {  # name timeout args...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m diyfa.cli bench flash --no-ceilings --no-progress \
+    --out "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1 || echo "$name: exit $?"
+}
+all="diyfa,diyfa-hopper,diyfa-hopper-det,sdpa-cudnn,sdpa-flash$fa4"
+bench fasweep 240 --suite fa-sweep --quick --modes fwd,bwd --providers "$all" --warmup 20 --rep 80
+bench seed 150 --suite seed,cross,gqa --modes fwd,bwd --providers "$all" --warmup 20 --rep 80
+bench variants 100 --suite variants --modes fwd,bwd --providers "diyfa,sdpa-flash$fa4" \
+  --warmup 10 --rep 50
+timeout 60 python3 benchmarks/first_call.py --dtype bf16 --head-dim 128 --causal \
+  > "$OUT/first_call.log" 2>&1 || echo "first_call: exit $?"
+tail -n 8 "$OUT/first_call.log"
+for f in "$OUT"/fasweep.jsonl "$OUT"/seed.jsonl "$OUT"/variants.jsonl; do
+  [ -f "$f" ] || continue
+  python3 - "$f" <<'PY'
+import collections, json, sys
+rows = collections.defaultdict(dict)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("record") != "measurement" or r.get("tflops") is None:
+        continue
+    key = (r["suite"], r["mode"], r["label"])
+    rows[key][r["provider"]] = r["tflops"]
+names = sorted({p for v in rows.values() for p in v})
+print(sys.argv[1].rsplit("/", 1)[-1], "| TFLOPS |", " ".join(names))
+for key in sorted(rows):
+    print(*key, *(f"{rows[key][n]:.0f}" if n in rows[key] else "-" for n in names))
+PY
+done
