@@ -23,7 +23,7 @@ import diyfa
 from diyfa.attention import dispatch
 from diyfa.attention.checks import check_inputs
 
-from .conftest import HAS_CUDA
+from .conftest import DEVICE, HAS_CUDA
 from .test_attention import _inputs, _run_and_check
 
 _COMPILE = """
@@ -84,8 +84,8 @@ def _problem(b=2, h=4, hk=2, sq=300, sk=257, d=128, dtype=torch.bfloat16, layout
     """A Problem as check_inputs builds it, as if on an H100 (capability 9.0) unless
     ``replace`` says otherwise."""
     shape = (lambda hh, s: (b, hh, s, d)) if layout == "bhsd" else (lambda hh, s: (b, s, hh, d))
-    q = torch.empty(shape(h, sq), dtype=dtype)
-    k = torch.empty(shape(hk, sk), dtype=dtype)
+    q = torch.empty(shape(h, sq), dtype=dtype, device=DEVICE)
+    k = torch.empty(shape(hk, sk), dtype=dtype, device=DEVICE)
     p = check_inputs(q, k, torch.empty_like(k), causal=causal, softmax_scale=scale,
                      layout=layout, align="bottom_right")  # fmt: skip
     return dataclasses.replace(p, **{"capability": (9, 0), **replace})

@@ -121,23 +121,36 @@ def test_supports_takes(kwargs):
 
 
 @pytest.mark.parametrize("env, backend, kwargs, want", [
-    (None, "auto", dict(), "portable"),
-    ("1", "auto", dict(), "hopper"),
+    (None, "auto", dict(), "hopper-kernel-dq"),
+    (None, "auto", dict(d=64, sk=4096), "portable"),
+    (None, "auto", dict(d=64, sk=4096, causal=True), "hopper-kernel-dq"),
+    (None, "auto", dict(d=80, deterministic=True), "hopper-kernel-dq"),
+    ("1", "auto", dict(d=64, sk=4096), "hopper-atomic"),
+    ("1", "auto", dict(deterministic=True), "hopper-kernel-dq"),
     ("0", "auto", dict(), "portable"),
-    (None, "hopper", dict(), "hopper"),
+    (None, "hopper", dict(), "hopper-atomic"),
+    (None, "hopper", dict(deterministic=True), "hopper-kernel-dq"),
     (None, "hopper", dict(d=256), "portable"),
     ("1", "auto", dict(d=256), "portable"),
-], ids=["auto", "auto-enabled", "auto-disabled", "named", "named-d256", "enabled-d256"])
+], ids=["auto-d128", "auto-d64", "auto-d64-causal", "auto-d80-det", "enabled-d64",
+        "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256"])
 def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
-    """"auto" keeps the portable backward until DIYFA_HOPPER_BWD=1 (the Gluon one has not run
-    on a GPU yet); naming the family runs the Gluon backward wherever it applies."""
+    """"auto" runs the Gluon backward where it measured faster (head dims above 64, causal at
+    64), in its kernel-dQ (deterministic) path; DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
+    wherever it applies; naming the family runs it with the atomic dQ unless deterministic."""
+    deterministic = kwargs.pop("deterministic", False)
     if env is None:
         monkeypatch.delenv("DIYFA_HOPPER_BWD", raising=False)
     else:
         monkeypatch.setenv("DIYFA_HOPPER_BWD", env)
-    problem = _problem(**kwargs)
+    problem = dataclasses.replace(_problem(**kwargs), deterministic=deterministic)
     calls = []
-    monkeypatch.setattr(hopper_bwd, "hopper_backward", lambda *a, **k: calls.append("hopper"))
+
+    def fake_hopper(*args, atomic_dq=None):
+        atomic = (not problem.deterministic) if atomic_dq is None else atomic_dq
+        calls.append("hopper-atomic" if atomic else "hopper-kernel-dq")
+
+    monkeypatch.setattr(hopper_bwd, "hopper_backward", fake_hopper)
     # hopper_bwd's own reference to the portable module (not portable.FAMILY itself, which
     # dispatch.families() caches for the process).
     fake = dataclasses.replace(portable.FAMILY, backward=lambda *a, **k: calls.append("portable"))

@@ -1,12 +1,11 @@
 """FlashAttention backward for Hopper (sm90) in Gluon: TMA, ``wgmma`` and warp specialisation.
 
-Status: written and compile-checked for sm90a on the CPU (tests/test_hopper_bwd.py: it
-compiles, fits, uses the instructions below); **not yet run on a GPU** (no device machine
-was lent in the session that wrote it). It therefore runs only when asked for:
-``backend="hopper"``, or ``DIYFA_HOPPER_BWD=1`` in the environment (read on each backward)
-for the calls "auto" gives the Hopper family. Every other call, and every problem
-:func:`supports` refuses, takes the portable backward. The GPU tests that must pass before
-it joins "auto" are written (``tests/test_hopper_bwd.py``, marked ``gpu``).
+Status: runs on H200 (tests/test_hopper_bwd.py's GPU tests: the gradient matrix against
+float64, both dQ modes, bitwise determinism). "auto" runs it where it measured faster than
+the portable backward (:func:`auto_mode`: head dims 72..128, and causal at head dims <= 64,
+in its deterministic path); ``backend="hopper"`` runs it wherever :func:`supports` allows,
+with the atomic dQ unless ``deterministic=True``. Every other call, and every problem
+:func:`supports` refuses, takes the portable backward.
 
 What the kernel does
     One program per block of ``BLOCK_N`` = 128 keys of one (batch, kv head), FlashAttention-2
@@ -27,21 +26,34 @@ What the kernel does
         dS^T = P^T * (dP^T - delta)
         dV_c += P^T dO            (P^T from registers)
         dK_c += dS^T Q            (dS^T from registers)
-        dQ   += (dS^T)^T K_c      (fast mode only: dS^T through shared memory, the
-                                   transposed A operand; fp32 atomic adds into a workspace)
 
       Registers are moved to them from the loader (``setmaxnreg``).
+
+      Atomic dQ mode only: each consumer writes its 64 rows of dS^T to a shared (128 keys,
+      BLOCK_M) buffer (two of them, alternating by step) and arrives on ``ds_ready``; the
+      consumers take turns (step ``it`` is consumer ``it % 2``'s) computing the query
+      block's whole dQ = dS K (K = 128 keys: dS^T as the transposed A operand, K from both
+      consumers' buffers) and adding it to an fp32 workspace with ``red.global.add.v2.f32``.
+      Buffer ``it % 2`` is written again at step ``it + 2`` only after the writer has
+      passed step ``it + 1``'s ``ds_ready`` wait or its own turn, both of which follow the
+      reader's product. Against one dQ per consumer with scalar atomics (the first
+      version), this halves the reductions and issues a quarter of the instructions: on an
+      H200 the d128 16k backward went from 293 to 429 TFLOPS
+      (benchmarks/results/2026-11-23_h200_bwd-breakdown_*.txt).
     - epilogue: dK (times the softmax scale) and dV go out through the consumer's own K / V
       buffers by TMA (which clips rows past seqlen_k and columns past the head dim).
 
-Two modes (``Problem.deterministic``):
-    - fast (default): the kernel also accumulates dQ with fp32 atomic adds into a zeroed
+Two dQ modes (``atomic_dq``; ``backend="hopper"`` takes the atomic one unless
+``deterministic=True``, "auto" the other, faster one where it measured so: see :func:`auto_mode`):
+    - atomic: the kernel also accumulates dQ with fp32 atomic adds into a zeroed
       (batch, heads, padded seqlen_q, padded head dim) workspace, scaled and cast into dQ by
       one elementwise op; delta = rowsum(dO * O) comes from a small Triton kernel first.
       5 matmuls per block pair. The order of the atomic adds varies: dQ is not bitwise
       reproducible (dK and dV are).
-    - deterministic: the portable dQ kernel (which also writes delta) runs first, then this
-      kernel without dQ. Bitwise-reproducible, 7 matmuls per block pair.
+    - kernel dQ (deterministic): the portable dQ kernel (which also writes delta) runs first,
+      then this kernel without dQ. Bitwise-reproducible, 7 matmuls per block pair, and yet
+      the faster one at head dims 72..128 on an H200 (the atomic adds still cost more than
+      two extra matmuls there; at d64 the two modes are within a few per cent).
 
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
 rules, positive scale), head dims 64..128 that are multiples of 8 (computed as 64 or 128;
@@ -88,10 +100,36 @@ BWD_CONFIGS = {
 }
 
 
-def enabled() -> bool:
-    """Whether the Hopper backward may run: ``DIYFA_HOPPER_BWD=1`` (off until its GPU tests
-    have passed; see the module docstring)."""
-    return os.environ.get("DIYFA_HOPPER_BWD", "0") == "1"
+def auto_mode(p: Problem) -> str | None:
+    """What "auto" runs for the backward of a problem the Hopper forward took (and
+    :func:`supports` accepts): "kernel-dq" (this kernel for dK/dV after the portable dQ
+    kernel: the deterministic mode's path), "atomic" (this kernel with its atomic dQ) or
+    None (the portable backward).
+
+    ``DIYFA_HOPPER_BWD=0`` turns the Gluon backward off for "auto", ``=1`` runs it wherever
+    it applies, in the mode ``deterministic`` asks for. Unset: the measured rule, from one
+    H200 run with every mode side by side (2026-11-23, benchmarks/results/*_fa4_9f4758b.jsonl,
+    bf16 TFLOPS, portable / Gluon + portable dQ / Gluon atomic):
+
+    - head dims 72..128: "kernel-dq", level with or ahead of the portable backward at every
+      point (d128 16k 425 / 458 / 427, causal 380 / 441 / 354; 4k causal 336 / 387 / 301;
+      GQA 8k 412 / 425 / 415);
+    - head dims <= 64, causal: "kernel-dq" (16k 279 / 356 / 358, 4k 248 / 321 / 307);
+    - head dims <= 64, not causal: portable (16k 363 / 361 / 381, 4k 354 / 343 / 354, 8k
+      queries x 1k keys 332 / 276 / 287: the atomic mode's +5% at 16k is not worth giving
+      up bitwise reproducibility for).
+
+    So "auto" is deterministic wherever it runs the Gluon kernel: its fastest mode is."""
+    env = os.environ.get("DIYFA_HOPPER_BWD")
+    if env == "0":
+        return None
+    if env == "1":
+        return "kernel-dq" if p.deterministic else "atomic"
+    if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
+        return None
+    if head_dim_pad(p.head_dim) > 64 or p.causal:
+        return "kernel-dq"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,9 +489,14 @@ def delta(out4: torch.Tensor, do4: torch.Tensor) -> torch.Tensor:
     return res
 
 
-def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | None = None):
-    """(dq, dk, dv) through the Hopper kernel for a problem :func:`supports` accepts."""
+def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | None = None,
+                    atomic_dq: bool | None = None):
+    """(dq, dk, dv) through the Hopper kernel for a problem :func:`supports` accepts: dQ by
+    the kernel's atomic adds (``atomic_dq``; default: unless ``problem.deterministic``) or by
+    the portable dQ kernel first (bitwise reproducible)."""
     p = problem
+    if atomic_dq is None:
+        atomic_dq = not p.deterministic
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if p.seqlen_q == 0 or p.seqlen_k == 0 or p.batch * p.heads == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -467,7 +510,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     dk4, dv4, dq4 = bhsd_view(dk, p.layout), bhsd_view(dv, p.layout), bhsd_view(dq, p.layout)
     dpad = head_dim_pad(p.head_dim)
     block_m = (config or BWD_CONFIGS[dpad])[0]
-    if p.deterministic:
+    if not atomic_dq:
         # The portable dQ kernel (a fixed order per row; it also writes delta), then this
         # kernel for dK and dV only.
         dq, stats = portable.backward_dq(do, q, k, v, out, lse2, p)
@@ -477,10 +520,10 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         dq_acc = torch.zeros((p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad),
                              dtype=torch.float32, device=q.device)  # fmt: skip
     grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc,
-                                     p.causal_offset, p.softmax_scale, p.causal,
-                                     not p.deterministic, config)  # fmt: skip
+                                     p.causal_offset, p.softmax_scale, p.causal, atomic_dq,
+                                     config)  # fmt: skip
     launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
-    if not p.deterministic:
+    if atomic_dq:
         torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale, out=dq4)
     return dq, dk, dv
 
@@ -507,8 +550,13 @@ def supports(p: Problem) -> str | None:
 
 def backward(do, q, k, v, out, lse2, problem: Problem, forced: bool = False):
     """The Hopper family's backward: this kernel where it applies (:func:`supports`) and was
-    asked for (``forced``: ``backend="hopper"``) or is enabled for "auto" (:func:`enabled`);
-    else the portable backward (which reads the same LSE)."""
-    if (forced or enabled()) and supports(problem) is None:
-        return hopper_backward(do, q, k, v, out, lse2, problem)
+    asked for (``forced``: ``backend="hopper"``, atomic dQ unless ``deterministic``) or
+    :func:`auto_mode` picks it; else the portable backward (which reads the same LSE)."""
+    if supports(problem) is None:
+        if forced:
+            return hopper_backward(do, q, k, v, out, lse2, problem)
+        mode = auto_mode(problem)
+        if mode is not None:
+            return hopper_backward(do, q, k, v, out, lse2, problem,
+                                   atomic_dq=mode == "atomic")  # fmt: skip
     return portable.FAMILY.backward(do, q, k, v, out, lse2, problem)

@@ -34,9 +34,10 @@ the TMA unit. What does not fit these rules goes to the portable kernel (``suppo
 
 Scope (``supports``): sm90, fp16/bf16, head dims 64..256 that are multiples of 8 (computed
 as 64, 128 or 256: TMA zero-fills the columns past the head dim and clips them on store),
-positive softmax_scale, TMA's alignment rules. The backward is the portable kernel's, which
-reads the same LSE, unless the Gluon backward (hopper_bwd.py, not yet run on a GPU) is
-enabled. Everything else runs on the portable family.
+positive softmax_scale, TMA's alignment rules. The backward is the Gluon one
+(hopper_bwd.py) where it measured faster (head dims 72..128, and causal at head dims <= 64),
+else the portable kernel's, which reads the same LSE. Everything else runs on the portable
+family.
 """
 
 from __future__ import annotations
@@ -511,8 +512,8 @@ def prefer(p: Problem) -> str | None:
 
 
 def backward(do, q, k, v, out, lse2, problem: Problem):
-    """"auto"'s backward for this family: the portable one (which reads the same LSE), or the
-    Gluon backward (hopper_bwd.py) where ``DIYFA_HOPPER_BWD=1`` enables it and it applies."""
+    """"auto"'s backward for this family: the Gluon backward (hopper_bwd.py) where it measured
+    faster (``hopper_bwd.auto_mode``), else the portable one (which reads the same LSE)."""
     from diyfa.attention import hopper_bwd  # it imports this module
 
     return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=False)
@@ -520,7 +521,7 @@ def backward(do, q, k, v, out, lse2, problem: Problem):
 
 def backward_named(do, q, k, v, out, lse2, problem: Problem):
     """``backend="hopper"``'s backward: the Gluon backward wherever it applies (head dims up to
-    128), else the portable one."""
+    128; atomic dQ unless ``deterministic``), else the portable one."""
     from diyfa.attention import hopper_bwd
 
     return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=True)
