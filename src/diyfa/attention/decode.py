@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from diyfa import _interpreter
-from diyfa._launcher import cdiv, next_power_of_2
+from diyfa._launcher import cdiv, launch, next_power_of_2
 from diyfa.attention.portable import _tanh
 from diyfa.device import interpreter_enabled, kernel_limits
 
@@ -160,15 +160,17 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
 
 @triton.jit
 def _combine(O_PART, LSE_PART, O, LSE, SINK_LOGITS, rows_per_split, seqlen_q, heads,
-             stride_ob, stride_os, stride_oh, stride_od,
+             num_splits, stride_ob, stride_os, stride_oh, stride_od,
              NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
              SINKS: tl.constexpr):
-    """Program per (batch, head, query) row: merge the splits' partial outputs (and the
-    head's sink logit, which joins the denominator once, with no value)."""
+    """Program per (batch, head, query) row: merge the ``num_splits`` splits' partial
+    outputs (read as NUM_SPLITS, the next power of two: the extra slots count as empty) and
+    the head's sink logit, which joins the denominator once, with no value."""
     row = tl.program_id(0).to(tl.int64)  # (b * heads + h) * seqlen_q + s
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     splits = tl.arange(0, NUM_SPLITS)
-    lse_s = tl.load(LSE_PART + splits * rows_per_split + row)
+    s_ok = splits < num_splits
+    lse_s = tl.load(LSE_PART + splits * rows_per_split + row, mask=s_ok, other=float("-inf"))
     m = tl.max(lse_s, 0)
     if SINKS:
         sink2 = tl.load(SINK_LOGITS + (row // seqlen_q) % heads).to(tl.float32) * 1.4426950408889634
@@ -179,7 +181,7 @@ def _combine(O_PART, LSE_PART, O, LSE, SINK_LOGITS, rows_per_split, seqlen_q, he
     if SINKS:
         total += tl.math.exp2(sink2 - m_use)
     o_s = tl.load(O_PART + (splits[:, None] * rows_per_split + row) * HEAD_DIM_PAD
-                  + offs_d[None, :])  # fmt: skip
+                  + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # fmt: skip
     total_safe = tl.where(total == 0.0, 1.0, total)
     out = tl.sum(o_s * w[:, None], 0) / total_safe
     lse2 = tl.where(total == 0.0, float("-inf"), m_use + tl.math.log2(total_safe))
@@ -276,35 +278,46 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     d_pad = max(16, next_power_of_2(d))
     block_m = min(64, max(16, next_power_of_2(group * sq)))
     rows = b * h * sq
-    # The combine reads a power-of-two number of splits: the extra ones are empty (LSE -inf,
-    # output 0, weight 0).
-    slots = next_power_of_2(splits)
-    o_part = torch.empty((slots * rows, d_pad), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((slots * rows,), dtype=torch.float32, device=q.device)
-    if slots > splits:
-        o_part[splits * rows:].zero_()
-        lse_part[splits * rows:].fill_(float("-inf"))
+    o_part = torch.empty((splits * rows, d_pad), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
     paged = block_table is not None
     table = block_table if paged else cache_seqlens
     left, right = window
     qk_scale = softcap * LOG2E if softcap > 0 else softmax_scale * LOG2E
     alibi = alibi_slopes is not None
-    _decode_split[(b * hk, splits, cdiv(group * sq, block_m))](
-        q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,
-        hk, group, sq, split_len, qk_scale, b,
-        max(left, 0), 0 if causal else max(right, 0),
-        softmax_scale / softcap if softcap > 0 else 1.0,
-        alibi_slopes if alibi else lse_part,
-        alibi_slopes.stride(0) if alibi and alibi_slopes.dim() == 2 else 0,
-        k_descale if fp8 else lse_part, v_descale if fp8 else lse_part,
-        k_descale.stride(0) if fp8 and k_descale.dim() == 2 else 0,
+    sq_, sk_, sv_ = q.stride(), k_cache.stride(), v_cache.stride()
+    split_args = dict(
+        Q=q, K=k_cache, V=v_cache, BLOCK_TABLE=table, CACHE_SEQLENS=cache_seqlens,
+        O_PART=o_part, LSE_PART=lse_part,
+        stride_qb=sq_[0], stride_qs=sq_[1], stride_qh=sq_[2], stride_qd=sq_[3],
+        stride_kb=sk_[0], stride_ks=sk_[1], stride_kh=sk_[2], stride_kd=sk_[3],
+        stride_vb=sv_[0], stride_vs=sv_[1], stride_vh=sv_[2], stride_vd=sv_[3],
+        stride_tb=block_table.stride(0) if paged else 0,
+        page_size=k_cache.shape[1] if paged else 1,
+        kv_heads=hk, kv_group=group, seqlen_q=sq, split_len=split_len, qk_scale=qk_scale,
+        batch=b, window_left=max(left, 0), window_right=0 if causal else max(right, 0),
+        tanh_scale=softmax_scale / softcap if softcap > 0 else 1.0,
+        SLOPES=alibi_slopes if alibi else lse_part,
+        stride_slopes_b=alibi_slopes.stride(0) if alibi and alibi_slopes.dim() == 2 else 0,
+        K_DESCALE=k_descale if fp8 else lse_part, V_DESCALE=v_descale if fp8 else lse_part,
+        stride_descale_b=k_descale.stride(0) if fp8 and k_descale.dim() == 2 else 0,
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, CAUSAL=causal or right >= 0, PAGED=paged,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        num_warps=4 if not interpreter_enabled() else 1)  # fmt: skip
-    _combine[(rows,)](o_part, lse_part, out, lse2, sinks if sinks is not None else lse_part,
-                      rows, sq, h, *out.stride(), NUM_SPLITS=slots, HEAD_DIM=d,
-                      HEAD_DIM_PAD=d_pad, SINKS=sinks is not None)  # fmt: skip
+    )  # fmt: skip
+    so = out.stride()
+    combine_args = dict(
+        O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
+        SINK_LOGITS=sinks if sinks is not None else lse_part, rows_per_split=rows,
+        seqlen_q=sq, heads=h, num_splits=splits, stride_ob=so[0], stride_os=so[1],
+        stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits), HEAD_DIM=d,
+        HEAD_DIM_PAD=d_pad, SINKS=sinks is not None,
+    )  # fmt: skip
+    split_grid = (b * hk, splits, cdiv(group * sq, block_m))
+    if q.is_cuda:  # diyfa's launcher: Triton's per-call binding costs tens of microseconds
+        launch(_decode_split, split_grid, split_args, {}, 4, 3)
+        launch(_combine, (rows,), combine_args, {}, 4, 3)
+    else:  # the interpreter
+        _decode_split[split_grid](**split_args, num_warps=1)
+        _combine[(rows,)](**combine_args)
     return out, lse2
