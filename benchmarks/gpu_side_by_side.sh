@@ -24,7 +24,7 @@ bench() {  # name timeout args...
 all="diyfa,diyfa-hopper,diyfa-hopper-det,sdpa-cudnn,sdpa-flash$fa4"
 bench fasweep 240 --suite fa-sweep --quick --modes fwd,bwd --providers "$all" --warmup 20 --rep 80
 bench seed 150 --suite seed,cross,gqa --modes fwd,bwd --providers "$all" --warmup 20 --rep 80
-bench variants 100 --suite variants --modes fwd,bwd --providers "diyfa,sdpa-flash$fa4" \
+bench variants 100 --suite variants --modes fwd,bwd --providers "diyfa,diyfa-hopper,sdpa-flash$fa4" \
   --warmup 10 --rep 50
 timeout 60 python3 benchmarks/first_call.py --dtype bfloat16 --head-dim 128 --causal \
   > "$OUT/first_call.log" 2>&1 || echo "first_call: exit $?"

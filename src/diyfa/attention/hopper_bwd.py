@@ -81,7 +81,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from diyfa._launcher import cdiv, launch, next_power_of_2
 from diyfa.attention import portable
-from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d, bhsd_view, head_dim_pad
+from diyfa.attention.hopper_fwd import LOG2E, _desc, _plain, _tile2d, bhsd_view, head_dim_pad
 from diyfa.attention.hopper_fwd import supports as forward_supports
 from diyfa.attention.problem import Problem
 
@@ -536,6 +536,8 @@ def supports(p: Problem) -> str | None:
     reason = forward_supports(p)
     if reason is not None:
         return reason
+    if not _plain(p):
+        return "its backward takes no sliding window, softcap, ALiBi or sinks yet (portable)"
     if p.head_dim > 128:
         return (f"its backward takes head dims up to 128, not {p.head_dim} (dK and dV "
                 "accumulators would not fit the registers)")  # fmt: skip

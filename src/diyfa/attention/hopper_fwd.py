@@ -34,7 +34,9 @@ the TMA unit. What does not fit these rules goes to the portable kernel (``suppo
 
 Scope (``supports``): sm90, fp16/bf16, head dims 64..256 that are multiples of 8 (computed
 as 64, 128 or 256: TMA zero-fills the columns past the head dim and clips them on store),
-positive softmax_scale, TMA's alignment rules. The backward is the Gluon one
+positive softmax_scale, TMA's alignment rules; sliding windows, softcap, ALiBi and
+attention sinks (compile-time flags, the portable kernels' formulas; compile-checked, not yet
+run on a GPU, so "auto" leaves them to the portable kernels: ``prefer``). The backward is the Gluon one
 (hopper_bwd.py) where it measured faster (head dims 72..128, and causal at head dims <= 64),
 else the portable kernel's, which reads the same LSE. Everything else runs on the portable
 family.
@@ -107,6 +109,26 @@ def _num_blocks(row0, rows, seqlen_q, seqlen_k, causal_offset, BLOCK_N: gl.const
 
 
 @gluon.jit
+def _first_block(row0, left_offset, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+    """The first K/V block the query rows from ``row0`` on need: with a left window (key j
+    visible from query i only if j >= i + left_offset) the blocks wholly left of the first
+    row's edge are skipped; else block 0."""
+    lo = 0
+    if WINDOW:
+        lo = gl.maximum(row0 + left_offset, 0) // BLOCK_N
+    return lo
+
+
+@gluon.jit
+def _tanh(x):
+    """tanh as the portable kernels compute it (one exp2): sign(x) (1 - e) / (1 + e),
+    e = 2^(-2 |x| log2(e)); the backward recomputes the scores with the same formula."""
+    e = gl.exp2(gl.abs(x) * -2.8853900817779268)
+    t = (1.0 - e) / (1.0 + e)
+    return gl.where(x < 0, -t, t)
+
+
+@gluon.jit
 def _tile2d(bufs, i):
     """Stage ``i`` of a ring of (1, 1, rows, dim) TMA blocks, as a (rows, dim) operand."""
     return bufs.index(i).reshape([bufs.type.shape[3], bufs.type.shape[4]])
@@ -115,7 +137,7 @@ def _tile2d(bufs, i):
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
             kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-            CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+            left_offset, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr):
     """The loader warp: for each tile of this program, each consumer's Q block (once the
     consumer has read its previous one), then the tile's K/V blocks through the ring. ``it``
     counts K/V blocks over the whole program: stage it % STAGES, lap it // STAGES."""
@@ -137,7 +159,7 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
             tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row0 + c * SUB_M, 0],
                                             q_ready.index(c), q_bufs.index(c))  # fmt: skip
         n = _num_blocks(row0, BLOCK_M, seqlen_q, seqlen_k, causal_offset, BLOCK_N, CAUSAL)
-        for j in range(n):
+        for j in range(_first_block(row0, left_offset, BLOCK_N, WINDOW), n):
             s = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1
             # K and V stages are freed separately (K after S = QK^T, V after O += PV).
@@ -154,24 +176,44 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, qk_scale, need_mask,
-                  CAUSAL: gl.constexpr):
+def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_offset, qk_scale,
+                  tanh_scale, slope2, alibi_offset, need_mask,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+                  ALIBI: gl.constexpr):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
-    rescales what was accumulated before."""
+    rescales what was accumulated before. The variants, in the portable kernel's order:
+    SOFTCAP, the scores become tanh(q.k * tanh_scale) (qk_scale then carries softcap *
+    log2(e)); ALIBI, they are scaled here and get -slope2 * |i + alibi_offset - j| (base 2);
+    then the masks (``need_mask``: the block straddles the end of the keys, the causal
+    diagonal or the left window's edge)."""
+    if SOFTCAP:
+        s = _tanh(s * tanh_scale)
+    cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+    if ALIBI:
+        dist = offs_m[:, None] + (alibi_offset - start_n) - cols[None, :]
+        s = s * qk_scale - slope2 * gl.abs(dist).to(gl.float32)
     if need_mask:
-        # Column c of the block is key start_n + c: visible iff c <= the row's last key.
-        cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        # Column c of the block is key start_n + c: visible iff c <= the row's last key
+        # (and, with a left window, c >= the row's first key).
         last = seqlen_k - 1 - start_n
         if CAUSAL:
             last_row = gl.minimum(offs_m + (causal_offset - start_n), last)
-            s = gl.where(cols[None, :] <= last_row[:, None], s, float("-inf"))
+            keep = cols[None, :] <= last_row[:, None]
         else:
-            s = gl.where(cols[None, :] <= last, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - m_use[:, None])
+            keep = cols[None, :] <= last
+        if WINDOW:
+            keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
+        s = gl.where(keep, s, float("-inf"))
+    if ALIBI:  # already base 2 and scaled
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
@@ -180,8 +222,11 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, qk_scal
 @gluon.jit
 def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-              qk_scale,
-              CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr):
+              qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+              SINK_LOGITS,
+              CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
+              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
+              C: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
@@ -209,30 +254,45 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         # above this consumer's diagonal come out masked (p = 0).
         n = _num_blocks(pid_m * BLOCK_M, BLOCK_M, seqlen_q, seqlen_k, causal_offset, BLOCK_N,
                         CAUSAL)  # fmt: skip
-        # Blocks from `first_masked` on straddle the causal diagonal or the end of the keys.
+        lo = _first_block(pid_m * BLOCK_M, left_offset, BLOCK_N, WINDOW)
+        # Blocks from `first_masked` on straddle the causal diagonal or the end of the keys;
+        # with a left window, blocks that start left of this consumer's last row's first key
+        # straddle the window's edge (`left_masked`: blocks before it).
         first_masked = seqlen_k // BLOCK_N
         if CAUSAL:
             first_masked = gl.minimum(first_masked,
                                       gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N)
+        left_masked = 0
+        if WINDOW:
+            left_masked = gl.cdiv(gl.maximum(row0 + SUB_M - 1 + left_offset, 0), BLOCK_N)
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([SUB_M], gl.float32, layout=row_layout)
+        if SINKS:  # the head's sink logit joins every row's denominator (it has no value)
+            sink2 = gl.load(SINK_LOGITS + off_h).to(gl.float32) * 1.4426950408889634
+            m_i = gl.zeros([SUB_M], gl.float32, layout=row_layout) + sink2
+            l_i = gl.full([SUB_M], 1.0, gl.float32, layout=row_layout)
+        slope2 = 0.0
+        if ALIBI:  # the (sequence, head)'s slope times log2(e)
+            slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
         acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=o_layout)
         mbarrier.wait(q_ready.index(C), lap & 1)
-        if n > 0:
-            # Block 0: S, softmax.
+        if n > lo:
+            # Block lo: S, softmax.
             s_idx = it % STAGES
             mbarrier.wait(k_ready.index(s_idx), (it // STAGES) & 1)
             k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
             s_tok = warpgroup_mma(q_smem, k_t, gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)  # fmt: skip
             s, _qs, _kt = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_t))
-            mbarrier.arrive(kv_empty.index(s_idx))  # K_0 is no longer read
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m, seqlen_k, causal_offset,
-                                               qk_scale, first_masked == 0, CAUSAL)  # fmt: skip
+            mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
+            p, m_i, l_i, alpha = _softmax_step(
+                s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k, causal_offset, left_offset,
+                qk_scale, tanh_scale, slope2, alibi_offset,
+                (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n):
+            for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
-                g = it + j
+                g = it + j - lo
                 s_idx = g % STAGES
                 prev = (g - 1) % STAGES
                 mbarrier.wait(k_ready.index(s_idx), (g // STAGES) & 1)
@@ -246,20 +306,21 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 s, _qs, _kt = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_t))
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k,
-                                                   causal_offset, qk_scale, j >= first_masked,
-                                                   CAUSAL)  # fmt: skip
+                p, m_i, l_i, alpha = _softmax_step(
+                    s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k, causal_offset, left_offset,
+                    qk_scale, tanh_scale, slope2, alibi_offset,
+                    (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
                 acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(kv_empty.index(STAGES + prev))  # nor V_{j-1}
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-            g = it + n - 1
+            g = it + n - 1 - lo
             mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
             v_smem = _tile2d(v_bufs, g % STAGES)
             acc_tok = warpgroup_mma(p16, v_smem, acc, is_async=True)
             acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
             mbarrier.arrive(kv_empty.index(STAGES + g % STAGES))
-        it += n
+            it += n - lo
         lap += 1
 
         # Epilogue: O / l through this consumer's Q buffer (every S of the tile is done) by
@@ -280,38 +341,50 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
 @gluon.jit
 def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-               qk_scale,
-               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+               SINK_LOGITS,
+               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
+               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-              qk_scale, CAUSAL, CONSUMERS, 0)  # fmt: skip
+              qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+              SINK_LOGITS, CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, 0)  # fmt: skip
 
 
 @gluon.jit
 def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-               qk_scale,
-               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+               SINK_LOGITS,
+               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
+               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-              qk_scale, CAUSAL, CONSUMERS, 1)  # fmt: skip
+              qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+              SINK_LOGITS, CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, 1)  # fmt: skip
 
 
 @gluon.jit
 def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-               qk_scale,
-               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+               SINK_LOGITS,
+               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
+               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-              qk_scale, CAUSAL, CONSUMERS, 2)  # fmt: skip
+              qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+              SINK_LOGITS, CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, 2)  # fmt: skip
 
 
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv_group, seqlen_q,
-                     seqlen_k, causal_offset, qk_scale,
+                     seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                     stride_slopes_b, alibi_offset, SINK_LOGITS,
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                     WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                     SINKS: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
     launch). Launched with num_warps=4 (the first consumer); the partitions add 4 warps per
@@ -342,33 +415,38 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
         gl.warp_specialize([
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale,
-                          CAUSAL, CONSUMERS)),
+                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale,
-                          CAUSAL, CONSUMERS)),
+                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale,
-                          CAUSAL, CONSUMERS)),
+                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, batch_heads, heads, kv_group, seqlen_q,
-                       seqlen_k, causal_offset, CAUSAL, CONSUMERS)),
+                       seqlen_k, causal_offset, left_offset, CAUSAL, CONSUMERS, WINDOW)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale,
-                          CAUSAL, CONSUMERS)),
+                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale,
-                          CAUSAL, CONSUMERS)),
+                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, batch_heads, heads, kv_group, seqlen_q,
-                       seqlen_k, causal_offset, CAUSAL, CONSUMERS)),
+                       seqlen_k, causal_offset, left_offset, CAUSAL, CONSUMERS, WINDOW)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -409,8 +487,11 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
-                num_sms: int, config: tuple | None = None):
-    """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views."""
+                num_sms: int, config: tuple | None = None, variants: dict | None = None):
+    """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views.
+    ``causal_offset`` is the band's upper offset (key j visible from query i iff j <= i +
+    causal_offset, with ``causal``: causal or a right window); ``variants`` the kernel's
+    variant arguments (:func:`variant_args`), none by default."""
     b, h, sq, d = q4.shape
     consumers, block_n, stages, per_sm, c_regs, l_regs = config or HOPPER_CONFIGS[head_dim_pad(d)]
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
@@ -418,25 +499,66 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 kv_group=h // k4.shape[1], seqlen_q=sq, seqlen_k=k4.shape[2],
                 causal_offset=causal_offset,
                 qk_scale=qk_scale, CAUSAL=causal, CONSUMERS=consumers, STAGES=stages,
-                CONSUMER_REGS=c_regs, LOADER_REGS=l_regs)  # fmt: skip
+                CONSUMER_REGS=c_regs, LOADER_REGS=l_regs,
+                left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
+                SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
+                SINKS=False)  # fmt: skip
+    if variants:
+        args.update(variants)
     tiles = cdiv(sq, consumers * SUB_M) * b * h
-    # Persistent only without causal masking: the static round robin gives causal tiles of
-    # very unequal work to the same programs (measured: 454 against 618 TFLOPS at 16k, d128).
-    grid = (min(tiles, num_sms * per_sm) if per_sm and not causal else tiles,)
+    # Persistent only without a band: the static round robin gives causal tiles of very
+    # unequal work to the same programs (measured: 454 against 618 TFLOPS at 16k, d128).
+    banded = causal or args["WINDOW"]
+    grid = (min(tiles, num_sms * per_sm) if per_sm and not banded else tiles,)
     return grid, args, 4
 
 
+def _plain(p: Problem) -> bool:
+    """No window (causal alone is not one), softcap, ALiBi or sinks."""
+    return (p.window_left < 0 and (p.window_right < 0 or p.causal) and p.softcap == 0
+            and p.alibi_slopes is None and p.sinks is None)  # fmt: skip
+
+
+def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
+    """(upper causal offset, qk_scale, CAUSAL flag, variant kernel arguments) of a problem,
+    with the portable kernels' conventions: the band i + sk - sq - left <= j <= i + sk - sq +
+    right (causal: right 0); softcap folds softcap * log2(e) into qk_scale and scale / softcap
+    into tanh_scale; ALiBi's distance is bottom-right aligned whatever the band."""
+    upper = p.causal_offset + (0 if p.causal else max(p.window_right, 0))
+    causal = p.causal or p.window_right >= 0
+    softcap = p.softcap > 0
+    qk_scale = (p.softcap if softcap else p.softmax_scale) * LOG2E
+    alibi = p.alibi_slopes is not None
+    variants = {}
+    if p.window_left >= 0:
+        variants.update(WINDOW=True, left_offset=p.causal_offset - p.window_left)
+    if softcap:
+        variants.update(SOFTCAP=True, tanh_scale=p.softmax_scale / p.softcap)
+    if alibi:
+        variants.update(ALIBI=True, SLOPES=p.alibi_slopes, alibi_offset=p.causal_offset,
+                        stride_slopes_b=p.alibi_slopes.stride(0) if p.alibi_slopes.dim() == 2
+                        else 0)  # fmt: skip
+    if p.sinks is not None:
+        variants.update(SINKS=True, SINK_LOGITS=p.sinks)
+    return upper, qk_scale, causal, variants
+
+
 def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                       causal: bool = False, config: tuple | None = None):
+                       causal: bool = False, config: tuple | None = None,
+                       variants: tuple[str, ...] = ()):
     """Compile the kernel for sm90a without a GPU (Triton bundles ptxas), as ``hopper_args``
     sets it up for a (2, 16, 4096, head_dim) problem; returns Triton's ``CompiledKernel``
-    (``.asm["ptx"]``, ``.metadata``). Run it in a process that has not run kernels under
-    the interpreter (which leaves Triton's language module patched)."""
+    (``.asm["ptx"]``, ``.metadata``); ``variants`` names the flags to set (WINDOW, SOFTCAP,
+    ALIBI, SINKS). Run it in a process that has not run kernels under the interpreter
+    (which leaves Triton's language module patched)."""
     from diyfa._compile import compile_for_sm90
 
     q = torch.empty(2, 16, 4096, head_dim, dtype=dtype)
     lse = torch.empty(2, 16, 4096, dtype=torch.float32)
-    _, args, num_warps = hopper_args(q, q, q, q, lse, 0, 0.1, causal, 132, config)
+    flags = {name: True for name in variants}
+    if "WINDOW" in flags:
+        flags["left_offset"] = -1000
+    _, args, num_warps = hopper_args(q, q, q, q, lse, 0, 0.1, causal, 132, config, flags)
     return compile_for_sm90(_attn_fwd_hopper, args, num_warps)
 
 
@@ -453,10 +575,14 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         return out.zero_(), lse2.fill_(float("-inf"))
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
+    if _plain(p):
+        upper, qk_scale, causal, variants = p.causal_offset, p.softmax_scale * LOG2E, p.causal, None
+    else:
+        upper, qk_scale, causal, variants = variant_args(p)
     grid, args, num_warps = hopper_args(
         bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout),
-        bhsd_view(out, p.layout), lse2, p.causal_offset, p.softmax_scale * LOG2E, p.causal,
-        kernel_limits(q.device.index)["sm_count"], config)  # fmt: skip
+        bhsd_view(out, p.layout), lse2, upper, qk_scale, causal,
+        kernel_limits(q.device.index)["sm_count"], config, variants)  # fmt: skip
     launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
     return out, lse2
 
@@ -477,16 +603,8 @@ def supports(p: Problem) -> str | None:
         return f"it takes head dims 64..256 that are multiples of 8, not {p.head_dim}"
     if p.softmax_scale <= 0:
         return f"it takes a positive softmax_scale, not {p.softmax_scale}"
-    if p.window_left >= 0 or (p.window_right >= 0 and not p.causal):
-        return "it takes no sliding window yet"
-    if p.softcap > 0:
-        return "it takes no softcap yet"
-    if p.alibi_slopes is not None:
-        return "it takes no ALiBi yet"
     if p.head_dim_v != p.head_dim:
         return f"it takes no value head dim ({p.head_dim_v}) other than q's ({p.head_dim}) yet"
-    if p.sinks is not None:
-        return "it takes no attention sinks yet"
     if p.dropout_p > 0:
         return "it takes no dropout yet"
     if not p.aligned16:
@@ -508,6 +626,9 @@ def prefer(p: Problem) -> str | None:
     against 224 / 301 / 349; from 4096 keys on and at d128 / d256 this kernel is ahead)."""
     if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < 4096:
         return "the portable kernel measured faster at head dims <= 64 below 4096 keys"
+    if not _plain(p):
+        return ("its sliding window, softcap, ALiBi and sinks have not run on a GPU yet "
+                '(backend="hopper" runs them)')  # fmt: skip
     return None
 
 
