@@ -137,6 +137,41 @@ def test_blocks_outside_the_band_are_not_read():
     assert (tail.double() - ref[:, :, 48:]).abs().max().item() < 1e-5
 
 
+def test_sinks_without_keys():
+    """seqlen_k = 0 with sinks: the output is 0, the LSE is the sink (the only term of the
+    denominator) and the sinks' gradient is 0, not NaN; packed sequences too."""
+    q = torch.randn(1, 2, 5, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 2, 0, 16, device=DEVICE, requires_grad=True)
+    sinks = torch.tensor([0.5, -1.0], device=DEVICE, requires_grad=True)
+    out, lse = diyfa.flash_attention(q, k, k, sinks=sinks, return_lse=True)
+    assert (out == 0).all()
+    assert torch.allclose(lse, sinks.detach()[None, :, None].expand(1, 2, 5))
+    out.sum().backward()
+    assert torch.equal(sinks.grad, torch.zeros(2, device=DEVICE))
+    qp = torch.randn(5, 2, 16, device=DEVICE)
+    kp = torch.randn(0, 2, 16, device=DEVICE)
+    cu_q = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 0], dtype=torch.int32, device=DEVICE)
+    outp, lsep = diyfa.flash_attention_varlen(qp, kp, kp, cu_q, cu_k, 5, 0, sinks=sinks,
+                                              return_lse=True)  # fmt: skip
+    assert (outp == 0).all() and torch.allclose(lsep, sinks.detach()[:, None].expand(2, 5))
+
+
+def test_hopper_windows_wider_than_the_sequences_are_dropped():
+    """Window sides at least seqlen_q + seqlen_k never bind: the Hopper forward drops them
+    (its offsets stay int32), and a narrower side is kept with the portable conventions."""
+    from diyfa.attention.hopper_fwd import variant_args
+
+    p = _problem()  # sq 300, sk 257, not causal
+    upper, _, causal, variants = variant_args(dataclasses.replace(p, window_left=2**40,
+                                                                  window_right=2**33))
+    assert not causal and "WINDOW" not in variants and upper == p.causal_offset
+    upper, _, causal, variants = variant_args(dataclasses.replace(p, window_left=50,
+                                                                  window_right=7))
+    assert causal and upper == p.causal_offset + 7
+    assert variants["WINDOW"] and variants["left_offset"] == p.causal_offset - 50
+
+
 def test_varlen_variants():
     """Packed sequences: the band and the ALiBi bias are per sequence (bottom-right within
     each, (batch, heads) slopes by sequence), forward and gradients per sequence against the

@@ -24,8 +24,10 @@ softmax with the scale folded in, P rounded to the input dtype before P @ V, bas
 saved per row (-inf for a row that sees no key, whose output is zeros).
 
 Masking: causal bottom-right (query i sees key j iff j <= i + seqlen_k - seqlen_q) or
-top-left (offset 0). A consumer skips the K/V blocks wholly above its diagonal; only blocks
-that straddle the diagonal or the end of the keys compute a mask (a run-time branch).
+top-left (offset 0); a sliding window's right side is the same with the offset moved, its
+left side a second edge (key j visible iff j >= i + left_offset). Programs skip the K/V
+blocks wholly outside the band; only blocks that straddle an edge or the end of the keys
+compute a mask (a run-time branch).
 
 Tensors are addressed through 4-D TMA descriptors over the (batch, heads, seqlen, dim) view,
 so any layout whose last dimension is contiguous and whose other strides are multiples of 16
@@ -60,6 +62,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 
 from diyfa._launcher import cdiv, launch
 from diyfa.attention.dispatch import Family
+from diyfa.attention.portable import empty_lse
 from diyfa.attention.problem import Problem
 from diyfa.device import kernel_limits
 
@@ -524,14 +527,19 @@ def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
     with the portable kernels' conventions: the band i + sk - sq - left <= j <= i + sk - sq +
     right (causal: right 0); softcap folds softcap * log2(e) into qk_scale and scale / softcap
     into tanh_scale; ALiBi's distance is bottom-right aligned whatever the band."""
-    upper = p.causal_offset + (0 if p.causal else max(p.window_right, 0))
-    causal = p.causal or p.window_right >= 0
+    # A side wider than both sequences never binds: dropped, so the offsets stay int32 (a
+    # window of 2**40 would turn the kernel's block counters into int64).
+    bound = p.seqlen_q + p.seqlen_k
+    right = -1 if p.window_right >= bound else p.window_right
+    left = -1 if p.window_left >= bound else p.window_left
+    upper = p.causal_offset + (0 if p.causal else max(right, 0))
+    causal = p.causal or right >= 0
     softcap = p.softcap > 0
     qk_scale = (p.softcap if softcap else p.softmax_scale) * LOG2E
     alibi = p.alibi_slopes is not None
     variants = {}
-    if p.window_left >= 0:
-        variants.update(WINDOW=True, left_offset=p.causal_offset - p.window_left)
+    if left >= 0:
+        variants.update(WINDOW=True, left_offset=p.causal_offset - left)
     if softcap:
         variants.update(SOFTCAP=True, tanh_scale=p.softmax_scale / p.softcap)
     if alibi:
@@ -571,8 +579,8 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         shape = (p.batch, p.seqlen_q, p.heads, p.head_dim)
     out = torch.empty(shape, dtype=q.dtype, device=q.device)
     lse2 = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
-    if p.seqlen_k == 0:  # nothing to attend to
-        return out.zero_(), lse2.fill_(float("-inf"))
+    if p.seqlen_k == 0:  # nothing to attend to (but the sinks, which join the LSE)
+        return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
     if _plain(p):
@@ -624,11 +632,11 @@ def prefer(p: Problem) -> str | None:
     2026-11-23, benchmarks/results/2026-11-23_h100_flash_fwd_debc629.jsonl: d64 at 512 /
     1024 / 2048 keys 295 / 370 / 421 TFLOPS against 336 / 393 / 422, causal 161 / 244 / 331
     against 224 / 301 / 349; from 4096 keys on and at d128 / d256 this kernel is ahead)."""
-    if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < 4096:
-        return "the portable kernel measured faster at head dims <= 64 below 4096 keys"
     if not _plain(p):
         return ("its sliding window, softcap, ALiBi and sinks have not run on a GPU yet "
                 '(backend="hopper" runs them)')  # fmt: skip
+    if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < 4096:
+        return "the portable kernel measured faster at head dims <= 64 below 4096 keys"
     return None
 
 
