@@ -219,17 +219,22 @@ ROWS = [
      r"k and v must be given together .* got v=<Tensor torch\.float16 \(2, 1, 2, 16\)> and "
      r"k=None"),
     ("kvcache/v-cache-rows", lambda e: _kv(e, v_cache=e.vc[:, :9]), V,
-     r"k_cache \(2, 10, 2, 16\) and v_cache \(2, 9, 2, 16\) must have one shape"),
+     r"k_cache \(2, 10, 2, 16\) and v_cache \(2, 9, 2, 16\) must agree but for the head dim"),
     ("kvcache/head-dim-0", lambda e: _kv(e, q=e.q1[..., :0], k_cache=e.kc[..., :0],
                                          v_cache=e.vc[..., :0], k=None, v=None), V,
-     r"q and the cache must share a head_dim in 1\.\.256, got q 0, cache 0"),
+     r"q and k_cache must share a head_dim in 1\.\.256, got q 0, k_cache 0"),
     ("kvcache/head-dim-mismatch", lambda e: _kv(e, q=_t(2, 1, 2, 32)), V,
-     r"q and the cache must share a head_dim in 1\.\.256, got q 32, cache 16"),
+     r"q and k_cache must share a head_dim in 1\.\.256, got q 32, k_cache 16"),
+    ("kvcache/v-head-dim", lambda e: _kv(e, v_cache=_t(2, 10, 2, 300), k=None, v=None), V,
+     r"v_cache's head_dim must be in 1\.\.256, got 300"),
+    ("kvcache/v-new-head-dim", lambda e: _kv(e, v=_t(2, 1, 2, 8)), V,
+     r"k and v must be \(batch=2, new tokens, kv_heads=2, head_dim=16 / 16\), got k "
+     r"\(2, 1, 2, 16\), v \(2, 1, 2, 8\)"),
     ("kvcache/kv-heads-0", lambda e: _kv(e, k_cache=e.kc[:, :, :0], v_cache=e.vc[:, :, :0],
                                          k=None, v=None), V,
      r"q heads \(2\) must be a multiple of the cache's kv heads \(0\)"),
     ("kvcache/k-batch", lambda e: _kv(e, k=e.kn[:1], v=e.vn[:1]), V,
-     r"k and v must be \(batch=2, new tokens, kv_heads=2, head_dim=16\), got k "
+     r"k and v must be \(batch=2, new tokens, kv_heads=2, head_dim=16 / 16\), got k "
      r"\(1, 1, 2, 16\), v \(1, 1, 2, 16\)"),
     ("kvcache/k-cache-grad", lambda e: _kv(e, k_cache=e.kc.clone().requires_grad_()), V,
      r"k_cache requires_grad=True, but flash_attention_with_kvcache has no backward"),

@@ -17,9 +17,11 @@ from .test_attention import _check
 LENS = [0, 70, 200]  # cached tokens per sequence before the append (an empty one first)
 
 
-def _setup(dtype, sq, s_new, h=8, hk=2, d=32, page=16, device=DEVICE, seed=0):
+def _setup(dtype, sq, s_new, h=8, hk=2, d=32, page=16, device=DEVICE, seed=0, dv=None):
     """Inputs, the same cache as a contiguous tensor and as shuffled pages, and the
-    contiguous cache after the append (the reference's keys and values)."""
+    contiguous cache after the append (the reference's keys and values). ``dv``: the value
+    head dim (default d)."""
+    dv = dv or d
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape):
@@ -27,14 +29,14 @@ def _setup(dtype, sq, s_new, h=8, hk=2, d=32, page=16, device=DEVICE, seed=0):
 
     b, max_len = len(LENS), 300
     q = rnd(b, sq, h, d)
-    k_cache, v_cache = rnd(b, max_len, hk, d), rnd(b, max_len, hk, d)
+    k_cache, v_cache = rnd(b, max_len, hk, d), rnd(b, max_len, hk, dv)
     k_new = rnd(b, s_new, hk, d) if s_new else None
-    v_new = rnd(b, s_new, hk, d) if s_new else None
+    v_new = rnd(b, s_new, hk, dv) if s_new else None
     pages_per_seq = -(-max_len // page)
     pool = b * pages_per_seq + 5
     perm = torch.randperm(pool, generator=g)[: b * pages_per_seq]
     table = perm.view(b, pages_per_seq).to(device, torch.int32)
-    k_pages, v_pages = rnd(pool, page, hk, d), rnd(pool, page, hk, d)
+    k_pages, v_pages = rnd(pool, page, hk, d), rnd(pool, page, hk, dv)
     for i in range(b):
         for j in range(0, LENS[i], page):
             n = min(page, LENS[i] - j)
@@ -138,6 +140,31 @@ def test_kvcache_variants(variant, paged):
     _check("out", out, reference(dtype), reference(torch.float64), 2, dtype)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("d, dv, dtype", [(48, 16, torch.bfloat16), (32, 80, torch.float32),
+                                          (64, 32, torch.float16)],
+                         ids=["d48-dv16", "d32-dv80", "d64-dv32"])  # fmt: skip
+def test_kvcache_value_head_dim(d, dv, dtype, paged):
+    """A value head dim other than q's and k's (MLA-style, e.g. 192 / 128): the v cache and
+    the new v rows in it, the output in it; a 3-token append over 3 splits and a decode
+    step, against the float64 reference per sequence by the 2x rule."""
+    for sq, s_new in ((3, 3), (1, 0)):
+        (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+         after_v) = _setup(dtype, sq, s_new, d=d, dv=dv)  # fmt: skip
+        kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+        with torch.no_grad():
+            out, lse = diyfa.flash_attention_with_kvcache(
+                q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=bt,
+                num_splits=3, return_lse=True)  # fmt: skip
+        assert out.shape == (q.shape[0], sq, q.shape[2], dv)
+        lengths = [n + s_new for n in LENS]
+        ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
+                         torch.float64)  # fmt: skip
+        _check("out", out, _reference(q, after_k, after_v, lengths, True, dtype), ref, 2, dtype)
+        if not paged:
+            assert torch.equal(v_cache, after_v)
+
+
 def test_splits_merge_to_the_unsplit_result():
     q, k_cache, v_cache, *_ = _setup(torch.float32, 1, 0)
     seqlens = torch.tensor([150, 299, 64], dtype=torch.int32, device=q.device)
@@ -173,7 +200,7 @@ def _bad_call(over):
      "block_table.dtype is torch.int64"),
     (lambda a: dict(v=None), ValueError, "k and v must be given together"),
     (lambda a: dict(k=a["k"][:, :, :1], v=a["v"][:, :, :1]), ValueError,
-     "k and v must be \\(batch=3, new tokens, kv_heads=2, head_dim=32\\)"),
+     "k and v must be \\(batch=3, new tokens, kv_heads=2, head_dim=32 / 32\\)"),
     (lambda a: dict(q=a["q"].float()), TypeError, "k_cache.dtype is torch.float16, q's is"),
     (lambda a: dict(q=a["q"][:, :, :3]), ValueError, "q heads \\(3\\) must be a multiple"),
     (lambda a: dict(block_table=None), ValueError, "a contiguous cache must be \\(batch=3"),
@@ -210,7 +237,8 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                "SLOPES": torch.float32, "K_DESCALE": torch.float32, "V_DESCALE": torch.float32}
     if fp8:
         tensors.update(K=torch.float8_e4m3fn, V=torch.float8_e4m3fn)
-    args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True,
+    args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
+                HEAD_DIM_V_PAD=128, CAUSAL=True,
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
                 SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
     for fn in (decode._decode_split, decode._combine):

@@ -137,6 +137,11 @@ def test_opcheck_varlen_kvcache_and_matmul():
                           (q, k_cache, v_cache, k, v, lens, None, True, None, 0, 16, 0, 2.0,
                            None, torch.tensor([0.5, 0.0, -0.5, 1.0], device=DEVICE), None,
                            None))  # fmt: skip
+    # A value head dim of its own: the fake output takes v_cache's.
+    v_cache8, v8 = v_cache[..., :8].contiguous(), v[..., :8].contiguous()
+    torch.library.opcheck(torch.ops.diyfa.attention_kvcache.default,
+                          (q, k_cache, v_cache8, k, v8, lens, None, True, None, 0, -1, -1, 0.0,
+                           None, None, None, None))  # fmt: skip
     a, b = torch.randn(2, 33, 40).to(DEVICE), torch.randn(2, 40, 24).to(DEVICE)
     torch.library.opcheck(torch.ops.diyfa.matmul.default,
                           (a, b, None, None, None, torch.randn(24).to(DEVICE), "gelu", "ieee",

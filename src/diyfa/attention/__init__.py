@@ -228,7 +228,9 @@ def flash_attention_with_kvcache(
     Args:
         q: (batch, seqlen_q, heads, head_dim): 1..N new tokens per sequence.
         k_cache, v_cache: contiguous (batch, max_len, kv_heads, head_dim), or paged
-            (num_blocks, page_size, kv_heads, head_dim) with ``block_table``.
+            (num_blocks, page_size, kv_heads, head_dim) with ``block_table``. v_cache's head
+            dim may differ from q's and k_cache's (1..256, e.g. 192 / 128): the output has
+            v_cache's.
         k, v: optional (batch, seqlen_new, kv_heads, head_dim), written into the cache in
             place at rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (only those
             rows) before attending. ``cache_seqlens`` itself is not updated.

@@ -350,20 +350,25 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
                          "flash_attention_with_kvcache has no backward: call it under "
                          "torch.no_grad() (or detach the inputs)")  # fmt: skip
     b, sq, h, d = q.shape
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
-                         "must have one shape")  # fmt: skip
+                         "must agree but for the head dim")  # fmt: skip
     _, rows, hk, dk = k_cache.shape
+    dv = v_cache.shape[3]
     if dk != d or not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"q and the cache must share a head_dim in 1..{MAX_HEAD_DIM}, got q "
-                         f"{d}, cache {dk}")  # fmt: skip
+        raise ValueError(f"q and k_cache must share a head_dim in 1..{MAX_HEAD_DIM}, got q "
+                         f"{d}, k_cache {dk}")  # fmt: skip
+    if not 1 <= dv <= MAX_HEAD_DIM:
+        raise ValueError(f"v_cache's head_dim must be in 1..{MAX_HEAD_DIM}, got {dv}")
     if hk == 0 or h % hk:
         raise ValueError(f"q heads ({h}) must be a multiple of the cache's kv heads ({hk})")
     s_new = 0
     if k is not None:
-        if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (hk, d):
+        if (k.shape[0] != b or k.shape[2:] != (hk, d) or v.shape[:3] != k.shape[:3]
+                or v.shape[3] != dv):  # fmt: skip
             raise ValueError(f"k and v must be (batch={b}, new tokens, kv_heads={hk}, "
-                             f"head_dim={d}), got k {tuple(k.shape)}, v {tuple(v.shape)}")
+                             f"head_dim={d} / {dv}), got k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)}")  # fmt: skip
         s_new = k.shape[1]
     _check_int32_tensor("cache_seqlens", cache_seqlens, 1, q.device)
     if cache_seqlens.shape[0] != b:

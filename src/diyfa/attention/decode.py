@@ -59,7 +59,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   kv_heads, kv_group, seqlen_q, split_len, qk_scale, batch,
                   window_left, window_right, tanh_scale, SLOPES, stride_slopes_b,
                   K_DESCALE, V_DESCALE, stride_descale_b,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -87,6 +88,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
     row_ok = rows < kv_group * seqlen_q
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # the value / output head dim
+    dv_ok = offs_dv < HEAD_DIM_V
     q = tl.load(Q + off_b * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if FP8:  # e4m3 cache: its descales fold into the scores' scale and the output
@@ -102,7 +105,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -137,8 +140,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + v_rows[:, None] + off_hk * stride_vh + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
+        v = tl.load(V + v_rows[:, None] + off_hk * stride_vh + offs_dv[None, :] * stride_vd,
+                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # fmt: skip
         if FP8:
             v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -154,7 +157,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
     heads = kv_heads * kv_group
     ws_row = ((split * batch + off_b) * heads + head) * seqlen_q + qpos
     tl.store(LSE_PART + ws_row, lse2, mask=row_ok)
-    tl.store(O_PART + ws_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
+    tl.store(O_PART + ws_row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], acc,
              mask=row_ok[:, None])
 
 
@@ -266,9 +269,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     the longest cache_seqlens entry (read on the host by the checks). ``window`` is the
     checked (left, right) pair (right 0 when causal)."""
     b, sq, h, d = q.shape
-    hk = k_cache.shape[2]
+    hk, dv = k_cache.shape[2], v_cache.shape[3]
     group = h // hk
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     fp8 = k_descale is not None
     if b * h * sq == 0:
@@ -276,9 +279,10 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), BLOCK_N) * BLOCK_N
     d_pad = max(16, next_power_of_2(d))
+    dv_pad = max(16, next_power_of_2(dv))
     block_m = min(64, max(16, next_power_of_2(group * sq)))
     rows = b * h * sq
-    o_part = torch.empty((splits * rows, d_pad), dtype=torch.float32, device=q.device)
+    o_part = torch.empty((splits * rows, dv_pad), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
     paged = block_table is not None
     table = block_table if paged else cache_seqlens
@@ -301,7 +305,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         stride_slopes_b=alibi_slopes.stride(0) if alibi and alibi_slopes.dim() == 2 else 0,
         K_DESCALE=k_descale if fp8 else lse_part, V_DESCALE=v_descale if fp8 else lse_part,
         stride_descale_b=k_descale.stride(0) if fp8 and k_descale.dim() == 2 else 0,
-        HEAD_DIM=d, HEAD_DIM_PAD=d_pad, CAUSAL=causal or right >= 0, PAGED=paged,
+        HEAD_DIM=d, HEAD_DIM_PAD=d_pad, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=dv_pad,
+        CAUSAL=causal or right >= 0, PAGED=paged,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
     )  # fmt: skip
@@ -310,8 +315,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
         SINK_LOGITS=sinks if sinks is not None else lse_part, rows_per_split=rows,
         seqlen_q=sq, heads=h, num_splits=splits, stride_ob=so[0], stride_os=so[1],
-        stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits), HEAD_DIM=d,
-        HEAD_DIM_PAD=d_pad, SINKS=sinks is not None,
+        stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits), HEAD_DIM=dv,
+        HEAD_DIM_PAD=dv_pad, SINKS=sinks is not None,
     )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     if q.is_cuda:  # diyfa's launcher: Triton's per-call binding costs tens of microseconds

@@ -243,5 +243,5 @@ def _attention_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
     check_variants((window_left, window_right), softcap, causal)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     b, sq, h, _ = q.shape
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+    return (torch.empty((b, sq, h, v_cache.shape[3]), dtype=q.dtype, device=q.device),
             torch.empty((b, h, sq), dtype=torch.float32, device=q.device))  # fmt: skip
