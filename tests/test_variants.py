@@ -270,6 +270,8 @@ for d in (64, 128, 256):
     for causal in (False, True):
         k = hf.compile_for_hopper(d, torch.bfloat16, causal,
                                   variants=("WINDOW", "SOFTCAP", "ALIBI", "SINKS"))
+        packed = hf.compile_for_hopper(d, torch.bfloat16, causal, packed=True)
+        assert "cp.async.bulk.tensor.4d.global.shared" not in packed.asm["ptx"]  # O: masked
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(k.asm["ptx"])
         done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
@@ -285,7 +287,9 @@ def test_hopper_kernel_compiles_the_variants():
     """With every variant flag on (window, softcap, ALiBi, sinks), the Hopper forward compiles
     for sm90a at head dims 64/128/256, causal or not, fits the shared memory, spills at
     most a few kernel arguments (ptxas, 2026-11-23: 0-48 bytes), and runs more exp2 than
-    the plain kernel (the softcap's tanh). In a fresh process (see test_hopper_attention)."""
+    the plain kernel (the softcap's tanh); its packed-sequence build compiles and stores O
+    without TMA (a masked store: a tile's rows past its sequence belong to the next one).
+    In a fresh process (see test_hopper_attention)."""
     import json
     import os
     import subprocess
@@ -296,7 +300,8 @@ def test_hopper_kernel_compiles_the_variants():
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     plain = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_VARIANTS.replace(
-        'variants=("WINDOW", "SOFTCAP", "ALIBI", "SINKS")', "variants=()")], env=env,
+        'variants=("WINDOW", "SOFTCAP", "ALIBI", "SINKS")', "variants=()").replace(
+        "packed=True", "packed=False").replace("not in packed", "in packed")], env=env,
         capture_output=True, text=True, timeout=900)  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
     for r, r0 in zip(json.loads(done.stdout.strip().splitlines()[-1]),
@@ -321,8 +326,9 @@ HOPPER_VARIANT_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", HOPPER_VARIANT_CASES, ids=lambda c: "d{}-c{}-w{}_{}-cap{}-alibi_{}-sinks{}".format(
-    c[5], int(c[7]), *c[8], c[9], c[10], int(c[11])))  # fmt: skip
+@pytest.mark.parametrize("case", HOPPER_VARIANT_CASES,
+                         ids=lambda c: "d{}-c{}-w{}_{}-cap{}-alibi_{}-sinks{}".format(
+                             c[5], int(c[7]), *c[8], c[9], c[10], int(c[11])))  # fmt: skip
 def test_gpu_hopper_forward_variants(case):
     """The Hopper forward's windows (left, left + right, causal + left; rows that see no
     key), softcap, ALiBi ((heads,) and (batch, heads)) and sinks against float64 by the 2x /

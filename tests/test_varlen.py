@@ -52,10 +52,11 @@ def _reference(q, k, v, cu_q, cu_k, causal, dtype, do):
     return out, torch.cat(lses, dim=1), [t.grad for t in ins]
 
 
-def _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device=DEVICE):
+def _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device=DEVICE, backend="auto"):
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, dtype, device)
     out, lse = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                            causal=causal, return_lse=True)  # fmt: skip
+                                            causal=causal, return_lse=True,
+                                            backend=backend)  # fmt: skip
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (h, q.shape[0])
     do = torch.randn_like(out)
     out.backward(do)
@@ -105,14 +106,24 @@ def test_keys_of_a_sequence_without_queries_get_zero_gradients():
     assert k.grad[:5].abs().sum() > 0
 
 
-def test_varlen_has_no_hopper_path_yet():
-    from diyfa.attention import dispatch
+def test_varlen_hopper_path_is_named_only():
+    """On an H100/H200 (capability set by hand here) the Hopper forward runs packed
+    sequences when named; "auto" keeps the portable kernel until a GPU has run it, and says
+    so; with a window (or softcap, ALiBi, sinks) the Hopper family refuses them."""
+    import dataclasses
+
+    from diyfa.attention import dispatch, hopper_bwd
     from diyfa.attention.checks import check_varlen_inputs
 
     q, k, v, cu_q, cu_k = _packed([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
     p = check_varlen_inputs(q, k, v, cu_q, cu_k, 4, 4, causal=False, softmax_scale=None)
-    assert dict(dispatch.explain(p))["hopper"] == "it takes no packed (varlen) sequences yet"
+    p = dataclasses.replace(p, capability=(9, 0), aligned16=True)
+    assert "packed sequences have not run on a GPU yet" in dict(dispatch.explain(p))["hopper"]
     assert dispatch.select(p).name == "portable"
+    assert dispatch.select(p, "hopper").name == "hopper"
+    assert "no packed (varlen) sequences" in hopper_bwd.supports(p)
+    windowed = dataclasses.replace(p, window_left=8)
+    assert "without window" in dict(dispatch.explain(windowed))["hopper"]
     assert p.batch == 2 and p.seqlen_q == 4 and p.total_q == 7
     assert p.q_strides == (0, q.stride(1), q.stride(0), q.stride(2))
 
@@ -165,6 +176,22 @@ def test_gpu_varlen(dtype, causal):
     lens_k = [n + int(m) for n, m in zip(lens_q, torch.randint(0, 500, (9,), generator=g),
                                          strict=True)]  # fmt: skip
     _run_and_check(lens_q, lens_k, 8, 2, 128, dtype, causal, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens_q, lens_k, h, hk, d, dtype", [
+    ([5, 0, 1700, 333, 1, 2048], [9, 3, 1700, 20, 0, 4100], 8, 2, 128, torch.bfloat16),
+    ([1000, 64, 129], [1000, 64, 4000], 4, 4, 64, torch.float16),
+    ([300, 77], [257, 700], 4, 1, 256, torch.bfloat16),
+    ([513, 2], [513, 90], 2, 2, 96, torch.float16),
+], ids=["d128-gqa-empty", "d64", "d256-mqa", "d96"])
+def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal):
+    """Packed sequences through the Hopper forward (backend="hopper": batch-of-one TMA views,
+    rows and keys offset per sequence, O by a masked store; gradients through the portable
+    backward from its LSE): zero-length sequences on both sides, tiles that run past a
+    sequence into the next one, seqlen_q != seqlen_k both ways, GQA/MQA, d64..256."""
+    _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device="cuda", backend="hopper")
 
 
 _COMPILE_VARLEN = """

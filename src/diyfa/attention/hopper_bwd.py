@@ -356,7 +356,8 @@ def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, 0)  # fmt: skip
+                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC,
+                  0)  # fmt: skip
 
 
 @gluon.jit
@@ -366,7 +367,8 @@ def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, 1)  # fmt: skip
+                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC,
+                  1)  # fmt: skip
 
 
 @gluon.jit
@@ -538,6 +540,8 @@ def supports(p: Problem) -> str | None:
         return reason
     if not _plain(p):
         return "its backward takes no sliding window, softcap, ALiBi or sinks yet (portable)"
+    if p.cu_seqlens_q is not None:
+        return "its backward takes no packed (varlen) sequences yet (portable)"
     if p.head_dim > 128:
         return (f"its backward takes head dims up to 128, not {p.head_dim} (dK and dV "
                 "accumulators would not fit the registers)")  # fmt: skip

@@ -37,11 +37,12 @@ the TMA unit. What does not fit these rules goes to the portable kernel (``suppo
 Scope (``supports``): sm90, fp16/bf16, head dims 64..256 that are multiples of 8 (computed
 as 64, 128 or 256: TMA zero-fills the columns past the head dim and clips them on store),
 positive softmax_scale, TMA's alignment rules; sliding windows, softcap, ALiBi and
-attention sinks (compile-time flags, the portable kernels' formulas; compile-checked, not yet
-run on a GPU, so "auto" leaves them to the portable kernels: ``prefer``). The backward is the Gluon one
-(hopper_bwd.py) where it measured faster (head dims 72..128, and causal at head dims <= 64),
-else the portable kernel's, which reads the same LSE. Everything else runs on the portable
-family.
+attention sinks (compile-time flags, the portable kernels' formulas) and packed sequences
+without them (``VARLEN``: batch-of-one views, rows offset by cu_seqlens, O by a masked store):
+compile-checked, not yet run on a GPU, so "auto" leaves them to the portable kernels
+(``prefer``). The backward is the Gluon one (hopper_bwd.py) where it measured faster (head
+dims 72..128, and causal at head dims <= 64), else the portable kernel's, which reads the
+same LSE. Everything else runs on the portable family.
 """
 
 from __future__ import annotations
@@ -123,6 +124,22 @@ def _first_block(row0, left_offset, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr)
 
 
 @gluon.jit
+def _seq(off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN: gl.constexpr):
+    """(tensor batch index, first query row, first key row, seqlen_q, seqlen_k, causal
+    offset) of sequence ``off_b``. Packed sequences (VARLEN): rows [CU[b], CU[b + 1]) of a
+    batch-of-one view, causal bottom-right per sequence; else batch entry b from row 0."""
+    if VARLEN:
+        q_start = gl.load(CU_Q + off_b)
+        q_end = gl.load(CU_Q + off_b + 1)
+        k_start = gl.load(CU_K + off_b)
+        k_end = gl.load(CU_K + off_b + 1)
+        return (0, q_start, k_start, q_end - q_start, k_end - k_start,
+                (k_end - k_start) - (q_end - q_start))  # fmt: skip
+    else:
+        return off_b, 0, 0, seqlen_q, seqlen_k, causal_offset
+
+
+@gluon.jit
 def _tanh(x):
     """tanh as the portable kernels compute it (one exp2): sign(x) (1 - e) / (1 + e),
     e = 2^(-2 |x| log2(e)); the backward recomputes the scores with the same formula."""
@@ -140,7 +157,8 @@ def _tile2d(bufs, i):
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
             kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-            left_offset, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr):
+            left_offset, CU_Q, CU_K, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+            WINDOW: gl.constexpr, VARLEN: gl.constexpr):
     """The loader warp: for each tile of this program, each consumer's Q block (once the
     consumer has read its previous one), then the tile's K/V blocks through the ring. ``it``
     counts K/V blocks over the whole program: stage it % STAGES, lap it // STAGES."""
@@ -153,26 +171,30 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
     lap = 0
     for t in range(gl.program_id(0), num_m * batch_heads, gl.num_programs(0)):
         pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
+        tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
+            off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
         row0 = pid_m * BLOCK_M
         for c in gl.static_range(CONSUMERS):
             # A fresh mbarrier counts as having completed the phase before phase 0: the
-            # first wait on an "empty" barrier passes at once.
+            # first wait on an "empty" barrier passes at once. (Packed sequences: rows past
+            # this sequence's end belong to the next one or are zero-filled; the consumers
+            # neither use nor store them.)
             mbarrier.wait(q_empty.index(c), (lap & 1) ^ 1)
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row0 + c * SUB_M, 0],
+            tma.async_copy_global_to_shared(q_desc, [tb, off_h, q_start + row0 + c * SUB_M, 0],
                                             q_ready.index(c), q_bufs.index(c))  # fmt: skip
-        n = _num_blocks(row0, BLOCK_M, seqlen_q, seqlen_k, causal_offset, BLOCK_N, CAUSAL)
+        n = _num_blocks(row0, BLOCK_M, seqlen_q_t, seqlen_k_t, causal_offset_t, BLOCK_N, CAUSAL)
         for j in range(_first_block(row0, left_offset, BLOCK_N, WINDOW), n):
             s = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1
             # K and V stages are freed separately (K after S = QK^T, V after O += PV).
             mbarrier.wait(kv_empty.index(s), phase)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, j * BLOCK_N, 0],
+            tma.async_copy_global_to_shared(k_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
                                             k_ready.index(s), k_bufs.index(s))  # fmt: skip
             mbarrier.wait(kv_empty.index(STAGES + s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, j * BLOCK_N, 0],
+            tma.async_copy_global_to_shared(v_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
                                             v_ready.index(s), v_bufs.index(s))  # fmt: skip
             it += 1
         lap += 1
@@ -226,10 +248,10 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
 def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS,
+              SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-              C: gl.constexpr):
+              VARLEN: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
@@ -251,20 +273,22 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     lap = 0
     for t in range(gl.program_id(0), num_m * batch_heads, gl.num_programs(0)):
         pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
+        tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
+            off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
         row0 = pid_m * BLOCK_M + C * SUB_M
         offs_m = row0 + gl.arange(0, SUB_M, layout=row_layout)
         # Every consumer walks all the blocks the program loads for the tile; blocks wholly
         # above this consumer's diagonal come out masked (p = 0).
-        n = _num_blocks(pid_m * BLOCK_M, BLOCK_M, seqlen_q, seqlen_k, causal_offset, BLOCK_N,
-                        CAUSAL)  # fmt: skip
+        n = _num_blocks(pid_m * BLOCK_M, BLOCK_M, seqlen_q_t, seqlen_k_t, causal_offset_t,
+                        BLOCK_N, CAUSAL)  # fmt: skip
         lo = _first_block(pid_m * BLOCK_M, left_offset, BLOCK_N, WINDOW)
         # Blocks from `first_masked` on straddle the causal diagonal or the end of the keys;
         # with a left window, blocks that start left of this consumer's last row's first key
         # straddle the window's edge (`left_masked`: blocks before it).
-        first_masked = seqlen_k // BLOCK_N
+        first_masked = seqlen_k_t // BLOCK_N
         if CAUSAL:
             first_masked = gl.minimum(first_masked,
-                                      gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N)
+                                      gl.maximum(row0 + causal_offset_t + 1, 0) // BLOCK_N)
         left_masked = 0
         if WINDOW:
             left_masked = gl.cdiv(gl.maximum(row0 + SUB_M - 1 + left_offset, 0), BLOCK_N)
@@ -289,7 +313,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             s, _qs, _kt = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_t))
             mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
             p, m_i, l_i, alpha = _softmax_step(
-                s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k, causal_offset, left_offset,
+                s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale, tanh_scale, slope2, alibi_offset,
                 (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
@@ -310,7 +334,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
                 p, m_i, l_i, alpha = _softmax_step(
-                    s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k, causal_offset, left_offset,
+                    s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                     qk_scale, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
                 acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
@@ -332,12 +356,24 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         empty = l_i == 0.0
         lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
-        off_bh = off_b.to(gl.int64) * heads + off_h
-        gl.store(LSE + off_bh * seqlen_q + offs_m, lse2, mask=offs_m < seqlen_q)
-        q_smem.store((acc / l_o[:, None]).to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_bufs.index(C))
-        tma.store_wait(0)
+        if VARLEN:
+            # (heads, total_q) LSE; O by a masked store: a TMA store would also write the
+            # rows past this sequence's end, which are the next sequence's.
+            gl.store(LSE + off_h.to(gl.int64) * total_q + q_start + offs_m, lse2,
+                     mask=offs_m < seqlen_q_t)  # fmt: skip
+            rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = (O + (q_start + rows).to(gl.int64)[:, None] * stride_os + off_h * stride_oh
+                      + cols[None, :])  # fmt: skip
+            gl.store(o_ptrs, (acc / l_o[:, None]).to(dtype),
+                     mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
+        else:
+            off_bh = off_b.to(gl.int64) * heads + off_h
+            gl.store(LSE + off_bh * seqlen_q_t + offs_m, lse2, mask=offs_m < seqlen_q_t)
+            q_smem.store((acc / l_o[:, None]).to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_bufs.index(C))
+            tma.store_wait(0)
         mbarrier.arrive(q_empty.index(C))
 
 
@@ -345,49 +381,56 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
 def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS,
+               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
-               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr):
+               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
+               VARLEN: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, 0)  # fmt: skip
+              SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, 0)  # fmt: skip
 
 
 @gluon.jit
 def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS,
+               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
-               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr):
+               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
+               VARLEN: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, 1)  # fmt: skip
+              SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, 1)  # fmt: skip
 
 
 @gluon.jit
 def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS,
+               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
-               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr):
+               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
+               VARLEN: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, 2)  # fmt: skip
+              SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, 2)  # fmt: skip
 
 
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv_group, seqlen_q,
                      seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                     stride_slopes_b, alibi_offset, SINK_LOGITS,
+                     stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O, stride_os,
+                     stride_oh, total_q, head_dim,
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                     SINKS: gl.constexpr):
+                     SINKS: gl.constexpr, VARLEN: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
     launch). Launched with num_warps=4 (the first consumer); the partitions add 4 warps per
@@ -419,37 +462,44 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_os, stride_oh, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_os, stride_oh, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_os, stride_oh, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, batch_heads, heads, kv_group, seqlen_q,
-                       seqlen_k, causal_offset, left_offset, CAUSAL, CONSUMERS, WINDOW)),
+                       seqlen_k, causal_offset, left_offset, CU_Q, CU_K, CAUSAL, CONSUMERS,
+                       WINDOW, VARLEN)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_os, stride_oh, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS)),
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_os, stride_oh, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, batch_heads, heads, kv_group, seqlen_q,
-                       seqlen_k, causal_offset, left_offset, CAUSAL, CONSUMERS, WINDOW)),
+                       seqlen_k, causal_offset, left_offset, CU_Q, CU_K, CAUSAL, CONSUMERS,
+                       WINDOW, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -490,28 +540,38 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
-                num_sms: int, config: tuple | None = None, variants: dict | None = None):
+                num_sms: int, config: tuple | None = None, variants: dict | None = None,
+                packed: dict | None = None):
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views.
     ``causal_offset`` is the band's upper offset (key j visible from query i iff j <= i +
     causal_offset, with ``causal``: causal or a right window); ``variants`` the kernel's
-    variant arguments (:func:`variant_args`), none by default."""
+    variant arguments (:func:`variant_args`), none by default; ``packed`` (packed sequences:
+    the views are batch-of-one) their count, longest lengths and kernel arguments
+    (:func:`hopper_forward`)."""
     b, h, sq, d = q4.shape
+    sk = k4.shape[2]
+    if packed is not None:
+        b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     consumers, block_n, stages, per_sm, c_regs, l_regs = config or HOPPER_CONFIGS[head_dim_pad(d)]
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
                 o_desc=_desc(o4, SUB_M), LSE=lse2, batch_heads=b * h, heads=h,
-                kv_group=h // k4.shape[1], seqlen_q=sq, seqlen_k=k4.shape[2],
+                kv_group=h // k4.shape[1], seqlen_q=sq, seqlen_k=sk,
                 causal_offset=causal_offset,
                 qk_scale=qk_scale, CAUSAL=causal, CONSUMERS=consumers, STAGES=stages,
                 CONSUMER_REGS=c_regs, LOADER_REGS=l_regs,
                 left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
-                SINKS=False)  # fmt: skip
+                SINKS=False, CU_Q=lse2, CU_K=lse2, O=lse2, stride_os=0, stride_oh=0,
+                total_q=0, head_dim=d, VARLEN=False)  # fmt: skip
     if variants:
         args.update(variants)
+    if packed is not None:
+        args.update(packed["args"])
     tiles = cdiv(sq, consumers * SUB_M) * b * h
-    # Persistent only without a band: the static round robin gives causal tiles of very
-    # unequal work to the same programs (measured: 454 against 618 TFLOPS at 16k, d128).
-    banded = causal or args["WINDOW"]
+    # Persistent only without a band or packed sequences: the static round robin gives
+    # tiles of very unequal work to the same programs (measured, causal: 454 against 618
+    # TFLOPS at 16k, d128).
+    banded = causal or args["WINDOW"] or args["VARLEN"]
     grid = (min(tiles, num_sms * per_sm) if per_sm and not banded else tiles,)
     return grid, args, 4
 
@@ -553,12 +613,13 @@ def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
 
 def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                        causal: bool = False, config: tuple | None = None,
-                       variants: tuple[str, ...] = ()):
+                       variants: tuple[str, ...] = (), packed: bool = False):
     """Compile the kernel for sm90a without a GPU (Triton bundles ptxas), as ``hopper_args``
     sets it up for a (2, 16, 4096, head_dim) problem; returns Triton's ``CompiledKernel``
     (``.asm["ptx"]``, ``.metadata``); ``variants`` names the flags to set (WINDOW, SOFTCAP,
-    ALIBI, SINKS). Run it in a process that has not run kernels under the interpreter
-    (which leaves Triton's language module patched)."""
+    ALIBI, SINKS); ``packed``: the packed-sequence kernel (VARLEN, 4 sequences). Run it in
+    a process that has not run kernels under the interpreter (which leaves Triton's language
+    module patched)."""
     from diyfa._compile import compile_for_sm90
 
     q = torch.empty(2, 16, 4096, head_dim, dtype=dtype)
@@ -566,7 +627,15 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
     flags = {name: True for name in variants}
     if "WINDOW" in flags:
         flags["left_offset"] = -1000
-    _, args, num_warps = hopper_args(q, q, q, q, lse, 0, 0.1, causal, 132, config, flags)
+    pack = None
+    if packed:
+        q, lse = q[:1], lse[0]
+        cu = torch.zeros(5, dtype=torch.int32)
+        out = torch.empty(4096, 16, head_dim, dtype=dtype)
+        pack = dict(batch=4, seqlen_q=2000, seqlen_k=2000,
+                    args=dict(CU_Q=cu, CU_K=cu, O=out, stride_os=out.stride(0),
+                              stride_oh=out.stride(1), total_q=4096, VARLEN=True))  # fmt: skip
+    _, args, num_warps = hopper_args(q, q, q, q, lse, 0, 0.1, causal, 132, config, flags, pack)
     return compile_for_sm90(_attn_fwd_hopper, args, num_warps)
 
 
@@ -574,6 +643,8 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
     """(out, lse2) for a problem ``supports`` accepts; lse2 is the base-2 LSE, (batch, heads,
     seqlen_q) fp32, as the portable kernel writes it (its backward reads it)."""
     p = problem
+    if p.cu_seqlens_q is not None:
+        return _packed_forward(q, k, v, p, config)
     shape = (p.batch, p.heads, p.seqlen_q, p.head_dim)
     if p.layout == "bshd":
         shape = (p.batch, p.seqlen_q, p.heads, p.head_dim)
@@ -595,13 +666,38 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
     return out, lse2
 
 
+def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
+    """(out, lse2) of packed sequences, (total_q, heads, d) and (heads, total_q): the kernel
+    over batch-of-one (1, heads, total, d) views, each tile's rows and keys offset by its
+    sequence's cu_seqlens (``VARLEN``); no variants (``supports``)."""
+    out = torch.empty((p.total_q, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+    lse2 = torch.empty((p.heads, p.total_q), dtype=torch.float32, device=q.device)
+    if p.seqlen_k == 0:  # no sequence has a key
+        return out.zero_(), empty_lse(lse2, p)
+    if p.seqlen_q == 0 or p.batch * p.heads == 0:
+        return out, lse2
+
+    def view(t):  # (total, heads, d) -> (1, heads, total, d)
+        return t.unsqueeze(0).transpose(1, 2)
+
+    packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+                  args=dict(CU_Q=p.cu_seqlens_q, CU_K=p.cu_seqlens_k, O=out,
+                            stride_os=out.stride(0), stride_oh=out.stride(1),
+                            total_q=p.total_q, VARLEN=True))  # fmt: skip
+    grid, args, num_warps = hopper_args(
+        view(q), view(k), view(v), view(out), lse2, 0, p.softmax_scale * LOG2E, p.causal,
+        kernel_limits(q.device.index)["sm_count"], config, None, packed)  # fmt: skip
+    launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
+    return out, lse2
+
+
 # --------------------------------------------------------------------------------------------
 # The family
 # --------------------------------------------------------------------------------------------
 def supports(p: Problem) -> str | None:
     """Why this kernel cannot run ``p``; None when it can."""
-    if p.cu_seqlens_q is not None:
-        return "it takes no packed (varlen) sequences yet"
+    if p.cu_seqlens_q is not None and not _plain(p):
+        return "it takes packed (varlen) sequences without window, softcap, ALiBi or sinks"
     if p.capability is None or p.capability[0] != 9:
         got = "no CUDA device" if p.capability is None else f"sm{p.capability[0]}{p.capability[1]}"
         return f"it needs a Hopper GPU (sm90), got {got}"
@@ -635,6 +731,9 @@ def prefer(p: Problem) -> str | None:
     if not _plain(p):
         return ("its sliding window, softcap, ALiBi and sinks have not run on a GPU yet "
                 '(backend="hopper" runs them)')  # fmt: skip
+    if p.cu_seqlens_q is not None:
+        return 'its packed sequences have not run on a GPU yet (backend="hopper" runs them)'
+
     if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < 4096:
         return "the portable kernel measured faster at head dims <= 64 below 4096 keys"
     return None
