@@ -124,6 +124,28 @@ def test_varlen_hopper_path_is_named_only():
     assert "no packed (varlen) sequences" in hopper_bwd.supports(p)
     windowed = dataclasses.replace(p, window_left=8)
     assert "without window" in dict(dispatch.explain(windowed))["hopper"]
+
+
+def test_hopper_varlen_empty_tensors_return_before_the_kernel():
+    """max_seqlen_k / max_seqlen_q may exceed every length: with no key rows (or no query
+    rows) at all, the Hopper packed forward returns zeros / LSE -inf (or empty tensors)
+    without building a TMA descriptor over an empty tensor (which CUDA refuses)."""
+    from diyfa.attention import hopper_fwd
+    from diyfa.attention.checks import check_varlen_inputs
+
+    q, _, _, cu_q, _ = _packed([3, 4], [1, 1], 2, 2, 64, torch.bfloat16)
+    k = torch.zeros(0, 2, 64, dtype=torch.bfloat16, device=q.device)
+    cu_k = torch.zeros(3, dtype=torch.int32, device=q.device)
+    p = check_varlen_inputs(q, k, k, cu_q, cu_k, 4, 1, causal=False, softmax_scale=None)
+    out, lse2 = hopper_fwd._packed_forward(q, k, k, p)
+    assert (out == 0).all() and out.shape == q.shape
+    assert lse2.shape == (2, 7) and (lse2 == float("-inf")).all()
+    q0 = q[:0]
+    cu0 = torch.zeros(3, dtype=torch.int32, device=q.device)
+    _, k1, _, _, cu_k1 = _packed([1, 1], [5, 6], 2, 2, 64, torch.bfloat16)
+    p0 = check_varlen_inputs(q0, k1, k1, cu0, cu_k1, 3, 6, causal=False, softmax_scale=None)
+    out0, lse0 = hopper_fwd._packed_forward(q0, k1, k1, p0)
+    assert out0.shape == (0, 2, 64) and lse0.shape == (2, 0)
     assert p.batch == 2 and p.seqlen_q == 4 and p.total_q == 7
     assert p.q_strides == (0, q.stride(1), q.stride(0), q.stride(2))
 
@@ -192,6 +214,19 @@ def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal):
     backward from its LSE): zero-length sequences on both sides, tiles that run past a
     sequence into the next one, seqlen_q != seqlen_k both ways, GQA/MQA, d64..256."""
     _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device="cuda", backend="hopper")
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_varlen_confines_bad_values():
+    """inf and NaN in one sequence's K and V stay in it: the Hopper packed forward's last
+    key block of sequence 0 runs into sequence 1's rows (TMA clips only at the tensor's end),
+    whose V rows it zeroes before P @ V; sequence 0's output equals a clean run's."""
+    q, k, v, cu_q, cu_k = _packed([100, 50], [70, 90], 4, 2, 128, torch.bfloat16, "cuda")
+    clean = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 100, 90, backend="hopper")
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[70:75], v2[70:72], v2[72:74] = float("nan"), float("inf"), float("nan")
+    dirty = diyfa.flash_attention_varlen(q, k2, v2, cu_q, cu_k, 100, 90, backend="hopper")
+    assert torch.equal(dirty[:100], clean[:100])
 
 
 _COMPILE_VARLEN = """

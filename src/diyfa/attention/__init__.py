@@ -231,9 +231,10 @@ def flash_attention_with_kvcache(
             (num_blocks, page_size, kv_heads, head_dim) with ``block_table``. v_cache's head
             dim may differ from q's and k_cache's (1..256, e.g. 192 / 128): the output has
             v_cache's.
-        k, v: optional (batch, seqlen_new, kv_heads, head_dim), written into the cache in
-            place at rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (only those
-            rows) before attending. ``cache_seqlens`` itself is not updated.
+        k, v: optional (batch, seqlen_new, kv_heads, head_dim; v: v_cache's head dim),
+            written into the cache in place at rows cache_seqlens[b] .. cache_seqlens[b] +
+            seqlen_new - 1 (only those rows) before attending. ``cache_seqlens`` itself is
+            not updated.
         cache_seqlens: int32 (batch,): the cached tokens of each sequence before the append.
         block_table: int32 (batch, max_blocks): page i of sequence b is
             k_cache[block_table[b, i]].

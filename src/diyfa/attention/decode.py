@@ -265,9 +265,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                       window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
                       k_descale=None, v_descale=None):
     """(out, lse2) for checked inputs, the new keys already appended: q (batch, seqlen_q,
-    heads, d); out like q; lse2 base 2, (batch, heads, seqlen_q) fp32. ``max_seqlen_k`` is
-    the longest cache_seqlens entry (read on the host by the checks). ``window`` is the
-    checked (left, right) pair (right 0 when causal)."""
+    heads, d); out (batch, seqlen_q, heads, v_cache's head dim); lse2 base 2, (batch, heads,
+    seqlen_q) fp32. ``max_seqlen_k`` is the longest cache_seqlens entry (read on the host by
+    the checks). ``window`` is the checked (left, right) pair (right 0 when causal)."""
     b, sq, h, d = q.shape
     hk, dv = k_cache.shape[2], v_cache.shape[3]
     group = h // hk

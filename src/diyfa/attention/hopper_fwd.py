@@ -140,6 +140,27 @@ def _seq(off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN: gl.conste
 
 
 @gluon.jit
+def _clear_foreign_rows(v_smem, rows_left):
+    """Packed sequences: zero the rows of a V block from ``rows_left`` on, which belong to the
+    next sequence (TMA clips only at the packed tensor's end). Their P is 0, but 0 x inf or
+    NaN in P @ V would leak a neighbour's bad values into this sequence. Done in 16-row
+    chunks, only for a block that runs past the sequence's end; both consumers may do it on
+    the same stage at once: they write the same values, and each one's own writes precede
+    its product (fence, barrier)."""
+    ROWS: gl.constexpr = v_smem.type.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    if rows_left < ROWS:
+        for c in gl.static_range(ROWS // 16):
+            if c * 16 + 16 > rows_left:
+                chunk = v_smem.slice(c * 16, 16, dim=0)
+                v = chunk.load(layout)
+                r = c * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+                chunk.store(gl.where((r < rows_left)[:, None], v, gl.zeros_like(v)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
 def _tanh(x):
     """tanh as the portable kernels compute it (one exp2): sign(x) (1 - e) / (1 + e),
     e = 2^(-2 |x| log2(e)); the backward recomputes the scores with the same formula."""
@@ -326,6 +347,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
                 k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
                 v_smem = _tile2d(v_bufs, prev)
+                if VARLEN:
+                    _clear_foreign_rows(v_smem, seqlen_k_t - (j - 1) * BLOCK_N)
                 s_tok = warpgroup_mma(q_smem, k_t,
                                       gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
                                       use_acc=False, is_async=True)  # fmt: skip
@@ -344,6 +367,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             g = it + n - 1 - lo
             mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
             v_smem = _tile2d(v_bufs, g % STAGES)
+            if VARLEN:
+                _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
             acc_tok = warpgroup_mma(p16, v_smem, acc, is_async=True)
             acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
             mbarrier.arrive(kv_empty.index(STAGES + g % STAGES))
@@ -672,9 +697,10 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     sequence's cu_seqlens (``VARLEN``); no variants (``supports``)."""
     out = torch.empty((p.total_q, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((p.heads, p.total_q), dtype=torch.float32, device=q.device)
-    if p.seqlen_k == 0:  # no sequence has a key
+    # (max_seqlen_* may exceed every length: test the rows too; TMA takes no empty tensor.)
+    if p.seqlen_k == 0 or k.shape[0] == 0:  # no sequence has a key
         return out.zero_(), empty_lse(lse2, p)
-    if p.seqlen_q == 0 or p.batch * p.heads == 0:
+    if p.seqlen_q == 0 or p.total_q == 0 or p.batch * p.heads == 0:
         return out, lse2
 
     def view(t):  # (total, heads, d) -> (1, heads, total, d)

@@ -223,7 +223,8 @@ def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       v_descale: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``flash_attention_with_kvcache``: appends k/v into the caches in place (declared as
-    mutated), then attends -> (out like q, lse2 (batch, heads, seqlen_q))."""
+    mutated), then attends -> (out (q's shape, v_cache's head dim), lse2 (batch, heads,
+    seqlen_q))."""
     from diyfa.attention import decode
 
     return decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table,

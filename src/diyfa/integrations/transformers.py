@@ -87,8 +87,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     v = _unpad(value.transpose(1, 2), index_k)
     packed = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max(max_q, 1), max(max_k, 1),
                                           **options)  # fmt: skip
-    out = packed.new_zeros(b * sq, h, d).index_copy(0, index_q, packed)
-    return out.view(b, sq, h, d), None
+    dv = packed.shape[-1]  # the value head dim (MLA-style models: not q's)
+    out = packed.new_zeros(b * sq, h, dv).index_copy(0, index_q, packed)
+    return out.view(b, sq, h, dv), None
 
 
 def register(name: str = NAME) -> None:
