@@ -256,7 +256,7 @@ def test_hopper_family_takes_variants_when_named(replace):
     assert "no sliding window, softcap, ALiBi or sinks" in hopper_bwd.supports(problem)
     causal = dataclasses.replace(_problem(causal=True), window_right=0)
     assert dispatch.select(causal).name == "hopper"  # causal alone is not a window
-    for other in (dict(dropout_p=0.1), dict(value_dim=64)):
+    for other in (dict(dropout_p=0.1), dict(value_dim=20)):
         with pytest.raises(ValueError, match="cannot run this problem"):
             dispatch.select(dataclasses.replace(problem, **other), "hopper")
 
@@ -271,6 +271,9 @@ for d in (64, 128, 256):
         k = hf.compile_for_hopper(d, torch.bfloat16, causal,
                                   variants=("WINDOW", "SOFTCAP", "ALIBI", "SINKS"))
         packed = hf.compile_for_hopper(d, torch.bfloat16, causal, packed=True)
+        if d > 64:  # a smaller value head dim (MLA's 192 / 128 at d256's padding)
+            vd = hf.compile_for_hopper(d, torch.bfloat16, causal, value_dim=d // 2)
+            assert vd.metadata.shared <= 227 * 1024
         assert "cp.async.bulk.tensor.4d.global.shared" not in packed.asm["ptx"]  # O: masked
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(k.asm["ptx"])
@@ -392,6 +395,22 @@ def test_value_head_dim(shape, dtype, causal, layout):
     assert diyfa.flash_attention(q, k, v, causal=causal, layout=layout).shape[-1] == dv
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype, causal, layout", [
+    ((2, 8, 2, 1000, 1000, 192, 128), torch.bfloat16, True, "bshd"),  # DeepSeek MLA
+    ((1, 4, 4, 333, 700, 128, 64), torch.float16, False, "bhsd"),
+    ((1, 4, 1, 513, 257, 96, 64), torch.bfloat16, True, "bhsd"),
+    ((1, 2, 2, 200, 200, 256, 128), torch.bfloat16, False, "bshd"),
+], ids=["d192-dv128", "d128-dv64", "d96-dv64", "d256-dv128"])
+def test_gpu_hopper_value_head_dim(shape, dtype, causal, layout):
+    """The Hopper forward with a value head dim below q's (O's tile in the front of Q's
+    buffer, stored by TMA), gradients through the portable backward: 2x / 3x rule."""
+    b, h, hk, sq, sk, d, dv = shape
+    q, k, _ = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
+    _, _, v = _inputs(b, h, hk, sq, sk, dv, dtype, layout=layout, seed=1)
+    _run_and_check(q, k, v, causal, (-1, -1), 0.0, layout, backend="hopper")
+
+
 def test_value_head_dim_everywhere_else():
     """A different value dim through packed sequences, the SDPA drop-in (now on the kernel),
     the custom op (opcheck: the fake output has v's head dim), with bad dims refused, and
@@ -419,7 +438,12 @@ def test_value_head_dim_everywhere_else():
         diyfa.flash_attention(q4, v4, v4)
     problem = dataclasses.replace(_problem(), value_dim=64)
     assert dispatch.select(problem).name == "portable"
-    assert "value head dim (64) other than q's (128)" in dict(dispatch.explain(problem))["hopper"]
+    assert "value head dim other than q's has not run on a GPU" in dict(
+        dispatch.explain(problem))["hopper"]  # fmt: skip
+    assert dispatch.select(problem, "hopper").name == "hopper"
+    assert "no value head dim" in hopper_bwd.supports(problem)
+    for dv, why in ((20, "multiples of 8"), (192, "pad to at most q's (128)")):
+        assert why in dispatch.explain(dataclasses.replace(problem, value_dim=dv))[0][1]
 
 
 def _dropout_mask(q, k, causal, p, seed, layout="bhsd"):

@@ -542,6 +542,8 @@ def supports(p: Problem) -> str | None:
         return "its backward takes no sliding window, softcap, ALiBi or sinks yet (portable)"
     if p.cu_seqlens_q is not None:
         return "its backward takes no packed (varlen) sequences yet (portable)"
+    if p.head_dim_v != p.head_dim:
+        return "its backward takes no value head dim other than q's yet (portable)"
     if p.head_dim > 128:
         return (f"its backward takes head dims up to 128, not {p.head_dim} (dK and dV "
                 "accumulators would not fit the registers)")  # fmt: skip

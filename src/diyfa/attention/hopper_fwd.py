@@ -277,6 +277,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     tiles."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
+    HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[4]  # the value / output head dim (padded)
     SUB_M: gl.constexpr = q_bufs.type.shape[3]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = CONSUMERS * SUB_M
@@ -284,7 +285,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM_V, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -322,7 +323,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         slope2 = 0.0
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
-        acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=o_layout)
+        acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
         mbarrier.wait(q_ready.index(C), lap & 1)
         if n > lo:
             # Block lo: S, softmax.
@@ -387,7 +388,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             gl.store(LSE + off_h.to(gl.int64) * total_q + q_start + offs_m, lse2,
                      mask=offs_m < seqlen_q_t)  # fmt: skip
             rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
             o_ptrs = (O + (q_start + rows).to(gl.int64)[:, None] * stride_os + off_h * stride_oh
                       + cols[None, :])  # fmt: skip
             gl.store(o_ptrs, (acc / l_o[:, None]).to(dtype),
@@ -395,9 +396,17 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         else:
             off_bh = off_b.to(gl.int64) * heads + off_h
             gl.store(LSE + off_bh * seqlen_q_t + offs_m, lse2, mask=offs_m < seqlen_q_t)
-            q_smem.store((acc / l_o[:, None]).to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_bufs.index(C))
+            if HEAD_DIM_V == HEAD_DIM:
+                q_smem.store((acc / l_o[:, None]).to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0],
+                                                q_bufs.index(C))  # fmt: skip
+            else:  # a smaller value head dim: O's tile in the front of Q's buffer
+                o_smem = q_bufs.index(C)._reinterpret(dtype, o_desc.block_type.shape,
+                                                      o_desc.layout)  # fmt: skip
+                o_smem.reshape([SUB_M, HEAD_DIM_V]).store((acc / l_o[:, None]).to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_smem)
             tma.store_wait(0)
         mbarrier.arrive(q_empty.index(C))
 
@@ -587,7 +596,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 SINKS=False, CU_Q=lse2, CU_K=lse2, O=lse2, stride_os=0, stride_oh=0,
-                total_q=0, head_dim=d, VARLEN=False)  # fmt: skip
+                total_q=0, head_dim=o4.shape[3], VARLEN=False)  # fmt: skip
     if variants:
         args.update(variants)
     if packed is not None:
@@ -638,11 +647,13 @@ def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
 
 def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                        causal: bool = False, config: tuple | None = None,
-                       variants: tuple[str, ...] = (), packed: bool = False):
+                       variants: tuple[str, ...] = (), packed: bool = False,
+                       value_dim: int | None = None):
     """Compile the kernel for sm90a without a GPU (Triton bundles ptxas), as ``hopper_args``
     sets it up for a (2, 16, 4096, head_dim) problem; returns Triton's ``CompiledKernel``
     (``.asm["ptx"]``, ``.metadata``); ``variants`` names the flags to set (WINDOW, SOFTCAP,
-    ALIBI, SINKS); ``packed``: the packed-sequence kernel (VARLEN, 4 sequences). Run it in
+    ALIBI, SINKS); ``packed``: the packed-sequence kernel (VARLEN, 4 sequences);
+    ``value_dim``: v and the output with that head dim (default head_dim). Run it in
     a process that has not run kernels under the interpreter (which leaves Triton's language
     module patched)."""
     from diyfa._compile import compile_for_sm90
@@ -660,7 +671,8 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
         pack = dict(batch=4, seqlen_q=2000, seqlen_k=2000,
                     args=dict(CU_Q=cu, CU_K=cu, O=out, stride_os=out.stride(0),
                               stride_oh=out.stride(1), total_q=4096, VARLEN=True))  # fmt: skip
-    _, args, num_warps = hopper_args(q, q, q, q, lse, 0, 0.1, causal, 132, config, flags, pack)
+    v = q if value_dim is None else torch.empty(2, 16, 4096, value_dim, dtype=dtype)
+    _, args, num_warps = hopper_args(q, q, v, v, lse, 0, 0.1, causal, 132, config, flags, pack)
     return compile_for_sm90(_attn_fwd_hopper, args, num_warps)
 
 
@@ -670,9 +682,9 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
     p = problem
     if p.cu_seqlens_q is not None:
         return _packed_forward(q, k, v, p, config)
-    shape = (p.batch, p.heads, p.seqlen_q, p.head_dim)
+    shape = (p.batch, p.heads, p.seqlen_q, p.head_dim_v)
     if p.layout == "bshd":
-        shape = (p.batch, p.seqlen_q, p.heads, p.head_dim)
+        shape = (p.batch, p.seqlen_q, p.heads, p.head_dim_v)
     out = torch.empty(shape, dtype=q.dtype, device=q.device)
     lse2 = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
     if p.seqlen_k == 0:  # nothing to attend to (but the sinks, which join the LSE)
@@ -695,7 +707,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     """(out, lse2) of packed sequences, (total_q, heads, d) and (heads, total_q): the kernel
     over batch-of-one (1, heads, total, d) views, each tile's rows and keys offset by its
     sequence's cu_seqlens (``VARLEN``); no variants (``supports``)."""
-    out = torch.empty((p.total_q, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((p.total_q, p.heads, p.head_dim_v), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((p.heads, p.total_q), dtype=torch.float32, device=q.device)
     # (max_seqlen_* may exceed every length: test the rows too; TMA takes no empty tensor.)
     if p.seqlen_k == 0 or k.shape[0] == 0:  # no sequence has a key
@@ -733,8 +745,10 @@ def supports(p: Problem) -> str | None:
         return f"it takes head dims 64..256 that are multiples of 8, not {p.head_dim}"
     if p.softmax_scale <= 0:
         return f"it takes a positive softmax_scale, not {p.softmax_scale}"
-    if p.head_dim_v != p.head_dim:
-        return f"it takes no value head dim ({p.head_dim_v}) other than q's ({p.head_dim}) yet"
+    dv = p.head_dim_v
+    if dv != p.head_dim and (dv % 8 or head_dim_pad(dv) > head_dim_pad(p.head_dim)):
+        return (f"it takes value head dims that are multiples of 8 and pad to at most q's "
+                f"({head_dim_pad(p.head_dim)}), not {dv}")  # fmt: skip
     if p.dropout_p > 0:
         return "it takes no dropout yet"
     if not p.aligned16:
@@ -759,6 +773,9 @@ def prefer(p: Problem) -> str | None:
                 '(backend="hopper" runs them)')  # fmt: skip
     if p.cu_seqlens_q is not None:
         return 'its packed sequences have not run on a GPU yet (backend="hopper" runs them)'
+    if p.head_dim_v != p.head_dim:
+        return ("its value head dim other than q's has not run on a GPU yet "
+                '(backend="hopper" runs it)')  # fmt: skip
 
     if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < 4096:
         return "the portable kernel measured faster at head dims <= 64 below 4096 keys"
