@@ -37,8 +37,9 @@ the TMA unit. What does not fit these rules goes to the portable kernel (``suppo
 Scope (``supports``): sm90, fp16/bf16, head dims 64..256 that are multiples of 8 (computed
 as 64, 128 or 256: TMA zero-fills the columns past the head dim and clips them on store),
 positive softmax_scale, TMA's alignment rules; sliding windows, softcap, ALiBi and
-attention sinks (compile-time flags, the portable kernels' formulas) and packed sequences
-without them (``VARLEN``: batch-of-one views, rows offset by cu_seqlens, O by a masked store):
+attention sinks (compile-time flags, the portable kernels' formulas), a value head dim below
+q's, and packed sequences without variants (``VARLEN``: batch-of-one views, rows offset by
+cu_seqlens, O by a masked store):
 compile-checked, not yet run on a GPU, so "auto" leaves them to the portable kernels
 (``prefer``). The backward is the Gluon one (hopper_bwd.py) where it measured faster (head
 dims 72..128, and causal at head dims <= 64), else the portable kernel's, which reads the
