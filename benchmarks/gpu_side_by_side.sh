@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # diyfa against FlashAttention-4, cuDNN and FA2 in one process per suite, as one device call
-# (nvidia-h200, ~9 minutes). FA4 comes from ../shared/tools/fa4-prepare: the call before this
-# one ran `bash .fa4a/fa4.sh stash` (carry .fa4a), this one carries .fa4b and runs
+# (nvidia-h200, ~9.5 minutes: give the call timeout_s=600). FA4 comes from
+# ../shared/tools/fa4-prepare: the call before this one ran `bash .fa4a/fa4.sh stash` (carry .fa4a), this one carries .fa4b and runs
 #   source .fa4b/fa4.sh install && bash benchmarks/gpu_side_by_side.sh
 # Measures (results to $OUT, a table per file last):
 #   fa-sweep --quick (d64/d128, 1k/4k/16k, causal or not) and seed + cross + gqa, fwd and bwd,
 #     with every diyfa backward mode: diyfa ("auto"), diyfa-hopper (Gluon backward, atomic
 #     dQ), diyfa-hopper-det (Gluon dK/dV + the portable dQ kernel);
-#   the variants suite (window, softcap, ALiBi, sinks against full causal), fwd and bwd;
+#   the variants suite (window, softcap, ALiBi, sinks against full causal; diyfa-hopper is
+#     the Hopper forward forced, which takes them), fwd and bwd;
 #   benchmarks/first_call.py (time to the first result, cold and warm caches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,10 +23,10 @@ bench() {  # name timeout args...
     --out "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1 || echo "$name: exit $?"
 }
 all="diyfa,diyfa-hopper,diyfa-hopper-det,sdpa-cudnn,sdpa-flash$fa4"
-bench fasweep 240 --suite fa-sweep --quick --modes fwd,bwd --providers "$all" --warmup 20 --rep 80
-bench seed 150 --suite seed,cross,gqa --modes fwd,bwd --providers "$all" --warmup 20 --rep 80
-bench variants 100 --suite variants --modes fwd,bwd --providers "diyfa,diyfa-hopper,sdpa-flash$fa4" \
+bench fasweep 210 --suite fa-sweep --quick --modes fwd,bwd --providers "$all" --warmup 20 --rep 80
+bench variants 110 --suite variants --modes fwd,bwd --providers "diyfa,diyfa-hopper,sdpa-flash$fa4" \
   --warmup 10 --rep 50
+bench seed 180 --suite seed,cross,gqa --modes fwd,bwd --providers "$all" --warmup 20 --rep 60
 timeout 60 python3 benchmarks/first_call.py --dtype bfloat16 --head-dim 128 --causal \
   > "$OUT/first_call.log" 2>&1 || echo "first_call: exit $?"
 tail -n 8 "$OUT/first_call.log"
