@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # diyfa against FlashAttention-4, cuDNN and FA2 in one process per suite, as one device call
 # (nvidia-h200, ~9.5 minutes: give the call timeout_s=600). FA4 comes from
-# ../shared/tools/fa4-prepare: the call before this one ran `bash .fa4a/fa4.sh stash` (carry .fa4a), this one carries .fa4b and runs
+# ../shared/tools/fa4-prepare: the call before this one ran `bash .fa4a/fa4.sh stash`
+# (carry .fa4a), this one carries .fa4b and runs
 #   source .fa4b/fa4.sh install && bash benchmarks/gpu_side_by_side.sh
 # Measures (results to $OUT, a table per file last):
 #   fa-sweep --quick (d64/d128, 1k/4k/16k, causal or not) and seed + cross + gqa, fwd and bwd,
