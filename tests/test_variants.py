@@ -111,14 +111,19 @@ def test_alibi_and_sinks(case):
     """ALiBi ((heads,) and (batch, heads) slopes) and attention sinks, alone and with windows,
     softcap, GQA and rows that see no key (their output is 0, the sink still in the LSE):
     forward, every input's gradient and the sinks' gradient by the 2x / 3x rule."""
+    _run_bias_case(case, seed=7)
+
+
+def _run_bias_case(case, seed, backend="auto"):
+    """A BIAS_CASES-shaped case: its inputs, ALiBi slopes and sinks, through _run_and_check."""
     b, h, hk, sq, sk, d, dtype, causal, window_size, softcap, alibi, sinks, layout = case
     q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     slopes = None
     if alibi is not None:
         slopes = (torch.rand((h,) if alibi == "heads" else (b, h), generator=g) * 0.5).to(DEVICE)
     sink = torch.randn(h, generator=g).to(DEVICE, dtype).requires_grad_() if sinks else None
-    _run_and_check(q, k, v, causal, window_size, softcap, layout, slopes, sink)
+    _run_and_check(q, k, v, causal, window_size, softcap, layout, slopes, sink, backend)
 
 
 def test_blocks_outside_the_band_are_not_read():
@@ -337,14 +342,7 @@ def test_gpu_hopper_forward_variants(case):
     key), softcap, ALiBi ((heads,) and (batch, heads)) and sinks against float64 by the 2x /
     3x rule, gradients through the portable backward from its LSE; GQA, seqlen_q != seqlen_k,
     head dims 64..256."""
-    b, h, hk, sq, sk, d, dtype, causal, window_size, softcap, alibi, sinks, layout = case
-    q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
-    g = torch.Generator().manual_seed(11)
-    slopes = None
-    if alibi is not None:
-        slopes = (torch.rand((h,) if alibi == "heads" else (b, h), generator=g) * 0.5).to(DEVICE)
-    sink = torch.randn(h, generator=g).to(DEVICE, dtype).requires_grad_() if sinks else None
-    _run_and_check(q, k, v, causal, window_size, softcap, layout, slopes, sink, backend="hopper")
+    _run_bias_case(case, seed=11, backend="hopper")
 
 
 def test_custom_op_carries_the_variants():
