@@ -32,7 +32,7 @@ export DIYFA_AUTOTUNE=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import hypothesis" || { echo "hypothesis missing: carry its wheel"; exit 1; }
 start=$(date +%s)
-timeout "${FUZZ_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs \
+timeout -s INT -k 30 "${FUZZ_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs \
   --hypothesis-seed="$SEED" --hypothesis-show-statistics --junitxml="$OUT/junit.xml" \
   tests/test_fuzz_regressions.py tests/test_fuzz.py > "$OUT/fuzz.log" 2>&1
 status=$?

@@ -14,8 +14,10 @@ if [ -d .whl ]; then
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
-timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -rfE "$@" \
-  > "$OUT/tests.log" 2>&1
+# SIGINT at the limit (then KILL 30 s later): pytest stops as on Ctrl-C and still prints its
+# summary, so the failures found so far are named even when the run is cut.
+timeout -s INT -k 30 "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -rfE \
+  "$@" > "$OUT/tests.log" 2>&1
 status=$?
 tail -n 25 "$OUT/tests.log"
 echo "pytest exit $status"
