@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("hypothesis")
 from hypothesis import assume, given, settings  # noqa: E402
@@ -49,6 +48,7 @@ from diyfa.reference import attention_ref, matmul_ref  # noqa: E402
 from .conftest import DEVICE, FUZZ_PROFILE, HAS_CUDA  # noqa: E402
 from .test_attention import FLOOR, half_ulp, rounding_slack  # noqa: E402
 from .test_attention import _check as _check_nonempty  # noqa: E402
+from .test_matmul import _act  # noqa: E402
 
 # Random inputs make the interpreter's numpy overflow on lanes the kernels compute and never
 # store: key rows past a sequence's end (zeros loaded, P = 2^(0 - lse) overflows, then cast to
@@ -688,16 +688,6 @@ def _as_factor(s, mode, side):
         return s.reshape(())
     s = s if mode == "batch" else s.reshape(-1)  # (batch, rows) or (rows,)
     return s[..., :, None] if side == "a" else s[..., None, :]
-
-
-def _act(x, activation):
-    if activation == "relu":
-        return F.relu(x)
-    if activation == "gelu":
-        return F.gelu(x, approximate="tanh")
-    if activation == "silu":
-        return F.silu(x)
-    return x
 
 
 def _half_ulp(ref, dtype):

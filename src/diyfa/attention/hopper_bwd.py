@@ -438,7 +438,7 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
              softmax_scale: float, causal: bool, dq_atomic: bool,
              config: tuple | None = None) -> tuple[tuple, dict, int]:
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views; ``dq_acc``
-    is the fp32 workspace (fast mode) or any tensor (deterministic: not read)."""
+    is the fp32 workspace (atomic dQ) or any tensor (kernel dQ: not read)."""
     b, h, sq, d = q4.shape
     dpad = head_dim_pad(d)
     block_m, stages, c_regs, l_regs = config or BWD_CONFIGS[dpad]

@@ -156,7 +156,7 @@ def _hopper_check(case) -> str | None:
 @register("attention", "diyfa-hopper", layout="bhsd", check=_hopper_check)
 def _diyfa_hopper(case, q, k, v):
     """diyfa.flash_attention forced onto the Hopper family: the Gluon forward and, where it
-    applies (head dims up to 128), the Gluon backward in its fast mode (atomic dQ)."""
+    applies (head dims up to 128), the Gluon backward with its atomic dQ."""
     from diyfa.attention import flash_attention
 
     return flash_attention(q, k, v, causal=case.causal, backend="hopper",
