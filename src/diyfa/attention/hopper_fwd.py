@@ -764,20 +764,26 @@ def supports(p: Problem) -> str | None:
 
 
 def prefer(p: Problem) -> str | None:
-    """Where "auto" leaves a problem this kernel can run to the portable one: head dims <= 64
-    with fewer than 4096 keys, where the portable kernel measured as fast or faster (H100,
-    2026-11-23, benchmarks/results/2026-11-23_h100_flash_fwd_debc629.jsonl: d64 at 512 /
-    1024 / 2048 keys 295 / 370 / 421 TFLOPS against 336 / 393 / 422, causal 161 / 244 / 331
-    against 224 / 301 / 349; from 4096 keys on and at d128 / d256 this kernel is ahead)."""
-    if not _plain(p):
-        return ("its sliding window, softcap, ALiBi and sinks have not run on a GPU yet "
-                '(backend="hopper" runs them)')  # fmt: skip
-    if p.cu_seqlens_q is not None:
-        return 'its packed sequences have not run on a GPU yet (backend="hopper" runs them)'
-    if p.head_dim_v != p.head_dim:
-        return ("its value head dim other than q's has not run on a GPU yet "
-                '(backend="hopper" runs it)')  # fmt: skip
+    """Where "auto" leaves a problem this kernel can run to the portable one.
 
+    - Head dims <= 64 with fewer than 4096 keys, where the portable kernel measured as fast or
+      faster (H100, 2026-11-23, benchmarks/results/2026-11-23_h100_flash_fwd_debc629.jsonl:
+      d64 at 512 / 1024 / 2048 keys 295 / 370 / 421 TFLOPS against 336 / 393 / 422, causal
+      161 / 244 / 331 against 224 / 301 / 349; from 4096 keys on and at d128 / d256 this
+      kernel is ahead).
+    - Packed sequences and a value head dim other than q's: they pass their GPU tests (H200,
+      benchmarks/results/2026-11-23_h200_gpu-tests-hopper-fwd_34dc924.txt) but have not been
+      timed against the portable kernel yet.
+    The variants (window, softcap, ALiBi, sinks) are taken: measured faster on an H200 (8k
+    tokens, d128, causal; ..._flash_variants-fa4_34dc924.jsonl): window 1023 411 against 296
+    TFLOPS, softcap 319 / 278, ALiBi 357 / 306, sinks 472 / 372.
+    """
+    if p.cu_seqlens_q is not None:
+        return ("its packed sequences pass the GPU tests but are not timed against the "
+                'portable kernel yet (backend="hopper" runs them)')  # fmt: skip
+    if p.head_dim_v != p.head_dim:
+        return ("its value head dim other than q's passes the GPU tests but is not timed "
+                'against the portable kernel yet (backend="hopper" runs it)')  # fmt: skip
     if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < 4096:
         return "the portable kernel measured faster at head dims <= 64 below 4096 keys"
     return None
