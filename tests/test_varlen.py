@@ -108,8 +108,9 @@ def test_keys_of_a_sequence_without_queries_get_zero_gradients():
 
 def test_varlen_hopper_path_is_named_only():
     """On an H100/H200 (capability set by hand here) the Hopper forward runs packed
-    sequences when named; "auto" keeps the portable kernel until the two are timed against
-    each other, and says so; with a window (or softcap, ALiBi, sinks) the Hopper family refuses them."""
+    sequences when named; "auto" keeps the portable kernel until the two are timed
+    against each other, and says so; with a window (or softcap, ALiBi, sinks) the Hopper
+    family refuses them."""
     import dataclasses
 
     from diyfa.attention import dispatch, hopper_bwd
@@ -118,7 +119,8 @@ def test_varlen_hopper_path_is_named_only():
     q, k, v, cu_q, cu_k = _packed([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
     p = check_varlen_inputs(q, k, v, cu_q, cu_k, 4, 4, causal=False, softmax_scale=None)
     p = dataclasses.replace(p, capability=(9, 0), aligned16=True)
-    assert "packed sequences pass the GPU tests but are not timed" in dict(dispatch.explain(p))["hopper"]
+    why = dict(dispatch.explain(p))["hopper"]
+    assert "packed sequences pass the GPU tests but are not timed" in why
     assert dispatch.select(p).name == "portable"
     assert dispatch.select(p, "hopper").name == "hopper"
     assert "no packed (varlen) sequences" in hopper_bwd.supports(p)
