@@ -10,8 +10,10 @@ sets ``DIYFA_AUTOTUNE=1`` for both runs (the warm one then reads the saved winne
     python benchmarks/first_call.py [--dtype bf16] [--head-dim 128] [--causal] [--autotune]
 
 One JSON line per run goes to ``$OUT/first_call.jsonl`` (or ./first_call.jsonl); a table is
-printed last. On a machine without a GPU it runs the Triton interpreter on a tiny shape: the
-plumbing, not a measurement.
+printed last, after a cProfile of each run's first forward (by cumulative time: where a warm
+first call still spends its time). ``after_torch_s`` is the total less ``import torch``,
+which a user's process has usually paid before it calls diyfa. On a machine without a GPU
+it runs the Triton interpreter on a tiny shape: the plumbing, not a measurement.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import tempfile
 import time
 
 CHILD = r"""
-import json, os, sys, time
+import cProfile, io, json, os, pstats, sys, time
 t0 = time.perf_counter()
 import torch
+t_torch = time.perf_counter() - t0
 import diyfa
 t_import = time.perf_counter() - t0
 dtype = getattr(torch, sys.argv[1]); d = int(sys.argv[2]); causal = sys.argv[3] == "1"
@@ -35,17 +38,26 @@ dev = "cuda" if torch.cuda.is_available() else "cpu"
 b, h, s = (2, 16, 2048) if dev == "cuda" else (1, 2, 32)
 q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
            for _ in range(3))
+if dev == "cuda":
+    torch.cuda.synchronize()  # the CUDA context is up before the clock starts
+prof = cProfile.Profile()
 t1 = time.perf_counter()
+prof.enable()
 out = diyfa.flash_attention(q, k, v, causal=causal)
 if dev == "cuda":
     torch.cuda.synchronize()
+prof.disable()
 t_fwd = time.perf_counter() - t1
 t2 = time.perf_counter()
 out.sum().backward()
 if dev == "cuda":
     torch.cuda.synchronize()
 t_bwd = time.perf_counter() - t2
-print(json.dumps({"import_s": t_import, "fwd_s": t_fwd, "bwd_s": t_bwd,
+top = io.StringIO()
+pstats.Stats(prof, stream=top).sort_stats("cumulative").print_stats(25)
+print(top.getvalue(), file=sys.stderr)
+print(json.dumps({"import_s": t_import, "torch_import_s": t_torch,
+                  "diyfa_import_s": t_import - t_torch, "fwd_s": t_fwd, "bwd_s": t_bwd,
                   "total_s": time.perf_counter() - t0, "device": dev,
                   "gpu": torch.cuda.get_device_name() if dev == "cuda" else None,
                   "torch": torch.__version__}))
@@ -59,7 +71,9 @@ def run_child(env: dict, dtype: str, head_dim: int, causal: bool) -> dict:
                           timeout=600)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the first-call process failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    rec = json.loads(done.stdout.strip().splitlines()[-1])
+    rec["fwd_profile"] = done.stderr  # cProfile of the first forward, by cumulative time
+    return rec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,10 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(out_dir, "first_call.jsonl"), "a") as f:
         for rec in records:
             f.write(json.dumps(rec) + "\n")
-    print("caches  import_s  fwd_s  bwd_s  total_s  (process wall_s)")
+    for r in records:  # where the first forward's time went (the log keeps it)
+        print(f"--- {r['caches']} caches: the first forward, cProfile by cumulative time")
+        print(r["fwd_profile"])
+    print("caches  import_s (torch + diyfa)  fwd_s  bwd_s  total_s  after_torch_s  "
+          "(process wall_s)")
     for r in records:
-        print(f"{r['caches']:6s} {r['import_s']:8.2f} {r['fwd_s']:6.2f} {r['bwd_s']:6.2f} "
-              f"{r['total_s']:8.2f}  ({r['wall_s']:.2f})")
+        print(f"{r['caches']:6s} {r['import_s']:8.2f} ({r['torch_import_s']:.2f} + "
+              f"{r['diyfa_import_s']:.2f}) {r['fwd_s']:6.2f} {r['bwd_s']:6.2f} "
+              f"{r['total_s']:8.2f}  {r['total_s'] - r['torch_import_s']:8.2f}  "
+              f"({r['wall_s']:.2f})")
     return 0
 
 

@@ -6,17 +6,22 @@
 #      profile: lengths up to 16k, head dims 1..256, thousands of examples allowed, each test
 #      stopped after DIYFA_FUZZ_SECONDS (default 80) unless it has found a failure, which
 #      hypothesis then shrinks (up to about five minutes; the run's timeout cuts what is left).
-# Writes to $OUT: summary.md (per test: examples, outcome, seconds; the seed, to repeat the
-# run with FUZZ_SEED=...), examples.jsonl, junit.xml, fuzz.log (the whole pytest output,
-# falsifying examples and @reproduce_failure blobs included), gpu.txt.
+# Compiles set the pace (each new shape class compiles its kernels: seconds each, and a
+# minute or more for fp32 at large head dims; 2026-11-23 on an H200, one process: 3 attention
+# examples in 108 s), so FUZZ_JOBS processes (default 6: six float64 references of 2^28
+# scores fit the GPU together) run side by side on the one GPU, job i with seed FUZZ_SEED + i
+# (job 0 also runs the regressions), sharing Triton's compile cache.
+# Writes to $OUT: summary.md (per test, summed over the jobs: examples, outcome, seconds; the
+# seed, to repeat a job), and per job N: examples.N.jsonl, junit.N.xml, fuzz.N.log (the whole
+# pytest output, falsifying examples and @reproduce_failure blobs included); gpu.txt.
 # Every failure it finds becomes a named row of tests/test_fuzz_regressions.py.
 #
-# It cannot run on the CPU machine that wrote it: the gpu profile needs CUDA (test_fuzz.py
-# skips itself without it) and its shapes are far beyond the Triton interpreter. It has not
-# been run yet (no device machine was lent to the session that wrote it).
+# The gpu profile needs CUDA (test_fuzz.py skips itself without it): its shapes are far
+# beyond the Triton interpreter. First run (one job): benchmarks/results/
+# 2026-11-23_h200_fuzz-summary_34dc924.md.
 #
 # Usage on the device: bash benchmarks/gpu_fuzz.sh   (OUT set by the device tool;
-# FUZZ_SECONDS, FUZZ_SEED, FUZZ_TIMEOUT override the defaults). FUZZ_PROFILE=ci runs the CI
+# FUZZ_SECONDS, FUZZ_SEED, FUZZ_TIMEOUT, FUZZ_JOBS override the defaults). FUZZ_PROFILE=ci runs the CI
 # profile instead, on any machine: a check of this script's plumbing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,56 +29,90 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SEED=${FUZZ_SEED:-$(date +%s)}
 export DIYFA_FUZZ_PROFILE=${FUZZ_PROFILE:-gpu} DIYFA_FUZZ_SECONDS=${FUZZ_SECONDS:-80}
-export DIYFA_FUZZ_SUMMARY="$OUT/examples.jsonl"
 # Default configs, no autotuning: every new shape class would otherwise benchmark its whole
 # config space; the fuzz run is about correctness, and compiles are its bottleneck already.
 export DIYFA_AUTOTUNE=0
-: > "$DIYFA_FUZZ_SUMMARY"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import hypothesis" || { echo "hypothesis missing: carry its wheel"; exit 1; }
 start=$(date +%s)
-timeout -s INT -k 30 "${FUZZ_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs \
-  --hypothesis-seed="$SEED" --hypothesis-show-statistics --junitxml="$OUT/junit.xml" \
-  tests/test_fuzz_regressions.py tests/test_fuzz.py > "$OUT/fuzz.log" 2>&1
-status=$?
-echo "pytest exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/fuzz.log"
-python3 - "$OUT" "$SEED" "$status" <<'EOF' | tee "$OUT/summary.md"
-import json, os, sys
+JOBS=${FUZZ_JOBS:-6}
+pids=()
+for i in $(seq 0 $((JOBS - 1))); do
+  files="tests/test_fuzz.py"
+  [ "$i" = 0 ] && files="tests/test_fuzz_regressions.py tests/test_fuzz.py"
+  : > "$OUT/examples.$i.jsonl"
+  # shellcheck disable=SC2086  # $files is one or two paths
+  DIYFA_FUZZ_SUMMARY="$OUT/examples.$i.jsonl" timeout -s INT -k 30 "${FUZZ_TIMEOUT:-540}" \
+    python3 -m pytest -q -p no:cacheprovider -rs --hypothesis-seed=$((SEED + i)) \
+    --hypothesis-show-statistics --junitxml="$OUT/junit.$i.xml" $files \
+    > "$OUT/fuzz.$i.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do
+  wait "$pid"; rc=$?
+  [ "$rc" -gt "$status" ] && status=$rc
+done
+echo "pytest jobs: worst exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/fuzz.0.log"
+python3 - "$OUT" "$SEED" "$status" "$JOBS" <<'EOF' | tee "$OUT/summary.md"
+import collections, glob, json, os, sys
 import xml.etree.ElementTree as ET
 
-out, seed, status = sys.argv[1], sys.argv[2], int(sys.argv[3])
-examples = {}
-for line in open(os.path.join(out, "examples.jsonl")):
-    r = json.loads(line)
-    examples[r["test"]] = r
-cases = {}
-try:
-    for case in ET.parse(os.path.join(out, "junit.xml")).iter("testcase"):
+out, seed, status, jobs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+examples = collections.defaultdict(lambda: {"examples": 0, "seconds": 0.0, "failed": False})
+for path in glob.glob(os.path.join(out, "examples.*.jsonl")):
+    for line in open(path):
+        r = json.loads(line)
+        e = examples[r["test"]]
+        e["examples"] += r["examples"]
+        e["seconds"] = max(e["seconds"], r["seconds"])
+        e["failed"] = e["failed"] or r["failed"]
+cases = {}  # test name -> [outcome per job, seconds of the longest job]
+for path in sorted(glob.glob(os.path.join(out, "junit.*.xml"))):
+    try:
+        tree = ET.parse(path)
+    except ET.ParseError:
+        print(f"{os.path.basename(path)} unreadable (its job was cut?): see its fuzz log\n")
+        continue
+    for case in tree.iter("testcase"):
+        name = case.get("name") or case.get("classname") or "?"
         outcome = "passed"
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
             if node is not None:
-                outcome = tag
-                message = (node.get("message") or "").splitlines()[0][:120]
-                if tag == "skipped" and "DIYFA_FUZZ_SECONDS" in message:
-                    outcome = "passed (time budget)"
-                elif tag != "skipped":
-                    outcome = f"{tag}: {message}"
-        cases[case.get("name")] = (outcome, float(case.get("time", 0)))
-except (FileNotFoundError, ET.ParseError):
-    print(f"no junit.xml (pytest exit {status}: cut by the timeout?); fuzz.log has the output")
-print(f"# fuzz run ({os.environ['DIYFA_FUZZ_PROFILE']} profile): seed {seed}, "
-      f"DIYFA_FUZZ_SECONDS={os.environ['DIYFA_FUZZ_SECONDS']}, pytest exit {status}\n")
-print("| test | examples | outcome | seconds |\n|---|---|---|---|")
-for name, (outcome, secs) in cases.items():
-    n = examples.get(name.removeprefix("test_fuzz_"), {}).get("examples", "")
+                message = ((node.get("message") or "").splitlines() or [""])[0][:120]
+                if tag == "skipped":
+                    outcome = ("passed (time budget)" if "DIYFA_FUZZ_SECONDS" in message
+                               else "skipped")
+                else:
+                    outcome = f"{tag} ({os.path.basename(path)}): {message}"
+        entry = cases.setdefault(name, [[], 0.0])
+        entry[0].append(outcome)
+        entry[1] = max(entry[1], float(case.get("time") or 0))
+print(f"# fuzz run ({os.environ['DIYFA_FUZZ_PROFILE']} profile): {jobs} jobs, seeds "
+      f"{seed}..{seed + jobs - 1}, DIYFA_FUZZ_SECONDS={os.environ['DIYFA_FUZZ_SECONDS']}, "
+      f"worst pytest exit {status}\n")
+print("| test | examples (all jobs) | outcome | seconds (longest job) |\n|---|---|---|---|")
+failed = []
+for name, (outcomes, secs) in cases.items():
+    bad = [o for o in outcomes if o.startswith(("failure", "error"))]
+    if bad:
+        failed.append(name)
+        outcome = "; ".join(bad)
+    else:
+        outcome = ", ".join(f"{o} x{outcomes.count(o)}" if outcomes.count(o) > 1 else o
+                            for o in dict.fromkeys(outcomes))
+    n = examples[name.removeprefix("test_fuzz_")]["examples"] if name.removeprefix(
+        "test_fuzz_") in examples else ""
     print(f"| {name} | {n} | {outcome} | {secs:.0f} |")
-for test, r in examples.items():  # tests the junit file does not have (run cut short)
+for test, r in examples.items():  # tests no junit file has (every job's run cut short)
     if f"test_fuzz_{test}" not in cases:
         print(f"| test_fuzz_{test} | {r['examples']} | unfinished (failed: {r['failed']}) "
               f"| {r['seconds']:.0f} |")
-failed = [n for n, (o, _) in cases.items() if o.startswith(("failure", "error"))]
+        if r["failed"]:
+            failed.append(f"test_fuzz_{test}")
 print(f"\n{len(failed)} failing: {', '.join(failed) or 'none'}. Falsifying examples and "
-      "@reproduce_failure blobs: fuzz.log. Repeat with FUZZ_SEED=" + seed + ".")
+      f"@reproduce_failure blobs: fuzz.N.log. Repeat job N alone with FUZZ_SEED={seed} + N "
+      "FUZZ_JOBS=1.")
 EOF
 exit "$status"

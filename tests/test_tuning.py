@@ -114,3 +114,60 @@ def test_autotune_winners_persist_across_processes(tmp_path, monkeypatch):
     assert tuning.cached_choice(key) is None
     tuning.remember_choice(key, {"BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)  # replaces it
     assert json.loads((tmp_path / "autotune.json").read_text())
+
+
+def test_fp32_defaults_fit_and_skip_the_tuned_table(tuned_file):
+    """fp32 inputs get tiles of their own (the 16-bit ones do not fit, and take minutes to
+    compile): whatever the tuned table says, and within sm90's and sm80's shared memory by
+    the estimate (which matched ptxas for these fp32 tiles to within 512 bytes)."""
+    tuning.write_table({9: {"attn_fwd": {128: (128, 128, 8, 3)}}}, tuned_file)
+    assert tuning.default_config("attn_fwd", 128, 9)["BLOCK_N"] == 128
+    for kernel, per_dim in tuning.FP32_DEFAULTS.items():
+        for dim, entry in per_dim.items():
+            for major in (8, 9):
+                cfg = tuning.default_config(kernel, dim, major, elem_bytes=4)
+                assert cfg == tuning._as_dict(entry)
+                assert tuning.attention_smem_bytes(kernel, cfg, dim, 4) <= 160 * 1024
+    assert tuning.default_config("attn_fwd", 16, 9, 4) == tuning._as_dict(
+        tuning.FP32_DEFAULTS["attn_fwd"][64])  # the <= 64 bucket
+
+
+_COMPILE_FP32 = """
+import torch
+from diyfa import tuning
+from diyfa._compile import compile_for_sm90
+from diyfa.attention import portable as P
+
+shared = {}
+for fn, kernel in ((P._attn_fwd, "attn_fwd"), (P._attn_bwd_dq, "attn_bwd_dq")):
+    cfg = tuning.default_config(kernel, 256, 9, elem_bytes=4)
+    args = dict(LSE=torch.empty(16), DELTA=torch.empty(16),
+                CU_Q=torch.empty(16, dtype=torch.int32), CU_K=torch.empty(16, dtype=torch.int32),
+                qk_scale=0.5, sm_scale=0.5, HEAD_DIM=192, HEAD_DIM_PAD=256, CAUSAL=True,
+                PRECISION="ieee", VARLEN=False, WINDOW=False, SOFTCAP=False, tanh_scale=1.0,
+                ALIBI=False, SINKS=False, HEAD_DIM_V=192, HEAD_DIM_V_PAD=256, DROPOUT=False,
+                dropout_p=0.0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+    values = {p.name: args.get(p.name, torch.empty(16) if p.name.isupper() else 17)
+              for p in fn.params}
+    k = compile_for_sm90(fn, values, cfg["num_warps"], cfg["num_stages"])
+    shared[kernel] = k.metadata.shared
+print(shared)
+"""
+
+
+def test_fp32_d256_defaults_compile_for_hopper():
+    """The fp32 d256 forward and dQ defaults compile for sm90a within its 227 KB of shared
+    memory (the 16-bit defaults did not: 279 KB for dQ, found only after a 31 s compile).
+    In a fresh process (the interpreter leaves Triton's language module patched)."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FP32], env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert set(shared) == {"attn_fwd", "attn_bwd_dq"}
+    assert all(0 < v <= 227 * 1024 for v in shared.values()), shared

@@ -78,6 +78,16 @@ DEFAULTS = {
         "attn_bwd_dq": {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)},
     },
 }
+# fp32 inputs (elem_bytes 4; any architecture with a default table): the dots run in full
+# fp32 ("ieee", no tensor cores), so their code grows with the tile and the 16-bit tables'
+# tiles neither fit the shared memory (fp32 d128 forward 128 x 128: 384 KB) nor compile in
+# reasonable time (ptxas, sm90a, triton 3.6, 2026-11-23: d256 forward 64 x 64 85 s, dK/dV
+# 90 s and then too large; the tiles below fit and compile in 8-36 s each on 2 CPU cores).
+FP32_DEFAULTS = {
+    "attn_fwd": {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 64, 4, 2)},
+    "attn_bwd_dkdv": {64: (32, 64, 4, 2), 128: (32, 32, 4, 2), 256: (32, 32, 4, 2)},
+    "attn_bwd_dq": {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)},
+}
 # Smaller and smaller configs for when a chosen one does not fit the GPU (OutOfResources).
 FALLBACKS = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)]
 # Small tiles under the interpreter: the tests still cross several blocks on short sequences.
@@ -238,13 +248,17 @@ def tuned_first(space: list, kernel: str, capability_major: int | None, key: int
     return [tuned] + [entry for entry in space if entry != tuned]
 
 
-def default_config(kernel: str, head_dim_pad: int, capability_major: int | None) -> dict:
-    """The config used without autotuning: pinned, else tuned, else the default table's."""
+def default_config(kernel: str, head_dim_pad: int, capability_major: int | None,
+                   elem_bytes: int = 2) -> dict:  # fmt: skip
+    """The config used without autotuning: pinned, else tuned (16-bit inputs: the tuned
+    table's runs), else the default table's (``FP32_DEFAULTS`` for 4-byte inputs)."""
     if kernel in _pinned:
         return dict(_pinned[kernel])
     if interpreter_enabled() or capability_major is None:
         return _as_dict(INTERPRETER_DEFAULT)
     bucket = _dim_bucket(head_dim_pad)
+    if elem_bytes == 4:
+        return _as_dict(FP32_DEFAULTS[kernel][bucket])
     tuned = tuned_entry(kernel, capability_major, bucket)
     if tuned is not None:
         return _as_dict(tuned)

@@ -703,7 +703,7 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
             except OutOfResources:
                 pass  # every candidate was too large: fall back below
         major = kernel_limits(t.device.index)["capability_major"] if t.is_cuda else None
-        cfg = tuning.default_config(name, head_dim_pad, major)
+        cfg = tuning.default_config(name, head_dim_pad, major, t.element_size())
         choice = ({"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"],
                   cfg["num_stages"])  # fmt: skip
     candidates = [choice] + [({"BLOCK_M": bm, "BLOCK_N": bn}, w, st)
