@@ -11,7 +11,8 @@ from __future__ import annotations
 def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = None):
     """Triton's ``CompiledKernel`` of ``fn`` (``@triton.jit`` or ``@gluon.jit``) specialised on
     ``args`` (every parameter by name: constexprs by value, the others as Triton's launcher
-    would see them, integers equal to 1 compiled in); ``.asm["ptx"]``, ``.metadata``."""
+    would see them: integers equal to 1 compiled in, 16-byte-aligned pointers and integers
+    divisible by 16 marked so, which is what lets loads vectorise); ``.asm["ptx"]``, ``.metadata``."""
     import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
@@ -21,17 +22,20 @@ def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = No
 
     target = GPUTarget("cuda", 90, 32)
     backend = CUDABackend(target)
-    signature, constants = {}, {}
+    signature, constants, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
             signature[p.name] = "constexpr"
             constants[(i,)] = args[p.name]
         else:
-            signature[p.name] = native_specialize_impl(backend, args[p.name], False, True, True)[0]
-            if signature[p.name] == "constexpr":  # an int equal to 1 is compiled in
+            kind, spec = native_specialize_impl(backend, args[p.name], False, True, True)[:2]
+            signature[p.name] = kind
+            if kind == "constexpr":  # an int equal to 1 is compiled in
                 constants[(i,)] = args[p.name]
+            elif isinstance(spec, str):  # "D": 16-divisible pointer or int, as a launch sees
+                attrs[(i,)] = backend.parse_attr(spec)
     source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
-    return triton.compile(source(fn, signature, constants), target=target, options=options)
+    return triton.compile(source(fn, signature, constants, attrs), target=target, options=options)
