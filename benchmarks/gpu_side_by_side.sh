@@ -33,18 +33,5 @@ timeout 60 python3 benchmarks/first_call.py --dtype bfloat16 --head-dim 128 --ca
 tail -n 8 "$OUT/first_call.log"
 for f in "$OUT"/fasweep.jsonl "$OUT"/seed.jsonl "$OUT"/variants.jsonl; do
   [ -f "$f" ] || continue
-  python3 - "$f" <<'PY'
-import collections, json, sys
-rows = collections.defaultdict(dict)
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("record") != "measurement" or r.get("tflops") is None:
-        continue
-    key = (r["suite"], r["mode"], r["label"])
-    rows[key][r["provider"]] = r["tflops"]
-names = sorted({p for v in rows.values() for p in v})
-print(sys.argv[1].rsplit("/", 1)[-1], "| TFLOPS |", " ".join(names))
-for key in sorted(rows):
-    print(*key, *(f"{rows[key][n]:.0f}" if n in rows[key] else "-" for n in names))
-PY
+  python3 benchmarks/results_table.py "$f"
 done

@@ -12,7 +12,8 @@ def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = No
     """Triton's ``CompiledKernel`` of ``fn`` (``@triton.jit`` or ``@gluon.jit``) specialised on
     ``args`` (every parameter by name: constexprs by value, the others as Triton's launcher
     would see them: integers equal to 1 compiled in, 16-byte-aligned pointers and integers
-    divisible by 16 marked so, which is what lets loads vectorise); ``.asm["ptx"]``, ``.metadata``."""
+    divisible by 16 marked so, which is what lets loads vectorise); ``.asm["ptx"]``,
+    ``.metadata``."""
     import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget

@@ -340,6 +340,22 @@ def _diyfa_varlen(case, q, k, v, cu, max_len):
     return flash_attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=case.causal)
 
 
+def _hopper_varlen_check(case) -> str | None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return "needs an sm90 GPU (H100/H200)"
+    return None
+
+
+@register("varlen", "diyfa-hopper", layout="thd", check=_hopper_varlen_check)
+def _diyfa_hopper_varlen(case, q, k, v, cu, max_len):
+    """The same forced onto the Hopper family: its packed-sequence forward (the backward is
+    the portable one); against "diyfa" this is what "auto" would gain by taking it."""
+    from diyfa.attention import flash_attention_varlen
+
+    return flash_attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=case.causal,
+                                  backend="hopper")  # fmt: skip
+
+
 @register("varlen", "sdpa-cudnn-padded", layout="thd", baseline=True, check=_needs_cuda)
 def _sdpa_cudnn_padded(case, q, k, v, cu, max_len):
     """What a user without varlen does: pad every sequence to the longest (bhsd), PyTorch
