@@ -5,18 +5,22 @@
 # "auto" leaves to the portable kernel until this run times the two), cuDNN and FA2 through
 # SDPA (over the contiguous cache / padded to the longest sequence), FA4 where the machine
 # has it; the copy-bandwidth ceiling measured first (the decode target is a share of it).
-# Results to $OUT/inference.jsonl; tables last (TB/s for the decode suites, TFLOPS
-# for varlen).
+# Then benchmarks/first_call.py (time to the first result, cold and warm caches, with a
+# profile of the first forward in first_call.log). Results to $OUT/inference.jsonl and
+# first_call.jsonl; tables last (TB/s for the decode suites, TFLOPS for varlen).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 fa4=""; python3 -c "import flash_attn.cute" 2>/dev/null && fa4=",fa4-cute"
-timeout "${BENCH_TIMEOUT:-540}" python3 -m diyfa.cli bench flash --no-progress \
+timeout "${BENCH_TIMEOUT:-480}" python3 -m diyfa.cli bench flash --no-progress \
   --suite decode,paged-decode,varlen --out "$OUT/inference.jsonl" \
   --providers "diyfa,diyfa-hopper,sdpa-cudnn,sdpa-flash,sdpa-cudnn-padded$fa4" \
   --warmup 10 --rep 50 > "$OUT/inference.log" 2>&1 || echo "bench: exit $?"
 tail -n 5 "$OUT/inference.log"
+timeout 60 python3 benchmarks/first_call.py --dtype bfloat16 --head-dim 128 --causal \
+  > "$OUT/first_call.log" 2>&1 || echo "first_call: exit $?"
+tail -n 4 "$OUT/first_call.log"
 python3 benchmarks/results_table.py "$OUT/inference.jsonl" --tbps | grep -v " varlen "
 python3 benchmarks/results_table.py "$OUT/inference.jsonl" | grep -E "TFLOPS| varlen "

@@ -33,23 +33,28 @@ import json, os, subprocess, sys, tempfile, torch, triton
 from diyfa.attention import hopper_bwd as hb
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = []
-for d in (64, 128):
-    for causal in (False, True):
-        for atomic in (False, True):
-            k = hb.compile_bwd_for_hopper(d, getattr(torch, sys.argv[1]), causal, atomic)
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(k.asm["ptx"])
-            done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                                  capture_output=True, text=True, check=True)
-            out.append({"d": d, "causal": causal, "atomic": atomic, "shared": k.metadata.shared,
-                        "ptx": k.asm["ptx"], "ptxas": done.stderr})
+runs = [(d, causal, atomic, ()) for d in (64, 128) for causal in (False, True)
+        for atomic in (False, True)]
+runs += [(d, True, atomic, ("WINDOW", "SOFTCAP", "ALIBI")) for d in (64, 128)
+         for atomic in (False, True)]
+for d, causal, atomic, variants in runs:
+    k = hb.compile_bwd_for_hopper(d, getattr(torch, sys.argv[1]), causal, atomic,
+                                  variants=variants)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                          capture_output=True, text=True, check=True)
+    out.append({"d": d, "causal": causal, "atomic": atomic, "variants": variants,
+                "shared": k.metadata.shared, "ptx": k.asm["ptx"], "ptxas": done.stderr})
 print(json.dumps(out))
 """
 
-# ptxas's spill report of the current kernel (2026-11-23, triton 3.6): none at d64; at d128
-# a few loop-invariant scalars (44-156 bytes) and, with the atomic dQ, up to ~320 bytes. A
-# bound that catches a regression (a tile's worth of registers spilled is kilobytes).
-SPILL_BOUND = {64: 0, 128: 512}
+# ptxas's spill report of the current kernel (2026-11-23, triton 3.6, with the launch's
+# divisibility hints): none at d64; at d128 92 bytes and, with the atomic dQ, 256. With
+# window + softcap + ALiBi on: 48 bytes at d64 (atomic), 488 / 672 at d128 (softcap alone
+# 300, ALiBi alone 332: the extra (keys, queries) tile of tanh' or distances). Bounds that
+# catch a regression (a tile's worth of registers spilled is kilobytes).
+SPILL_BOUND = {(64, False): 0, (128, False): 512, (64, True): 128, (128, True): 1024}
 
 
 def _spilled(ptxas: str) -> int:
@@ -58,8 +63,9 @@ def _spilled(ptxas: str) -> int:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_hopper_bwd_compiles_and_fits(dtype):
-    """For head dims 64 and 128, causal or not, fast (atomic dQ) and deterministic: the
-    kernel compiles for sm90a without a GPU, fits 227 KB of shared memory, and is what its
+    """For head dims 64 and 128, causal or not, fast (atomic dQ) and deterministic, and with
+    window + softcap + ALiBi: the kernel compiles for sm90a without a GPU, fits 227 KB of
+    shared memory, and is what its
     docstring says: wgmma for S^T = K Q^T and dP^T = V dO^T (m64 x BLOCK_M), for dV += P^T dO
     and dK += dS^T Q (m64 x head dim, A from registers), for dQ (the transposed dS^T from
     shared memory) only in the fast mode, with fp32 reductions to global memory there and
@@ -72,7 +78,7 @@ def test_hopper_bwd_compiles_and_fits(dtype):
     kind = {"bfloat16": "bf16", "float16": "f16"}[dtype]
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
         block_m, _, c_regs, l_regs = hopper_bwd.BWD_CONFIGS[r["d"]]
-        where = f"d{r['d']} causal={r['causal']} atomic={r['atomic']}"
+        where = f"d{r['d']} causal={r['causal']} atomic={r['atomic']} {r['variants']}"
         ptx = r["ptx"]
         assert r["shared"] <= 227 * 1024, where
         assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.{kind}" in ptx, where
@@ -83,7 +89,10 @@ def test_hopper_bwd_compiles_and_fits(dtype):
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{l_regs};" in ptx, where
         reductions = "red.global" in ptx or "atom.global" in ptx
         assert reductions == r["atomic"], where
-        assert _spilled(r["ptxas"]) <= SPILL_BOUND[r["d"]], (where, r["ptxas"])
+        assert _spilled(r["ptxas"]) <= SPILL_BOUND[r["d"], bool(r["variants"])], (
+            where, r["ptxas"])
+        # The softcap's tanh is one more exp2 per score (64 per step in the plain kernel).
+        assert ptx.count("ex2.approx") == (128 if r["variants"] else 64), where
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -132,18 +141,31 @@ def test_supports_takes(kwargs):
     (None, "hopper", dict(deterministic=True), "hopper-kernel-dq"),
     (None, "hopper", dict(d=256), "portable"),
     ("1", "auto", dict(d=256), "portable"),
+    (None, "auto", dict(variant=dict(window_left=100)), "portable"),
+    (None, "auto", dict(variant=dict(softcap=30.0), causal=True), "portable"),
+    ("1", "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
+    (None, "hopper", dict(variant=dict(softcap=30.0)), "hopper-atomic"),
+    (None, "hopper", dict(variant=dict(alibi_slopes=torch.ones(4)), deterministic=True),
+     "hopper-kernel-dq"),
+    (None, "hopper", dict(variant=dict(sinks=torch.ones(4))), "hopper-atomic"),
+    (None, "hopper", dict(variant=dict(value_dim=64)), "portable"),
 ], ids=["auto-d128", "auto-d64", "auto-d64-causal", "auto-d80-det", "enabled-d64",
-        "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256"])
+        "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256",
+        "auto-window", "auto-softcap", "enabled-window", "named-softcap", "named-det-alibi",
+        "named-sinks", "named-value-dim"])
 def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     """"auto" runs the Gluon backward where it measured faster (head dims above 64, causal at
     64), in its kernel-dQ (deterministic) path; DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
-    wherever it applies; naming the family runs it with the atomic dQ unless deterministic."""
+    wherever it applies; naming the family runs it with the atomic dQ unless deterministic.
+    The variants (window, softcap, ALiBi, sinks) run in it when named or enabled; "auto"
+    leaves them to the portable backward until the two are timed against each other."""
     deterministic = kwargs.pop("deterministic", False)
+    variant = kwargs.pop("variant", {})
     if env is None:
         monkeypatch.delenv("DIYFA_HOPPER_BWD", raising=False)
     else:
         monkeypatch.setenv("DIYFA_HOPPER_BWD", env)
-    problem = dataclasses.replace(_problem(**kwargs), deterministic=deterministic)
+    problem = dataclasses.replace(_problem(**kwargs), deterministic=deterministic, **variant)
     calls = []
 
     def fake_hopper(*args, atomic_dq=None):
@@ -236,6 +258,31 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
         assert args["DQ"].shape == (b, h, -(-sq // block_m) * block_m, 128)
         assert args["seqlen_q_pad"] == args["DQ"].shape[2]
         assert dq.shape == q.shape and (dq == 0.5).all()  # 2.0 x the scale
+
+
+def test_host_path_passes_the_variants(monkeypatch):
+    """A window, softcap, ALiBi and sinks reach the kernel as the forward sets them
+    (``hopper_fwd.variant_args``): the band's offsets, softcap * log2(e) as qk_scale with
+    scale / softcap as tanh_scale (the softmax scale still scales dK), the slopes; the sinks
+    stay out (they are in the LSE)."""
+    b, h, hk, sq, sk, d = 1, 4, 2, 100, 120, 64
+    q = torch.randn(b, h, sq, d, dtype=torch.bfloat16)
+    k = torch.randn(b, hk, sk, d, dtype=torch.bfloat16)
+    slopes = torch.rand(h)
+    problem = dataclasses.replace(_problem(b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, scale=0.5),
+                                  causal=True, window_left=30, softcap=20.0,
+                                  alibi_slopes=slopes, sinks=torch.zeros(h))  # fmt: skip
+    seen = {}
+    monkeypatch.setattr(hopper_bwd, "launch", lambda fn, grid, args, *a: seen.update(args))
+    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4: torch.zeros(b, h, sq))
+    hopper_bwd.hopper_backward(torch.randn_like(q), q, k, k.clone(), torch.randn_like(q),
+                               torch.randn(b, h, sq), problem)  # fmt: skip
+    assert seen["CAUSAL"] and seen["WINDOW"] and seen["SOFTCAP"] and seen["ALIBI"]
+    assert seen["causal_offset"] == sk - sq and seen["left_offset"] == sk - sq - 30
+    assert seen["qk_scale"] == pytest.approx(20.0 * hopper_bwd.LOG2E)
+    assert seen["tanh_scale"] == pytest.approx(0.5 / 20.0) and seen["sm_scale"] == 0.5
+    assert seen["SLOPES"] is slopes and seen["alibi_offset"] == sk - sq
+    assert "SINKS" not in seen and "SINK_LOGITS" not in seen
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,14 +42,15 @@ def _ref_window(window_size, causal):
 
 
 def _run_and_check(q, k, v, causal, window_size, softcap, layout="bhsd", alibi_slopes=None,
-                   sinks=None, backend="auto"):
+                   sinks=None, backend="auto", deterministic=False):
     """diyfa against float64 (forward, dq, dk, dv, and the sinks' gradient) by the 2x / 3x
     rule, PyTorch in the input dtype as the yardstick."""
     dtype = q.dtype
     with _small_blocks():
         out = diyfa.flash_attention(q, k, v, causal=causal, window_size=window_size,
                                     softcap=softcap, layout=layout, alibi_slopes=alibi_slopes,
-                                    sinks=sinks, backend=backend)  # fmt: skip
+                                    sinks=sinks, backend=backend,
+                                    deterministic=deterministic)  # fmt: skip
         do = torch.randn_like(out)
         out.backward(do)
     kw = dict(causal=causal, window=_ref_window(window_size, causal), softcap=softcap,
@@ -114,7 +115,7 @@ def test_alibi_and_sinks(case):
     _run_bias_case(case, seed=7)
 
 
-def _run_bias_case(case, seed, backend="auto"):
+def _run_bias_case(case, seed, backend="auto", deterministic=False):
     """A BIAS_CASES-shaped case: its inputs, ALiBi slopes and sinks, through _run_and_check."""
     b, h, hk, sq, sk, d, dtype, causal, window_size, softcap, alibi, sinks, layout = case
     q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
@@ -123,7 +124,8 @@ def _run_bias_case(case, seed, backend="auto"):
     if alibi is not None:
         slopes = (torch.rand((h,) if alibi == "heads" else (b, h), generator=g) * 0.5).to(DEVICE)
     sink = torch.randn(h, generator=g).to(DEVICE, dtype).requires_grad_() if sinks else None
-    _run_and_check(q, k, v, causal, window_size, softcap, layout, slopes, sink, backend)
+    _run_and_check(q, k, v, causal, window_size, softcap, layout, slopes, sink, backend,
+                   deterministic)  # fmt: skip
 
 
 def test_blocks_outside_the_band_are_not_read():
@@ -252,13 +254,14 @@ def test_bad_values(kwargs, err, match):
 ], ids=["left", "right", "softcap", "alibi", "sinks"])
 def test_hopper_family_takes_variants(replace):
     """The Hopper forward runs windows, softcap, ALiBi and sinks, by name and under "auto"
-    (measured faster than the portable kernel on an H200); the Gluon backward refuses them
-    (the portable backward runs, from the same LSE)."""
+    (measured faster than the portable kernel on an H200); the Gluon backward takes them
+    too, but "auto" keeps their backward portable until the two are timed."""
     problem = dataclasses.replace(_problem(), **replace)
     assert dispatch.select(problem).name == "hopper"
     assert dict(dispatch.explain(problem))["hopper"] is None
     assert dispatch.select(problem, "hopper").name == "hopper"
-    assert "no sliding window, softcap, ALiBi or sinks" in hopper_bwd.supports(problem)
+    assert hopper_bwd.supports(problem) is None
+    assert hopper_bwd.auto_mode(problem) is None
     causal = dataclasses.replace(_problem(causal=True), window_right=0)
     assert dispatch.select(causal).name == "hopper"  # causal alone is not a window
     for other in (dict(dropout_p=0.1), dict(value_dim=20)):
@@ -343,6 +346,17 @@ def test_gpu_hopper_forward_variants(case):
     3x rule, gradients through the portable backward from its LSE; GQA, seqlen_q != seqlen_k,
     head dims 64..256."""
     _run_bias_case(case, seed=11, backend="hopper")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "kernel-dq"])
+@pytest.mark.parametrize("case", [c for c in HOPPER_VARIANT_CASES if c[5] <= 128],
+                         ids=lambda c: "d{}-c{}-w{}_{}-cap{}-alibi_{}-sinks{}".format(
+                             c[5], int(c[7]), *c[8], c[9], c[10], int(c[11])))  # fmt: skip
+def test_gpu_hopper_backward_variants(case, deterministic):
+    """The Gluon backward's windows, softcap and ALiBi (sinks: through the LSE) in both dQ
+    modes, after the Hopper forward, against float64 by the 3x rule: the same cases."""
+    _run_bias_case(case, seed=12, backend="hopper", deterministic=deterministic)
 
 
 def test_custom_op_carries_the_variants():

@@ -55,11 +55,21 @@ Two dQ modes (``atomic_dq``; ``backend="hopper"`` takes the atomic one unless
       the faster one at head dims 72..128 on an H200 (the atomic adds still cost more than
       two extra matmuls there; at d64 the two modes are within a few per cent).
 
+Variants: the forward's sliding window (query blocks wholly outside the band skipped by
+:func:`_kv_program`, the band's edges masked), softcap (the scores recomputed through the
+same tanh, dS^T times tanh's derivative 1 - t^2) and ALiBi (the bias recomputed); sinks need
+nothing here (they are in the LSE, and delta = rowsum(dO * O) holds; their own gradient is
+computed from delta by ``function.sink_grad``). Compile-checked (every flag on: 48-672 bytes
+of spills, ``tests/test_hopper_bwd.py``); the GPU tests are written
+(``tests/test_variants.py::test_gpu_hopper_backward_variants``, both dQ modes) but have not
+run yet, so "auto" keeps the variants' backward portable (:func:`auto_mode`) and
+``backend="hopper"`` runs it here.
+
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
 rules, positive scale), head dims 64..128 that are multiples of 8 (computed as 64 or 128;
 at 256 the two fp32 accumulators alone are 256 registers per thread: portable), no packed
-sequences. dO is copied to a contiguous tensor when its strides break TMA's rules (autograd
-hands an expanded, stride-0 gradient for ``out.sum()``).
+sequences, no value head dim other than q's. dO is copied to a contiguous tensor when its
+strides break TMA's rules (autograd hands an expanded, stride-0 gradient for ``out.sum()``).
 """
 
 from __future__ import annotations
@@ -81,7 +91,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from diyfa._launcher import cdiv, launch, next_power_of_2
 from diyfa.attention import portable
-from diyfa.attention.hopper_fwd import LOG2E, _desc, _plain, _tile2d, bhsd_view, head_dim_pad
+from diyfa.attention.hopper_fwd import (
+    LOG2E,
+    _desc,
+    _plain,
+    _tanh,
+    _tile2d,
+    bhsd_view,
+    head_dim_pad,
+    variant_args,
+)
 from diyfa.attention.hopper_fwd import supports as forward_supports
 from diyfa.attention.problem import Problem
 
@@ -119,13 +138,17 @@ def auto_mode(p: Problem) -> str | None:
       queries x 1k keys 332 / 276 / 287: the atomic mode's +5% at 16k is not worth giving
       up bitwise reproducibility for).
 
-    So "auto" is deterministic wherever it runs the Gluon kernel: its fastest mode is."""
+    So "auto" is deterministic wherever it runs the Gluon kernel: its fastest mode is.
+    Windows, softcap, ALiBi and sinks: portable until the Gluon backward's variants have run
+    and been timed on a GPU."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
     if env == "1":
         return "kernel-dq" if p.deterministic else "atomic"
     if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
+        return None
+    if not _plain(p):  # run on a GPU, but not timed against the portable backward yet
         return None
     if head_dim_pad(p.head_dim) > 64 or p.causal:
         return "kernel-dq"
@@ -171,11 +194,12 @@ def _red_add_v2(base, offs, x):
 
 
 @gluon.jit
-def _kv_program(heads, kv_group, seqlen_q, causal_offset, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _kv_program(heads, kv_group, seqlen_q, causal_offset, left_offset, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """(first key, batch, kv head, first query block, query blocks per head) of this
-    program. Causal: query blocks wholly above the diagonal see none of the keys and are
-    skipped (query i sees key j iff j <= i + causal_offset)."""
+    program. Query blocks that see none of its keys are skipped: causal (or a right window:
+    query i sees key j only if j <= i + causal_offset), those wholly above the band; with a
+    left window (j >= i + left_offset), those wholly below it."""
     n0 = gl.program_id(0) * BLOCK_N
     off_bhk = gl.program_id(1)
     kv_heads = heads // kv_group
@@ -184,14 +208,19 @@ def _kv_program(heads, kv_group, seqlen_q, causal_offset, BLOCK_M: gl.constexpr,
     m_lo = 0
     if CAUSAL:
         m_lo = gl.maximum(n0 - causal_offset, 0) // BLOCK_M
-    num_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    m_hi = gl.cdiv(seqlen_q, BLOCK_M)
+    if WINDOW:
+        # The last row that sees this block's last key; none when it is negative.
+        last_row = n0 + BLOCK_N - 1 - left_offset
+        m_hi = gl.minimum(m_hi, gl.where(last_row < 0, 0, last_row // BLOCK_M + 1))
+    num_m = gl.maximum(m_hi - m_lo, 0)
     return n0, off_b, off_hk, m_lo, num_m
 
 
 @gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_ready,
-                ready, empty, heads, kv_group, seqlen_q, causal_offset,
-                CAUSAL: gl.constexpr):
+                ready, empty, heads, kv_group, seqlen_q, causal_offset, left_offset,
+                CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The loader warp: this program's K and V (each consumer's 64-key half), then Q and dO
     of every (query head of the group, query block) step through the ring."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
@@ -199,7 +228,8 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs
     CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     n0, off_b, off_hk, m_lo, num_m = _kv_program(heads, kv_group, seqlen_q, causal_offset,
-                                                 BLOCK_M, CONSUMERS * SUB_N, CAUSAL)
+                                                 left_offset, BLOCK_M, CONSUMERS * SUB_N,
+                                                 CAUSAL, WINDOW)  # fmt: skip
     mbarrier.expect(kv_ready.index(0),
                     CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
@@ -224,8 +254,10 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs
 @gluon.jit
 def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                  seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                  CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, C: gl.constexpr):
+                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
+                  SLOPES, stride_slopes_b, alibi_offset,
+                  CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: keys [n0 + 64 C, n0 + 64 C + 64) of the program's block."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
@@ -246,11 +278,13 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     n0, off_b, off_hk, m_lo, num_m = _kv_program(heads, kv_group, seqlen_q, causal_offset,
-                                                 BLOCK_M, CONSUMERS * SUB_N, CAUSAL)
+                                                 left_offset, BLOCK_M, CONSUMERS * SUB_N,
+                                                 CAUSAL, WINDOW)  # fmt: skip
     key0 = n0 + C * SUB_N
     offs_k = key0 + gl.arange(0, SUB_N, layout=key_layout)
-    # Steps that need a mask: past the last key (this consumer's keys run off the end), or
-    # causal blocks whose first row does not see this consumer's last key.
+    # Steps that need a mask: past the last key (this consumer's keys run off the end),
+    # causal blocks whose first row does not see this consumer's last key, and, with a left
+    # window, blocks whose last row does not see its first key.
     key_tail = key0 + SUB_N > seqlen_k
     k_smem = _tile2d(k_bufs, C)
     v_smem = _tile2d(v_bufs, C)
@@ -267,6 +301,9 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
         m_ok = offs_m < seqlen_q
         lse = gl.load(LSE + stats + offs_m, mask=m_ok, other=float("inf"))
         lse = gl.where(lse == float("-inf"), float("inf"), lse)
+        slope2 = 0.0
+        if ALIBI:  # the (sequence, head)'s slope times log2(e)
+            slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
 
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -279,14 +316,29 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
         dpt_tok = warpgroup_mma(v_smem, do_t, gl.zeros([SUB_N, BLOCK_M], gl.float32, s_layout),
                                 use_acc=False, is_async=True)  # fmt: skip
         st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
-        pt = gl.exp2(st * qk_scale - lse[None, :])
+        # The forward's scores, recomputed in its order: SOFTCAP, tanh(q.k * tanh_scale)
+        # (qk_scale carries softcap * log2(e)); ALIBI, minus slope2 * |i + offset - j| once
+        # scaled (base 2). P^T = 2^(scores - lse).
+        if SOFTCAP:
+            st = _tanh(st * tanh_scale)
+        if ALIBI:
+            dist = offs_m[None, :] + alibi_offset - offs_k[:, None]
+            pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist).to(gl.float32) - lse[None, :])
+        else:
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+        if SOFTCAP:  # d tanh: the score's gradient reaches q.k times (1 - t^2)
+            st = 1.0 - st * st
         need_mask = key_tail
         if CAUSAL:
             need_mask = need_mask | (row0 + causal_offset < key0 + SUB_N - 1)
+        if WINDOW:
+            need_mask = need_mask | (row0 + BLOCK_M - 1 + left_offset > key0)
         if need_mask:
             keep = offs_k[:, None] < seqlen_k
             if CAUSAL:
                 keep = keep & (offs_k[:, None] <= offs_m[None, :] + causal_offset)
+            if WINDOW:
+                keep = keep & (offs_k[:, None] >= offs_m[None, :] + left_offset)
             pt = gl.where(keep, pt, 0.0)
         # dV's product (P^T rounded to the input dtype, as in the forward) runs while dS^T
         # is computed from the fp32 P^T (as the portable kernel does).
@@ -294,7 +346,10 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
         dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
         delta = gl.load(DELTA + stats + offs_m, mask=m_ok, other=0.0)
         dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
-        ds16 = (pt * (dpt - delta[None, :])).to(dtype)
+        if SOFTCAP:
+            ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
+        else:
+            ds16 = (pt * (dpt - delta[None, :])).to(dtype)
         if DQ_ATOMIC:
             # This consumer's 64 rows of the step's (128 keys, BLOCK_M) dS^T, for dQ below.
             ds_all = ds_bufs.index(it % 2)
@@ -352,37 +407,46 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
 @gluon.jit
 def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
                    kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                   seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
+                   seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
+                   SLOPES, stride_slopes_b, alibi_offset,
+                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC,
-                  0)  # fmt: skip
+                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
+                  SLOPES, stride_slopes_b, alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP,
+                  ALIBI, 0)  # fmt: skip
 
 
 @gluon.jit
 def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
                    kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                   seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
+                   seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
+                   SLOPES, stride_slopes_b, alibi_offset,
+                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, CAUSAL, DQ_ATOMIC,
-                  1)  # fmt: skip
+                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
+                  SLOPES, stride_slopes_b, alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP,
+                  ALIBI, 1)  # fmt: skip
 
 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, DQ,
                      heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad, causal_offset,
-                     qk_scale, sm_scale,
+                     qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                     alibi_offset,
                      CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                     WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """Grid (cdiv(seqlen_k, 128), batch * kv_heads), launched with num_warps=4 (consumer 0);
     the partitions add 4 warps (consumer 1) and 1 loader warp. Descriptors are 4-D over
     (batch, heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M, padded dim), K, V, dK, dV
     blocks (1, 1, 64, padded dim). LSE (base 2) and DELTA are (batch, heads, seqlen_q)
     fp32; DQ the fp32 workspace (batch, heads, seqlen_q_pad, padded dim), read only with
-    DQ_ATOMIC."""
+    DQ_ATOMIC. The variants (WINDOW, SOFTCAP, ALIBI; sinks need nothing here: they are in
+    the LSE) as the forward's ``variant_args`` sets them."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     SUB_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -411,14 +475,16 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
         (_bwd_consumer0, (dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs,
                           ds_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                           seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                          CAUSAL, DQ_ATOMIC)),
+                          left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI)),
         (_bwd_consumer1, (dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs,
                           ds_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                           seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                          CAUSAL, DQ_ATOMIC)),
+                          left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                        kv_ready, ready, empty, heads, kv_group, seqlen_q, causal_offset,
-                       CAUSAL)),
+                       left_offset, CAUSAL, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -436,9 +502,13 @@ def tma_ready(t4: torch.Tensor) -> bool:
 
 def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
              softmax_scale: float, causal: bool, dq_atomic: bool,
-             config: tuple | None = None) -> tuple[tuple, dict, int]:
+             config: tuple | None = None, qk_scale: float | None = None,
+             variants: dict | None = None) -> tuple[tuple, dict, int]:
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views; ``dq_acc``
-    is the fp32 workspace (atomic dQ) or any tensor (kernel dQ: not read)."""
+    is the fp32 workspace (atomic dQ) or any tensor (kernel dQ: not read). ``qk_scale`` and
+    ``variants`` as the forward's :func:`~diyfa.attention.hopper_fwd.variant_args` gives them
+    (default: softmax_scale * log2(e), no variant); the sinks' entries are dropped (the LSE
+    holds them)."""
     b, h, sq, d = q4.shape
     dpad = head_dim_pad(d)
     block_m, stages, c_regs, l_regs = config or BWD_CONFIGS[dpad]
@@ -447,26 +517,37 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
                 LSE=lse2, DELTA=delta, DQ=dq_acc, heads=h, kv_group=h // k4.shape[1],
                 seqlen_q=sq, seqlen_k=k4.shape[2], seqlen_q_pad=cdiv(sq, block_m) * block_m,
-                causal_offset=causal_offset, qk_scale=softmax_scale * LOG2E,
+                causal_offset=causal_offset,
+                qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
                 sm_scale=softmax_scale, CAUSAL=causal, DQ_ATOMIC=dq_atomic, STAGES=stages,
-                CONSUMER_REGS=c_regs, LOADER_REGS=l_regs)  # fmt: skip
+                CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, left_offset=0, tanh_scale=1.0,
+                SLOPES=lse2, stride_slopes_b=0, alibi_offset=0, WINDOW=False, SOFTCAP=False,
+                ALIBI=False)  # fmt: skip
+    if variants:
+        args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
     grid = (cdiv(k4.shape[2], BLOCK_N), b * k4.shape[1])
     return grid, args, 4
 
 
 def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                            causal: bool = False, dq_atomic: bool = True,
-                           config: tuple | None = None):
+                           config: tuple | None = None, variants: tuple[str, ...] = ()):
     """Compile the kernel for sm90a without a GPU (as ``bwd_args`` sets it up for a (2, 16,
-    4096, head_dim) problem with 4 kv heads); returns Triton's ``CompiledKernel``. Run it in
-    a process that has not run kernels under the interpreter."""
+    4096, head_dim) problem with 4 kv heads); returns Triton's ``CompiledKernel``.
+    ``variants`` names the flags to set (WINDOW, SOFTCAP, ALIBI). Run it in a process that
+    has not run kernels under the interpreter."""
     from diyfa._compile import compile_for_sm90
 
     q = torch.empty(2, 16, 4096, head_dim, dtype=dtype)
     kv = torch.empty(2, 4, 4096, head_dim, dtype=dtype)
     stats = torch.empty(2, 16, 4096, dtype=torch.float32)
+    flags = {name: True for name in variants}
+    if "WINDOW" in flags:
+        flags["left_offset"] = -1000
+    if "ALIBI" in flags:
+        flags.update(SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)
     _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, stats, 0, 0.1, causal,
-                                  dq_atomic, config)  # fmt: skip
+                                  dq_atomic, config, variants=flags)  # fmt: skip
     return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
 
 
@@ -521,9 +602,13 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         stats = delta(o4, do4)
         dq_acc = torch.zeros((p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad),
                              dtype=torch.float32, device=q.device)  # fmt: skip
-    grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc,
-                                     p.causal_offset, p.softmax_scale, p.causal, atomic_dq,
-                                     config)  # fmt: skip
+    if _plain(p):
+        upper, qk_scale, causal, variants = p.causal_offset, None, p.causal, None
+    else:  # the forward's band, scales and flags (sinks: nothing to do, the LSE has them)
+        upper, qk_scale, causal, variants = variant_args(p)
+    grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
+                                     p.softmax_scale, causal, atomic_dq, config, qk_scale,
+                                     variants)  # fmt: skip
     launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
     if atomic_dq:
         torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale, out=dq4)
@@ -538,8 +623,6 @@ def supports(p: Problem) -> str | None:
     reason = forward_supports(p)
     if reason is not None:
         return reason
-    if not _plain(p):
-        return "its backward takes no sliding window, softcap, ALiBi or sinks yet (portable)"
     if p.cu_seqlens_q is not None:
         return "its backward takes no packed (varlen) sequences yet (portable)"
     if p.head_dim_v != p.head_dim:
