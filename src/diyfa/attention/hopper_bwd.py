@@ -11,7 +11,8 @@ What the kernel does
     One program per block of ``BLOCK_N`` = 128 keys of one (batch, kv head), FlashAttention-2
     and -3's dK/dV-stationary loop: K, V, dK and dV stay on chip while the program walks the
     query blocks of every query head of its GQA group (dK/dV summed over the group in
-    registers, no extra pass), skipping the causal blocks that see none of its keys.
+    registers, no extra pass), skipping the query blocks that see none of its keys (above
+    the causal band, or below a left window).
 
     - one *loader* warp: K and V once (two 64-key halves each), then Q and dO of each query
       block by TMA through a ring of ``STAGES`` buffers (``ready[s]`` completes on the byte
@@ -21,9 +22,11 @@ What the kernel does
 
         S^T  = K_c Q^T            (K from shared memory, Q^T a permuted shared view)
         dP^T = V_c dO^T           (issued right after S^T; the softmax runs while it works)
-        P^T  = exp2(S^T * scale * log2(e) - lse)        (masked on the causal diagonal and
-                                                         past the last key only)
-        dS^T = P^T * (dP^T - delta)
+        P^T  = exp2(S^T * scale * log2(e) - lse)        (masked only on the band's edges
+                                                         and past the last key; with the
+                                                         variants, the forward's scores:
+                                                         softcap's tanh, ALiBi's bias)
+        dS^T = P^T * (dP^T - delta)                     (softcap: times 1 - tanh^2)
         dV_c += P^T dO            (P^T from registers)
         dK_c += dS^T Q            (dS^T from registers)
 
