@@ -24,15 +24,12 @@
 # FUZZ_SECONDS, FUZZ_SEED, FUZZ_TIMEOUT, FUZZ_JOBS override the defaults). FUZZ_PROFILE=ci runs the CI
 # profile instead, on any machine: a check of this script's plumbing.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 SEED=${FUZZ_SEED:-$(date +%s)}
 export DIYFA_FUZZ_PROFILE=${FUZZ_PROFILE:-gpu} DIYFA_FUZZ_SECONDS=${FUZZ_SECONDS:-80}
 # Default configs, no autotuning: every new shape class would otherwise benchmark its whole
 # config space; the fuzz run is about correctness, and compiles are its bottleneck already.
 export DIYFA_AUTOTUNE=0
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import hypothesis" || { echo "hypothesis missing: carry its wheel"; exit 1; }
 start=$(date +%s)
 JOBS=${FUZZ_JOBS:-6}
@@ -102,8 +99,7 @@ for name, (outcomes, secs) in cases.items():
     else:
         outcome = ", ".join(f"{o} x{outcomes.count(o)}" if outcomes.count(o) > 1 else o
                             for o in dict.fromkeys(outcomes))
-    n = examples[name.removeprefix("test_fuzz_")]["examples"] if name.removeprefix(
-        "test_fuzz_") in examples else ""
+    n = examples.get(name.removeprefix("test_fuzz_"), {}).get("examples", "")
     print(f"| {name} | {n} | {outcome} | {secs:.0f} |")
 for test, r in examples.items():  # tests no junit file has (every job's run cut short)
     if f"test_fuzz_{test}" not in cases:

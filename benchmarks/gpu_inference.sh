@@ -9,11 +9,7 @@
 # profile of the first forward in first_call.log). Results to $OUT/inference.jsonl and
 # first_call.jsonl; tables last (TB/s for the decode suites, TFLOPS for varlen).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-fa4=""; python3 -c "import flash_attn.cute" 2>/dev/null && fa4=",fa4-cute"
+source "$(dirname "$0")/device_env.sh"
 timeout "${BENCH_TIMEOUT:-480}" python3 -m diyfa.cli bench flash --no-progress \
   --suite decode,paged-decode,varlen --out "$OUT/inference.jsonl" \
   --providers "diyfa,diyfa-hopper,sdpa-cudnn,sdpa-flash,sdpa-cudnn-padded$fa4" \

@@ -13,11 +13,7 @@
 #     diyfa-hopper-det its backward after the portable dQ kernel), fwd and bwd.
 # (benchmarks/first_call.py moved to gpu_inference.sh: this call's 600 s are full.)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-fa4=""; python3 -c "import flash_attn.cute" 2>/dev/null && fa4=",fa4-cute"
+source "$(dirname "$0")/device_env.sh"
 echo "fa4: ${fa4:-absent}"
 bench() {  # name timeout args...
   local name=$1 limit=$2; shift 2

@@ -5,10 +5,7 @@
 # marked gpu: on a GPU every test runs on CUDA), log to $OUT/tests.log, a summary last.
 # Usage on the device: bash benchmarks/gpu_tests.sh tests/test_x.py ...  (TESTS_TIMEOUT=s)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/device_env.sh"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --find-links .whl hypothesis transformers 2>&1 | tail -n 2
 fi

@@ -135,21 +135,14 @@ def test_fp32_defaults_fit_and_skip_the_tuned_table(tuned_file):
 _COMPILE_FP32 = """
 import torch
 from diyfa import tuning
-from diyfa._compile import compile_for_sm90
 from diyfa.attention import portable as P
 
 shared = {}
-for fn, kernel in ((P._attn_fwd, "attn_fwd"), (P._attn_bwd_dq, "attn_bwd_dq")):
+for kernel in ("attn_fwd", "attn_bwd_dq"):
     cfg = tuning.default_config(kernel, 256, 9, elem_bytes=4)
-    args = dict(LSE=torch.empty(16), DELTA=torch.empty(16),
-                CU_Q=torch.empty(16, dtype=torch.int32), CU_K=torch.empty(16, dtype=torch.int32),
-                qk_scale=0.5, sm_scale=0.5, HEAD_DIM=192, HEAD_DIM_PAD=256, CAUSAL=True,
-                PRECISION="ieee", VARLEN=False, WINDOW=False, SOFTCAP=False, tanh_scale=1.0,
-                ALIBI=False, SINKS=False, HEAD_DIM_V=192, HEAD_DIM_V_PAD=256, DROPOUT=False,
-                dropout_p=0.0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
-    values = {p.name: args.get(p.name, torch.empty(16) if p.name.isupper() else 17)
-              for p in fn.params}
-    k = compile_for_sm90(fn, values, cfg["num_warps"], cfg["num_stages"])
+    k = P.compile_for_hopper(kernel, torch.float32, cfg["num_warps"], cfg["num_stages"],
+                             HEAD_DIM=192, HEAD_DIM_PAD=256, HEAD_DIM_V=192,
+                             HEAD_DIM_V_PAD=256, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     shared[kernel] = k.metadata.shared
 print(shared)
 """

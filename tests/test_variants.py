@@ -553,21 +553,12 @@ def test_dropout_seeding_and_rate():
 
 
 _COMPILE_VARIANTS = """
-import torch
-from diyfa._compile import compile_for_sm90
 from diyfa.attention import portable as P
 
-args = dict(LSE=torch.empty(16), DELTA=torch.empty(16), CU_Q=torch.empty(16, dtype=torch.int32),
-            CU_K=torch.empty(16, dtype=torch.int32), SLOPES=torch.empty(16),
-            SINK_LOGITS=torch.empty(16, dtype=torch.bfloat16), qk_scale=0.5, sm_scale=0.5,
-            tanh_scale=0.1, dropout_p=0.1, dropout_seed=2**40 + 3, HEAD_DIM=192, HEAD_DIM_PAD=256,
-            HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", VARLEN=False,
-            WINDOW=True, SOFTCAP=True, ALIBI=True, SINKS=True, DROPOUT=True, BLOCK_M=64,
-            BLOCK_N=32)
-for fn in (P._attn_fwd, P._attn_bwd_dq, P._attn_bwd_dkdv):
-    values = {p.name: args.get(p.name, torch.empty(16, dtype=torch.bfloat16) if p.name.isupper()
-                               else 17) for p in fn.params}
-    compile_for_sm90(fn, values, num_warps=4, num_stages=2)
+for kernel in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"):
+    P.compile_for_hopper(kernel, tanh_scale=0.1, dropout_p=0.1, dropout_seed=2**40 + 3,
+                         HEAD_DIM=192, HEAD_DIM_PAD=256, WINDOW=True, SOFTCAP=True,
+                         ALIBI=True, SINKS=True, DROPOUT=True, BLOCK_N=32)
 print("compiled")
 """
 

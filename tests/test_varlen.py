@@ -232,20 +232,10 @@ def test_gpu_hopper_varlen_confines_bad_values():
 
 
 _COMPILE_VARLEN = """
-import torch
-from diyfa._compile import compile_for_sm90
 from diyfa.attention import portable as P
 
-args = dict(LSE=torch.empty(16), DELTA=torch.empty(16), CU_Q=torch.empty(16, dtype=torch.int32),
-            CU_K=torch.empty(16, dtype=torch.int32), qk_scale=0.5, sm_scale=0.5,
-            HEAD_DIM=128, HEAD_DIM_PAD=128, CAUSAL=True, PRECISION="tf32", VARLEN=True,
-            WINDOW=False, SOFTCAP=False, tanh_scale=1.0, ALIBI=False, SINKS=False,
-            HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, DROPOUT=False, dropout_p=0.0, BLOCK_M=64,
-            BLOCK_N=64)
-for fn in (P._attn_fwd, P._attn_bwd_dq, P._attn_bwd_dkdv):
-    values = {p.name: args.get(p.name, torch.empty(16, dtype=torch.bfloat16) if p.name.isupper()
-                               else 17) for p in fn.params}
-    compile_for_sm90(fn, values, num_warps=4, num_stages=2)
+for kernel in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"):
+    P.compile_for_hopper(kernel, VARLEN=True)
 print("compiled")
 """
 

@@ -605,10 +605,8 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         stats = delta(o4, do4)
         dq_acc = torch.zeros((p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad),
                              dtype=torch.float32, device=q.device)  # fmt: skip
-    if _plain(p):
-        upper, qk_scale, causal, variants = p.causal_offset, None, p.causal, None
-    else:  # the forward's band, scales and flags (sinks: nothing to do, the LSE has them)
-        upper, qk_scale, causal, variants = variant_args(p)
+    # The forward's band, scales and flags (plain attention: no flag; sinks: the LSE has them).
+    upper, qk_scale, causal, variants = variant_args(p)
     grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
                                      p.softmax_scale, causal, atomic_dq, config, qk_scale,
                                      variants)  # fmt: skip

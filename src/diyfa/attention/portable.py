@@ -897,6 +897,29 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
     return dq, dk, dv
 
 
+def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, num_warps: int = 4,
+                       num_stages: int = 2, **args):
+    """Compile one of the kernels ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv") for sm90a
+    without a GPU (Triton bundles ptxas); returns Triton's ``CompiledKernel``. ``args`` set
+    constexprs and scalars over a plain causal d128 problem with 64 x 64 blocks; tensors are
+    placeholders of ``dtype`` (statistics fp32, offsets int32). Run it in a process that has
+    not run kernels under the interpreter (which leaves Triton's language module patched)."""
+    from diyfa._compile import compile_for_sm90
+
+    fn = {"attn_fwd": _attn_fwd, "attn_bwd_dq": _attn_bwd_dq, "attn_bwd_dkdv": _attn_bwd_dkdv}
+    stats, offsets = torch.empty(16), torch.empty(16, dtype=torch.int32)
+    base = dict(LSE=stats, DELTA=stats, SLOPES=stats, CU_Q=offsets, CU_K=offsets, qk_scale=0.5,
+                sm_scale=0.5, tanh_scale=1.0, dropout_p=0.0, dropout_seed=3, HEAD_DIM=128,
+                HEAD_DIM_PAD=128, HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, CAUSAL=True,
+                PRECISION="ieee" if dtype == torch.float32 else "tf32", VARLEN=False,
+                WINDOW=False, SOFTCAP=False, ALIBI=False, SINKS=False, DROPOUT=False,
+                BLOCK_M=64, BLOCK_N=64)  # fmt: skip
+    base.update(args)
+    values = {p.name: base.get(p.name, torch.empty(16, dtype=dtype) if p.name.isupper() else 17)
+              for p in fn[kernel].params}  # fmt: skip
+    return compile_for_sm90(fn[kernel], values, num_warps, num_stages)
+
+
 # --------------------------------------------------------------------------------------------
 # The family
 # --------------------------------------------------------------------------------------------
