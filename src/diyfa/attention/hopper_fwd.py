@@ -692,10 +692,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
-    if _plain(p):
-        upper, qk_scale, causal, variants = p.causal_offset, p.softmax_scale * LOG2E, p.causal, None
-    else:
-        upper, qk_scale, causal, variants = variant_args(p)
+    upper, qk_scale, causal, variants = variant_args(p)  # (plain attention: no flag)
     grid, args, num_warps = hopper_args(
         bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout),
         bhsd_view(out, p.layout), lse2, upper, qk_scale, causal,
