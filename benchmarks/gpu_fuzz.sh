@@ -9,11 +9,15 @@
 # Compiles set the pace (each new shape class compiles its kernels: seconds each, and a
 # minute or more for fp32 at large head dims; 2026-11-23 on an H200, one process: 3 attention
 # examples in 108 s), so FUZZ_JOBS processes (default 6: six float64 references of 2^28
-# scores fit the GPU together) run side by side on the one GPU, job i with seed FUZZ_SEED + i
+# scores fit the GPU together; 8 ran out of memory) run side by side on the one GPU, job i with seed FUZZ_SEED + i
 # (job 0 also runs the regressions), sharing Triton's compile cache.
 # Writes to $OUT: summary.md (per test, summed over the jobs: examples, outcome, seconds; the
-# seed, to repeat a job), and per job N: examples.N.jsonl, junit.N.xml, fuzz.N.log (the whole
-# pytest output, falsifying examples and @reproduce_failure blobs included); gpu.txt.
+# seed, to repeat a job), gpu.txt, and jobs.tar.gz holding per job N: examples.N.jsonl,
+# junit.N.xml, fuzz.N.log (the whole pytest output, falsifying examples and
+# @reproduce_failure blobs included). One archive because the device tool brings back at
+# most 8 files (2026-11-23: six jobs' 26 files stayed behind, and the failures' logs with
+# them). The defaults fit a 600 s call: jobs stop at FUZZ_TIMEOUT = 470 s (SIGINT: pytest
+# still writes its junit file), then 30 s grace, then the summary.
 # Every failure it finds becomes a named row of tests/test_fuzz_regressions.py.
 #
 # The gpu profile needs CUDA (test_fuzz.py skips itself without it): its shapes are far
@@ -30,19 +34,22 @@ export DIYFA_FUZZ_PROFILE=${FUZZ_PROFILE:-gpu} DIYFA_FUZZ_SECONDS=${FUZZ_SECONDS
 # Default configs, no autotuning: every new shape class would otherwise benchmark its whole
 # config space; the fuzz run is about correctness, and compiles are its bottleneck already.
 export DIYFA_AUTOTUNE=0
-python3 -c "import hypothesis" || { echo "hypothesis missing: carry its wheel"; exit 1; }
+python3 -c "import hypothesis" 2>/dev/null || { [ -d .whl ] &&
+  python3 -m pip install -q --no-index --find-links .whl hypothesis 2>&1 | tail -n 2; }
+python3 -c "import hypothesis" || { echo "hypothesis missing: carry .whl (make gpu-wheels)"; exit 1; }
 start=$(date +%s)
 JOBS=${FUZZ_JOBS:-6}
+jobs="$OUT/jobs"; rm -rf "$jobs"; mkdir -p "$jobs"
 pids=()
 for i in $(seq 0 $((JOBS - 1))); do
   files="tests/test_fuzz.py"
   [ "$i" = 0 ] && files="tests/test_fuzz_regressions.py tests/test_fuzz.py"
-  : > "$OUT/examples.$i.jsonl"
+  : > "$jobs/examples.$i.jsonl"
   # shellcheck disable=SC2086  # $files is one or two paths
-  DIYFA_FUZZ_SUMMARY="$OUT/examples.$i.jsonl" timeout -s INT -k 30 "${FUZZ_TIMEOUT:-540}" \
+  DIYFA_FUZZ_SUMMARY="$jobs/examples.$i.jsonl" timeout -s INT -k 30 "${FUZZ_TIMEOUT:-470}" \
     python3 -m pytest -q -p no:cacheprovider -rs --hypothesis-seed=$((SEED + i)) \
-    --hypothesis-show-statistics --junitxml="$OUT/junit.$i.xml" $files \
-    > "$OUT/fuzz.$i.log" 2>&1 &
+    --hypothesis-show-statistics --junitxml="$jobs/junit.$i.xml" $files \
+    > "$jobs/fuzz.$i.log" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -50,8 +57,8 @@ for pid in "${pids[@]}"; do
   wait "$pid"; rc=$?
   [ "$rc" -gt "$status" ] && status=$rc
 done
-echo "pytest jobs: worst exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/fuzz.0.log"
-python3 - "$OUT" "$SEED" "$status" "$JOBS" <<'EOF' | tee "$OUT/summary.md"
+echo "pytest jobs: worst exit $status after $(( $(date +%s) - start )) s" | tee -a "$jobs/fuzz.0.log"
+python3 - "$jobs" "$SEED" "$status" "$JOBS" <<'EOF' | tee "$OUT/summary.md"
 import collections, glob, json, os, sys
 import xml.etree.ElementTree as ET
 
@@ -108,7 +115,8 @@ for test, r in examples.items():  # tests no junit file has (every job's run cut
         if r["failed"]:
             failed.append(f"test_fuzz_{test}")
 print(f"\n{len(failed)} failing: {', '.join(failed) or 'none'}. Falsifying examples and "
-      f"@reproduce_failure blobs: fuzz.N.log. Repeat job N alone with FUZZ_SEED={seed} + N "
-      "FUZZ_JOBS=1.")
+      f"@reproduce_failure blobs: fuzz.N.log in jobs.tar.gz. Repeat job N alone with "
+      f"FUZZ_SEED={seed} + N FUZZ_JOBS=1.")
 EOF
+tar -czf "$OUT/jobs.tar.gz" -C "$jobs" . && rm -rf "$jobs"
 exit "$status"

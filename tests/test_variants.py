@@ -255,13 +255,19 @@ def test_bad_values(kwargs, err, match):
 def test_hopper_family_takes_variants(replace):
     """The Hopper forward runs windows, softcap, ALiBi and sinks, by name and under "auto"
     (measured faster than the portable kernel on an H200); the Gluon backward takes them
-    too, but "auto" keeps their backward portable until the two are timed."""
+    too, and "auto" runs it (deterministic mode) where it measured faster: all but softcap,
+    with plain attention's head-dim rule."""
     problem = dataclasses.replace(_problem(), **replace)
     assert dispatch.select(problem).name == "hopper"
     assert dict(dispatch.explain(problem))["hopper"] is None
     assert dispatch.select(problem, "hopper").name == "hopper"
     assert hopper_bwd.supports(problem) is None
-    assert hopper_bwd.auto_mode(problem) is None
+    expected = None if "softcap" in replace else "kernel-dq"
+    assert hopper_bwd.auto_mode(problem) == expected
+    assert hopper_bwd.auto_mode(dataclasses.replace(problem, deterministic=True)) == expected
+    d64 = dataclasses.replace(_problem(d=64), **replace)  # plain's rule: d64 non-causal
+    assert hopper_bwd.auto_mode(d64) is None
+    assert hopper_bwd.auto_mode(dataclasses.replace(d64, causal=True)) == expected
     causal = dataclasses.replace(_problem(causal=True), window_right=0)
     assert dispatch.select(causal).name == "hopper"  # causal alone is not a window
     for other in (dict(dropout_p=0.1), dict(value_dim=20)):

@@ -106,11 +106,11 @@ def test_keys_of_a_sequence_without_queries_get_zero_gradients():
     assert k.grad[:5].abs().sum() > 0
 
 
-def test_varlen_hopper_path_is_named_only():
+def test_varlen_hopper_path_by_head_dim():
     """On an H100/H200 (capability set by hand here) the Hopper forward runs packed
-    sequences when named; "auto" keeps the portable kernel until the two are timed
-    against each other, and says so; with a window (or softcap, ALiBi, sinks) the Hopper
-    family refuses them."""
+    sequences when named; "auto" takes it at d128 (measured faster) and keeps the portable
+    kernel at d64 (measured faster there), saying why; with a window (or softcap, ALiBi,
+    sinks) the Hopper family refuses them."""
     import dataclasses
 
     from diyfa.attention import dispatch, hopper_bwd
@@ -120,10 +120,15 @@ def test_varlen_hopper_path_is_named_only():
     p = check_varlen_inputs(q, k, v, cu_q, cu_k, 4, 4, causal=False, softmax_scale=None)
     p = dataclasses.replace(p, capability=(9, 0), aligned16=True)
     why = dict(dispatch.explain(p))["hopper"]
-    assert "packed sequences pass the GPU tests but are not timed" in why
+    assert "portable kernel measured faster at d64" in why
     assert dispatch.select(p).name == "portable"
     assert dispatch.select(p, "hopper").name == "hopper"
     assert "no packed (varlen) sequences" in hopper_bwd.supports(p)
+    for d, family in ((128, "hopper"), (96, "hopper"), (256, "portable")):
+        qd, kd, vd, _, _ = _packed([3, 4], [3, 4], 2, 2, d, torch.bfloat16)
+        pd = check_varlen_inputs(qd, kd, vd, cu_q, cu_k, 4, 4, causal=True, softmax_scale=None)
+        pd = dataclasses.replace(pd, capability=(9, 0), aligned16=True)
+        assert dispatch.select(pd).name == family, d
     windowed = dataclasses.replace(p, window_left=8)
     assert "without window" in dict(dispatch.explain(windowed))["hopper"]
 

@@ -3,9 +3,9 @@
 Status: runs on H200 (tests/test_hopper_bwd.py's GPU tests: the gradient matrix against
 float64, both dQ modes, bitwise determinism). "auto" runs it where it measured faster than
 the portable backward (:func:`auto_mode`: head dims 72..128, and causal at head dims <= 64,
-in its deterministic path); ``backend="hopper"`` runs it wherever :func:`supports` allows,
-with the atomic dQ unless ``deterministic=True``. Every other call, and every problem
-:func:`supports` refuses, takes the portable backward.
+in its deterministic path; windows, ALiBi and sinks too, not softcap); ``backend="hopper"``
+runs it wherever :func:`supports` allows, with the atomic dQ unless ``deterministic=True``.
+Every other call, and every problem :func:`supports` refuses, takes the portable backward.
 
 What the kernel does
     One program per block of ``BLOCK_N`` = 128 keys of one (batch, kv head), FlashAttention-2
@@ -63,10 +63,10 @@ Variants: the forward's sliding window (query blocks wholly outside the band ski
 same tanh, dS^T times tanh's derivative 1 - t^2) and ALiBi (the bias recomputed); sinks need
 nothing here (they are in the LSE, and delta = rowsum(dO * O) holds; their own gradient is
 computed from delta by ``function.sink_grad``). Compile-checked (every flag on: 48-672 bytes
-of spills, ``tests/test_hopper_bwd.py``); the GPU tests are written
-(``tests/test_variants.py::test_gpu_hopper_backward_variants``, both dQ modes) but have not
-run yet, so "auto" keeps the variants' backward portable (:func:`auto_mode`) and
-``backend="hopper"`` runs it here.
+of spills, ``tests/test_hopper_bwd.py``) and run on an H200
+(``tests/test_variants.py::test_gpu_hopper_backward_variants``, both dQ modes, passed
+2026-11-23); "auto" takes it for windows, ALiBi and sinks, softcap stays portable
+(:func:`auto_mode`).
 
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
 rules, positive scale), head dims 64..128 that are multiples of 8 (computed as 64 or 128;
@@ -97,7 +97,6 @@ from diyfa.attention import portable
 from diyfa.attention.hopper_fwd import (
     LOG2E,
     _desc,
-    _plain,
     _tanh,
     _tile2d,
     bhsd_view,
@@ -142,8 +141,11 @@ def auto_mode(p: Problem) -> str | None:
       up bitwise reproducibility for).
 
     So "auto" is deterministic wherever it runs the Gluon kernel: its fastest mode is.
-    Windows, softcap, ALiBi and sinks: portable until the Gluon backward's variants have run
-    and been timed on a GPU."""
+    Variants, from the H200 run of 2026-11-23 at 8k tokens, d128, causal, bf16
+    (benchmarks/results/2026-11-23_h200_variants_*.jsonl; portable / kernel-dq / atomic):
+    sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 / 265, sinks 347 / 420 / 310 take
+    the same rule as plain attention (timed at that one shape); softcap 226 / 220 / 206
+    stays portable (its backward is bound by the tanh recomputation in either kernel)."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
@@ -151,7 +153,7 @@ def auto_mode(p: Problem) -> str | None:
         return "kernel-dq" if p.deterministic else "atomic"
     if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
         return None
-    if not _plain(p):  # run on a GPU, but not timed against the portable backward yet
+    if p.softcap:
         return None
     if head_dim_pad(p.head_dim) > 64 or p.causal:
         return "kernel-dq"

@@ -768,16 +768,22 @@ def prefer(p: Problem) -> str | None:
       d64 at 512 / 1024 / 2048 keys 295 / 370 / 421 TFLOPS against 336 / 393 / 422, causal
       161 / 244 / 331 against 224 / 301 / 349; from 4096 keys on and at d128 / d256 this
       kernel is ahead).
-    - Packed sequences and a value head dim other than q's: they pass their GPU tests (H200,
-      benchmarks/results/2026-11-23_h200_gpu-tests-hopper-fwd_34dc924.txt) but have not been
+    - Packed sequences at head dims other than 72..128: at d64 the portable kernel measured
+      faster (H200, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
+      benchmarks/results/2026-11-23_h200_inference_*.jsonl: 420 / 369 TFLOPS full / causal
+      against this kernel's 346 / 269), d256 is not timed. At d128 (GQA 16/4) this kernel is
+      ahead: 516 / 426 against 462 / 399.
+    - A value head dim other than q's: passes its GPU test (H200,
+      benchmarks/results/2026-11-23_h200_gpu-tests-hopper-fwd_34dc924.txt) but has not been
       timed against the portable kernel yet.
     The variants (window, softcap, ALiBi, sinks) are taken: measured faster on an H200 (8k
     tokens, d128, causal; ..._flash_variants-fa4_34dc924.jsonl): window 1023 411 against 296
     TFLOPS, softcap 319 / 278, ALiBi 357 / 306, sinks 472 / 372.
     """
-    if p.cu_seqlens_q is not None:
-        return ("its packed sequences pass the GPU tests but are not timed against the "
-                'portable kernel yet (backend="hopper" runs them)')  # fmt: skip
+    if p.cu_seqlens_q is not None and head_dim_pad(p.head_dim) != 128:
+        return ("packed sequences run on it at head dims 72..128 only: the portable kernel "
+                "measured faster at d64, d256 is not timed "
+                '(backend="hopper" runs them)')  # fmt: skip
     if p.head_dim_v != p.head_dim:
         return ("its value head dim other than q's passes the GPU tests but is not timed "
                 'against the portable kernel yet (backend="hopper" runs it)')  # fmt: skip
