@@ -706,6 +706,21 @@ def _tf32_truncated(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+@contextlib.contextmanager
+def _environ(values: dict):
+    """os.environ with ``values`` set for the block, restored after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _fp32_product(a: torch.Tensor, b: torch.Tensor, tf32: bool) -> torch.Tensor:
     """torch.matmul of fp32 operands with cuBLAS's TF32 allowed or not."""
     old = torch.backends.cuda.matmul.allow_tf32
@@ -733,9 +748,17 @@ def run_matmul_case(c: MatmulCase) -> None:
     bias = None if c.bias is None else (torch.randn(c.n, generator=g) * 2).to(DEVICE, c.bias)
     fp8 = c.dtype_a in FP8
     out_dtype = c.out_dtype or (torch.bfloat16 if fp8 else c.dtype_a)
+    # fp8 on a GPU: the accurate accumulation (partial sums promoted to fp32 every 32
+    # products, cuBLAS's default), judged against the exact product rounded to bf16 (below).
+    # The default fast
+    # accumulation drifts on long sums by design (matmul.fp8_accumulation; test_matmul's
+    # test_gpu_fp8_vs_scaled_mm judges it against cuBLAS's own fast mode).
+    env = {"DIYFA_FP8_ACC": "32"} if fp8 and HAS_CUDA else {}
     try:
-        out = triton_matmul(a, b, out_dtype=c.out_dtype, scale_a=sa, scale_b=sb, bias=bias,
-                            activation=c.activation, precision=c.precision, kernel=c.kernel)
+        with _environ(env):
+            out = triton_matmul(a, b, out_dtype=c.out_dtype, scale_a=sa, scale_b=sb, bias=bias,
+                                activation=c.activation, precision=c.precision,
+                                kernel=c.kernel)  # fmt: skip
     except ValueError as e:  # a forced kernel that cannot run these operands says so
         assert c.kernel in ("tma", "ws") and f"kernel='{c.kernel}'" in str(e), e
         assume(False)
@@ -762,8 +785,8 @@ def run_matmul_case(c: MatmulCase) -> None:
     else:
         prod = torch.matmul(a, b).float()  # PyTorch in the inputs' precision
     baseline = epilogue(prod, torch.float32).to(out_dtype)
-    if fp8 and HAS_CUDA:  # Hopper's fp8 dots accumulate fast (reduced precision), as cuBLAS's
-        baseline = baseline.to(torch.bfloat16).to(out_dtype)  # use_fast_accum: test_fp8's rule
+    if fp8 and HAS_CUDA:  # an fp8 wgmma sums its 32 products in reduced precision even when
+        baseline = baseline.to(torch.bfloat16).to(out_dtype)  # promoted: test_fp8's rule
     if out.numel() == 0:
         return
     err = (out.double() - ref).abs() - _half_ulp(ref, out_dtype)

@@ -703,15 +703,32 @@ def _has_fp8() -> bool:
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_row", [False, True], ids=["per-tensor", "per-row"])
 @pytest.mark.parametrize("kernel", ["auto", "portable"])
-def test_gpu_fp8_vs_scaled_mm(per_row, kernel):
+@pytest.mark.parametrize("acc", ["fast", "32"])
+def test_gpu_fp8_vs_scaled_mm(per_row, kernel, acc, monkeypatch):
+    """Each fp8 accumulation mode against cuBLAS in the same mode: the default fast one
+    (reduced-precision sums) against use_fast_accum=True, DIYFA_FP8_ACC=32 (partial sums
+    promoted every 32 products) against cuBLAS's default."""
     if not _has_fp8():
         pytest.skip("needs a GPU with fp8 (compute capability >= 8.9)")
+    monkeypatch.setenv("DIYFA_FP8_ACC", acc)
     a, b, sa, sb, ref, _ = _fp8_case(torch.float8_e4m3fn, torch.float8_e4m3fn, 2048, 2048, 2048,
                                      per_row, "cuda")  # fmt: skip
     sa2 = sa.reshape(-1, 1) if per_row else sa
     sb2 = sb.reshape(1, -1) if per_row else sb
-    baseline = torch._scaled_mm(a, b, scale_a=sa2, scale_b=sb2, out_dtype=torch.bfloat16)
+    baseline = torch._scaled_mm(a, b, scale_a=sa2, scale_b=sb2, out_dtype=torch.bfloat16,
+                                use_fast_accum=acc == "fast")  # fmt: skip
     _check(triton_matmul(a, b, scale_a=sa, scale_b=sb, kernel=kernel), ref, baseline)
+
+
+@pytest.mark.parametrize("value", ["0", "16", "48", "x", "-32"])
+def test_fp8_accumulation_setting_is_checked(value, monkeypatch):
+    monkeypatch.setenv("DIYFA_FP8_ACC", value)
+    with pytest.raises(ValueError, match="DIYFA_FP8_ACC must be 'fast' or a multiple of 32"):
+        mm.fp8_accumulation()
+    monkeypatch.setenv("DIYFA_FP8_ACC", "64")
+    assert mm.fp8_accumulation() == 64
+    monkeypatch.delenv("DIYFA_FP8_ACC")
+    assert mm.fp8_accumulation() is None  # the default: fast
 
 
 @pytest.mark.gpu
@@ -732,3 +749,29 @@ def test_gpu_llm_shapes(shape):
     a = _randn(M, K, dtype=torch.bfloat16, device="cuda")
     w = _randn(N, K, dtype=torch.bfloat16, device="cuda", seed=1)  # nn.Linear weight
     _check(triton_matmul(a, w.t()), matmul_ref(a, w.t()), torch.matmul(a, w.t()))
+
+
+def test_replay_key_holds_the_fp8_accumulation(monkeypatch):
+    """A replayed fp8 launch is the kernel compiled for the DIYFA_FP8_ACC it was made under:
+    changing the setting must not replay it (an H200 benchmark measured 'fast' under 32)."""
+    monkeypatch.setattr(mm, "_device_facts", lambda a: (9, 232448, 132))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    a = torch.ones(16, 32).to(torch.float8_e4m3fn)
+    b = torch.ones(32, 16).to(torch.float8_e4m3fn)
+    one = torch.ones(())
+
+    def key():
+        return mm._replay_key(a, b, None, one, one, None, None, "tf32", "auto")
+
+    monkeypatch.setenv("DIYFA_FP8_ACC", "fast")
+    fast = key()
+    monkeypatch.setenv("DIYFA_FP8_ACC", "32")
+    assert key() != fast and key() == key()
+    h = torch.ones(16, 32, dtype=torch.float16)  # other dtypes ignore the setting
+
+    def key16():
+        return mm._replay_key(h, h.t(), None, None, None, None, None, "tf32", "auto")
+
+    with_32 = key16()
+    monkeypatch.setenv("DIYFA_FP8_ACC", "fast")
+    assert key16() == with_32

@@ -412,6 +412,24 @@ def _diyfa_matmul(case, a, b):
     return triton_matmul(a, b)
 
 
+@register("matmul", "diyfa-fp8-acc32", backward=False,
+          requires=("diyfa.ops.matmul:triton_matmul",), check=_fp8_only)  # fmt: skip
+def _diyfa_matmul_fp8_acc32(case, a, b):
+    """diyfa.triton_matmul with fp8 partial sums promoted to fp32 every 32 products
+    (``DIYFA_FP8_ACC=32``: the accuracy of cuBLAS's default, use_fast_accum=False)."""
+    import os
+
+    old = os.environ.get("DIYFA_FP8_ACC")
+    os.environ["DIYFA_FP8_ACC"] = "32"
+    try:
+        return _diyfa_matmul(case, a, b)
+    finally:
+        if old is None:
+            del os.environ["DIYFA_FP8_ACC"]
+        else:
+            os.environ["DIYFA_FP8_ACC"] = old
+
+
 @register("matmul", "cublas", backward=False, baseline=True, check=_not_fp8)
 def _cublas(case, a, b):
     """torch.matmul (cuBLAS on the GPU)."""
@@ -423,6 +441,15 @@ def _cublas_fp8(case, a, b):
     """torch._scaled_mm, e4m3 inputs with unit scales, bf16 output (cuBLASLt fp8)."""
     one = torch.ones((), device=a.device, dtype=torch.float32)
     return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+@register("matmul", "cublas-fp8-fast", backward=False, check=_fp8_only)
+def _cublas_fp8_fast(case, a, b):
+    """torch._scaled_mm with use_fast_accum=True: fp8 sums kept in the tensor cores'
+    reduced-precision accumulator (what diyfa's fp8 matmul does by default on Hopper)."""
+    one = torch.ones((), device=a.device, dtype=torch.float32)
+    return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                            use_fast_accum=True)  # fmt: skip
 
 
 TORCH_DTYPES = {

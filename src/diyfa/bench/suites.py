@@ -256,7 +256,7 @@ class Plan:
 ATTN_PROVIDERS = ("diyfa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math",
                   "flash-attn-2", "fa4-cute")  # fmt: skip
 MEMORY_PROVIDERS = ("diyfa", "sdpa-math", "sdpa-flash")
-MATMUL_PROVIDERS = ("diyfa", "cublas", "cublas-fp8")
+MATMUL_PROVIDERS = ("diyfa", "diyfa-fp8-acc32", "cublas", "cublas-fp8", "cublas-fp8-fast")
 
 
 def _pick(values: list, quick: bool, keep: list) -> list:

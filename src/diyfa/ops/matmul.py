@@ -55,6 +55,7 @@ Limits
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,6 +80,26 @@ ACTIVATIONS = (None, "relu", "gelu", "silu")
 PRECISIONS = ("tf32", "ieee")
 KERNELS = ("auto", "portable", "tma", "ws")
 TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and strides
+FP8_ACC_DEFAULT = "fast"
+
+
+def fp8_accumulation() -> int | None:
+    """How many fp8 products Hopper's tensor cores may sum in their reduced-precision
+    accumulator before the kernel adds the partial sum into its fp32 accumulator (Triton's
+    ``max_num_imprecise_acc``): ``DIYFA_FP8_ACC`` = a multiple of 32 (one fp8 ``wgmma`` sums
+    32), or "fast" (the default: Triton's Hopper default, never, as cuBLAS's
+    ``use_fast_accum=True``). Measured on an H200 (2026-11-23, llm-matmul fp8 shapes, bf16
+    out): fast 1293-1365 TFLOPS, 128 879-921, 32 645-658, against cuBLAS's 1221-1250 with
+    use_fast_accum=False; but fast drifts on long sums (an output of 879 products came out
+    1.4 bf16 ulps off, where 32 rounds within half an ulp: tests/test_fuzz_regressions.py).
+    Read per call (the kernels are compiled per value); other GPUs and the interpreter
+    accumulate in fp32 whatever it says."""
+    value = os.environ.get("DIYFA_FP8_ACC", FP8_ACC_DEFAULT)
+    if value == "fast":
+        return None
+    if not value.isdigit() or int(value) < 32 or int(value) % 32:
+        raise ValueError(f"DIYFA_FP8_ACC must be 'fast' or a multiple of 32, got {value!r}")
+    return int(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +310,7 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
                    M_BUCKET, N_BUCKET, K_BUCKET,
                    A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
                    SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
+                   ACTIVATION: tl.constexpr, PRECISION: tl.constexpr, FP8_ACC: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr):
     # M/N/K_BUCKET and A/B_ROW_MAJOR only key the autotuner (the strides carry the layout).
@@ -315,7 +336,7 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, max_num_imprecise_acc=FP8_ACC)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -377,6 +398,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
                        A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
                        BATCHED: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
                        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NUM_SMS: tl.constexpr,
+                       FP8_ACC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
                        WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
@@ -413,7 +435,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
             off_k = ki * BLOCK_K
             a = _load_tile(a_desc, off_b, off_m, off_k, BLOCK_M, BLOCK_K, A_ROW_MAJOR, BATCHED)
             b = _load_tile(b_desc, off_b, off_k, off_n, BLOCK_K, BLOCK_N, B_ROW_MAJOR, BATCHED)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_ACC)
 
         tile_id_c += NUM_SMS
         off_b, pid_m, pid_n = _tma_tile_coords(tile_id_c, tiles_per_batch, num_pid_m, num_pid_n,
@@ -453,7 +475,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
                                    BATCHED)  # fmt: skip
                     b = _load_tile(b_desc, off_b, off_k, off_n, BLOCK_K, BLOCK_N, B_ROW_MAJOR,
                                    BATCHED)  # fmt: skip
-                    acc = tl.dot(a, b, acc)
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_ACC)
                 if k0 != 0:  # a later part of the tile: leave it for the finisher
                     tl.store(PARTIALS + q.to(tl.int64) * (BLOCK_M * BLOCK_N) + rows, acc)
                     tl.debug_barrier()  # every thread's partial is written before the flag
@@ -703,6 +725,7 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel):
         M_BUCKET=_bucket(M), N_BUCKET=_bucket(N), K_BUCKET=_bucket(K),
         A_ROW_MAJOR=_row_major(a3), B_ROW_MAJOR=_row_major(b3),
         SCALE_A=mode_a, SCALE_B=mode_b, HAS_BIAS=bias is not None, ACTIVATION=activation,
+        FP8_ACC=fp8_accumulation() if a.dtype in FP8_DTYPES else None,
     )  # fmt: skip
     major, smem, num_sms = _device_facts(a)
     elem, out_bytes = a.element_size(), out.element_size()
@@ -785,7 +808,8 @@ def _replay_key(a, b, out_dtype, scale_a, scale_b, bias, activation, precision,
     return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device,
             a.data_ptr() % TMA_ALIGN, b.data_ptr() % TMA_ALIGN, out_dtype, activation,
             precision, kernel, *extras, torch.cuda.current_device(),
-            tuning.autotune_enabled(), compile_knobs())  # fmt: skip
+            tuning.autotune_enabled(), compile_knobs(),
+            fp8_accumulation() if a.dtype in FP8_DTYPES else None)  # fmt: skip
 
 
 class _Replay:
