@@ -9,8 +9,8 @@
 # Compiles set the pace (each new shape class compiles its kernels: seconds each, and a
 # minute or more for fp32 at large head dims; 2026-11-23 on an H200, one process: 3 attention
 # examples in 108 s), so FUZZ_JOBS processes (default 6: six float64 references of 2^28
-# scores fit the GPU together; 8 ran out of memory) run side by side on the one GPU, job i with seed FUZZ_SEED + i
-# (job 0 also runs the regressions), sharing Triton's compile cache.
+# scores fit the GPU together; 8 ran out of memory) run side by side on the one GPU, job i
+# with seed FUZZ_SEED + i (job 0 also runs the regressions), sharing Triton's compile cache.
 # Writes to $OUT: summary.md (per test, summed over the jobs: examples, outcome, seconds; the
 # seed, to repeat a job), gpu.txt, and jobs.tar.gz holding per job N: examples.N.jsonl,
 # junit.N.xml, fuzz.N.log (the whole pytest output, falsifying examples and

@@ -31,6 +31,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -706,21 +707,6 @@ def _tf32_truncated(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-@contextlib.contextmanager
-def _environ(values: dict):
-    """os.environ with ``values`` set for the block, restored after."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _fp32_product(a: torch.Tensor, b: torch.Tensor, tf32: bool) -> torch.Tensor:
     """torch.matmul of fp32 operands with cuBLAS's TF32 allowed or not."""
     old = torch.backends.cuda.matmul.allow_tf32
@@ -750,12 +736,11 @@ def run_matmul_case(c: MatmulCase) -> None:
     out_dtype = c.out_dtype or (torch.bfloat16 if fp8 else c.dtype_a)
     # fp8 on a GPU: the accurate accumulation (partial sums promoted to fp32 every 32
     # products, cuBLAS's default), judged against the exact product rounded to bf16 (below).
-    # The default fast
-    # accumulation drifts on long sums by design (matmul.fp8_accumulation; test_matmul's
-    # test_gpu_fp8_vs_scaled_mm judges it against cuBLAS's own fast mode).
+    # The default fast accumulation drifts on long sums by design (matmul.fp8_accumulation;
+    # test_matmul's test_gpu_fp8_vs_scaled_mm judges it against cuBLAS's own fast mode).
     env = {"DIYFA_FP8_ACC": "32"} if fp8 and HAS_CUDA else {}
     try:
-        with _environ(env):
+        with mock.patch.dict(os.environ, env):
             out = triton_matmul(a, b, out_dtype=c.out_dtype, scale_a=sa, scale_b=sb, bias=bias,
                                 activation=c.activation, precision=c.precision,
                                 kernel=c.kernel)  # fmt: skip

@@ -775,3 +775,40 @@ def test_replay_key_holds_the_fp8_accumulation(monkeypatch):
     with_32 = key16()
     monkeypatch.setenv("DIYFA_FP8_ACC", "fast")
     assert key16() == with_32
+
+
+_COMPILE_FP8 = """
+import torch
+from diyfa._compile import compile_for_sm90
+from diyfa.ops import matmul as mm
+
+for fp8_acc in (None, 32, 1024):  # fast, promoted every instruction, once per tile
+    args = dict(SCALE_A="tensor", SCALE_B="tensor", HAS_BIAS=False, ACTIVATION=None,
+                PRECISION="tf32", A_ROW_MAJOR=True, B_ROW_MAJOR=False, FP8_ACC=fp8_acc,
+                BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+    tensors = dict(A=torch.float8_e4m3fn, B=torch.float8_e4m3fn, C=torch.bfloat16,
+                   SCALE_A_PTR=torch.float32, SCALE_B_PTR=torch.float32, BIAS=torch.float32)
+    values = {p.name: args[p.name] if p.name in args else
+              torch.empty(16, dtype=tensors[p.name]) if p.name in tensors else 4096
+              for p in mm._matmul_kernel.params}
+    ptx = compile_for_sm90(mm._matmul_kernel, values, num_warps=8, num_stages=3).asm["ptx"]
+    print(fp8_acc, ptx.count("wgmma.mma_async"), ptx.count("add.f32"))
+"""
+
+
+def test_fp8_accumulation_compiles_for_hopper():
+    """The portable kernel's fp8 dot compiles for sm90 in each DIYFA_FP8_ACC mode, a setting
+    above BLOCK_K included (clamped to one promotion per tile, where Triton would refuse it),
+    and promotion adds fp32 additions the fast mode does not have."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FP8], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r.split()[0]: [int(x) for x in r.split()[1:]] for r in done.stdout.splitlines()}
+    assert set(rows) == {"None", "32", "1024"}, done.stdout
+    assert all(wgmma > 0 for wgmma, _ in rows.values()), rows
+    assert rows["32"][1] > rows["1024"][1] > rows["None"][1], rows

@@ -142,10 +142,11 @@ def auto_mode(p: Problem) -> str | None:
 
     So "auto" is deterministic wherever it runs the Gluon kernel: its fastest mode is.
     Variants, from the H200 run of 2026-11-23 at 8k tokens, d128, causal, bf16
-    (benchmarks/results/2026-11-23_h200_variants_*.jsonl; portable / kernel-dq / atomic):
-    sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 / 265, sinks 347 / 420 / 310 take
-    the same rule as plain attention (timed at that one shape); softcap 226 / 220 / 206
-    stays portable (its backward is bound by the tanh recomputation in either kernel)."""
+    (benchmarks/results/2026-11-23_h200_flash_variants-fa4_ead758f.jsonl; TFLOPS portable /
+    kernel-dq / atomic): sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 / 265, sinks
+    347 / 420 / 310 take the same rule as plain attention (timed at that one shape); softcap
+    226 / 220 / 206 stays portable (its backward is bound by the tanh recomputation in
+    either kernel)."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None

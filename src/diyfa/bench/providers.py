@@ -418,16 +418,10 @@ def _diyfa_matmul_fp8_acc32(case, a, b):
     """diyfa.triton_matmul with fp8 partial sums promoted to fp32 every 32 products
     (``DIYFA_FP8_ACC=32``: the accuracy of cuBLAS's default, use_fast_accum=False)."""
     import os
+    from unittest import mock
 
-    old = os.environ.get("DIYFA_FP8_ACC")
-    os.environ["DIYFA_FP8_ACC"] = "32"
-    try:
+    with mock.patch.dict(os.environ, {"DIYFA_FP8_ACC": "32"}):
         return _diyfa_matmul(case, a, b)
-    finally:
-        if old is None:
-            del os.environ["DIYFA_FP8_ACC"]
-        else:
-            os.environ["DIYFA_FP8_ACC"] = old
 
 
 @register("matmul", "cublas", backward=False, baseline=True, check=_not_fp8)

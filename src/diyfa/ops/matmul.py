@@ -92,14 +92,21 @@ def fp8_accumulation() -> int | None:
     out): fast 1293-1365 TFLOPS, 128 879-921, 32 645-658, against cuBLAS's 1221-1250 with
     use_fast_accum=False; but fast drifts on long sums (an output of 879 products came out
     1.4 bf16 ulps off, where 32 rounds within half an ulp: tests/test_fuzz_regressions.py).
-    Read per call (the kernels are compiled per value); other GPUs and the interpreter
-    accumulate in fp32 whatever it says."""
+    A setting above a config's BLOCK_K promotes once per tile. Read per call (the kernels are
+    compiled per value); other GPUs and the interpreter accumulate in fp32 whatever it says."""
     value = os.environ.get("DIYFA_FP8_ACC", FP8_ACC_DEFAULT)
     if value == "fast":
         return None
     if not value.isdigit() or int(value) < 32 or int(value) % 32:
         raise ValueError(f"DIYFA_FP8_ACC must be 'fast' or a multiple of 32, got {value!r}")
     return int(value)
+
+
+@triton.constexpr_function
+def _promote_every(fp8_acc, block_k):
+    """``max_num_imprecise_acc`` for one tile's dot: Triton refuses more than the dot's K, and
+    promoting once per tile is what a larger setting means there."""
+    return None if fp8_acc is None else min(fp8_acc, block_k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,7 +343,8 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION, max_num_imprecise_acc=FP8_ACC)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION,
+                     max_num_imprecise_acc=_promote_every(FP8_ACC, BLOCK_K))
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -435,7 +443,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
             off_k = ki * BLOCK_K
             a = _load_tile(a_desc, off_b, off_m, off_k, BLOCK_M, BLOCK_K, A_ROW_MAJOR, BATCHED)
             b = _load_tile(b_desc, off_b, off_k, off_n, BLOCK_K, BLOCK_N, B_ROW_MAJOR, BATCHED)
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_ACC)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=_promote_every(FP8_ACC, BLOCK_K))
 
         tile_id_c += NUM_SMS
         off_b, pid_m, pid_n = _tma_tile_coords(tile_id_c, tiles_per_batch, num_pid_m, num_pid_n,
@@ -475,7 +483,8 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, SCALE_A_PTR, SCALE_B_PTR, BIAS,
                                    BATCHED)  # fmt: skip
                     b = _load_tile(b_desc, off_b, off_k, off_n, BLOCK_K, BLOCK_N, B_ROW_MAJOR,
                                    BATCHED)  # fmt: skip
-                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_ACC)
+                    acc = tl.dot(a, b, acc,
+                                 max_num_imprecise_acc=_promote_every(FP8_ACC, BLOCK_K))
                 if k0 != 0:  # a later part of the tile: leave it for the finisher
                     tl.store(PARTIALS + q.to(tl.int64) * (BLOCK_M * BLOCK_N) + rows, acc)
                     tl.debug_barrier()  # every thread's partial is written before the flag
