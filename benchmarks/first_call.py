@@ -8,6 +8,11 @@ the cold run filled. Autotuning is off (the default) unless ``--autotune`` is gi
 sets ``DIYFA_AUTOTUNE=1`` for both runs (the warm one then reads the saved winners).
 
     python benchmarks/first_call.py [--dtype bf16] [--head-dim 128] [--causal] [--autotune]
+                                    [--no-prefetch]
+
+``--no-prefetch`` sets ``DIYFA_PREFETCH_BACKWARD=0``: the backward's kernels compile at the
+backward, after the forward's, instead of on a worker thread during the forward
+(``diyfa/attention/prefetch.py``).
 
 One JSON line per run goes to ``$OUT/first_call.jsonl`` (or ./first_call.jsonl); a table is
 printed last, after a cProfile of each run's first forward (by cumulative time: where a warm
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--autotune", action="store_true", help="DIYFA_AUTOTUNE=1 for both runs")
+    ap.add_argument("--no-prefetch", action="store_true",
+                    help="DIYFA_PREFETCH_BACKWARD=0 for both runs")  # fmt: skip
     args = ap.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     records = []
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
                    DIYFA_CACHE_DIR=os.path.join(tmp, "diyfa"),
                    DIYFA_AUTOTUNE="1" if args.autotune else "0",
+                   DIYFA_PREFETCH_BACKWARD="0" if args.no_prefetch else "1",
                    PYTHONPATH=os.path.join(root, "src") + os.pathsep
                    + os.environ.get("PYTHONPATH", ""))  # fmt: skip
         try:
@@ -102,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             rec = run_child(env, args.dtype, args.head_dim, args.causal)
             rec.update(caches=caches, wall_s=time.perf_counter() - t, dtype=args.dtype,
-                       head_dim=args.head_dim, causal=args.causal, autotune=args.autotune)
+                       head_dim=args.head_dim, causal=args.causal, autotune=args.autotune,
+                       prefetch=not args.no_prefetch)  # fmt: skip
             records.append(rec)
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "first_call.jsonl"), "a") as f:
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:  # where the first forward's time went (the log keeps it)
         print(f"--- {r['caches']} caches: the first forward, cProfile by cumulative time")
         print(r["fwd_profile"])
+    print(f"prefetch: {'off' if args.no_prefetch else 'on'}")
     print("caches  import_s (torch + diyfa)  fwd_s  bwd_s  total_s  after_torch_s  "
           "(process wall_s)")
     for r in records:

@@ -22,6 +22,9 @@ compiled (diyfa's kernels read none).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from triton import knobs
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -32,6 +35,7 @@ from diyfa import _triton_key
 _triton_key.install()  # Triton's installation key from disk: ~0.3 s off a process's first compile
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_local = threading.local()  # .compile_only: see compile_only()
 _U64_MIN = 2**63
 
 
@@ -116,6 +120,8 @@ class FastLauncher:
 
         ``grid`` is a tuple of 1..3 ints; the tensors must be on the current CUDA device.
         """
+        if getattr(_local, "compile_only", False):
+            return compile_kernel(self.fn, grid, args, num_warps, num_stages)
         values = [args[name] for name in self.names]
         key = (num_warps, num_stages, torch.cuda.current_device(), compile_knobs(),
                *self.key(values))  # fmt: skip
@@ -143,6 +149,37 @@ def run_compiled(kernel, grid: tuple, device: int, values: list) -> None:
     stream = torch._C._cuda_getCurrentRawStream(device)
     kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
                None, None, *values)  # fmt: skip
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within (this thread only): every launch through :func:`launch` or ``FastLauncher`` (and
+    the portable kernels' first launch of a config) compiles its kernel into Triton's caches,
+    builds and loads its launcher, and runs nothing. ``diyfa.attention.prefetch`` runs a
+    backward this way on a worker thread while the forward compiles."""
+    previous = getattr(_local, "compile_only", False)
+    _local.compile_only = True
+    try:
+        yield
+    finally:
+        _local.compile_only = previous
+
+
+def compiling_only() -> bool:
+    """Whether this thread is inside :func:`compile_only`."""
+    return getattr(_local, "compile_only", False)
+
+
+def compile_kernel(fn, grid: tuple, args: dict, num_warps: int, num_stages: int):
+    """What a launch of ``fn`` with these arguments would run, compiled (Triton's
+    ``warmup``: its in-memory and disk caches), its launcher built and its module loaded on
+    the current device; nothing runs. Raises Triton's OutOfResources, as a launch would, when
+    the kernel does not fit the GPU. Returns the ``CompiledKernel``."""
+    kernel = fn.warmup(grid=grid, **args, num_warps=num_warps, num_stages=num_stages)
+    # Triton loads a kernel (and compiles its C launcher, ~0.35 s) at its first launch; here,
+    # now. The same call raises OutOfResources there and here.
+    kernel._init_handles()
+    return kernel
 
 
 _launchers: dict = {}  # jit function -> its FastLauncher

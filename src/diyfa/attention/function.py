@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from diyfa.attention import prefetch
 from diyfa.attention.dispatch import Family
 from diyfa.attention.problem import Problem
 
@@ -35,8 +36,9 @@ def sink_grad(do, out, lse2, problem: Problem) -> torch.Tensor:
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, problem: Problem, family: Family):
+    def forward(ctx, q, k, v, sinks, problem: Problem, family: Family, compiling=None):
         out, lse2 = family.forward(q, k, v, problem)
+        ctx.compiling = compiling  # the prefetch worker's future (prefetch.py), or None
         ctx.set_materialize_grads(False)  # no zeros tensor (one more launch) for lse2's grad
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.problem = problem
@@ -47,9 +49,11 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse2):
         q, k, v, out, lse2 = ctx.saved_tensors
+        prefetch.wait(ctx.compiling)
+        ctx.compiling = None
         dq, dk, dv = ctx.family.backward(do, q, k, v, out, lse2, ctx.problem)
         dsinks = sink_grad(do, out, lse2, ctx.problem) if ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def run(q, k, v, problem: Problem, family: Family):
@@ -57,6 +61,9 @@ def run(q, k, v, problem: Problem, family: Family):
     sinks = problem.sinks
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
-        return _FlashAttention.apply(q, k, v, sinks, problem, family)
+        # The first call of a kind of problem: its backward compiles on a worker thread while
+        # the forward compiles here (prefetch.py).
+        compiling = prefetch.start(q, k, v, problem, family)
+        return _FlashAttention.apply(q, k, v, sinks, problem, family, compiling)
     # Inference: no autograd node to build.
     return family.forward(q, k, v, problem)

@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from diyfa import _interpreter, tuning
-from diyfa._launcher import cdiv, next_power_of_2
+from diyfa._launcher import cdiv, compile_kernel, compiling_only, next_power_of_2
 from diyfa._launcher import launch as fast_launch
 from diyfa.attention.dispatch import Family
 from diyfa.attention.problem import Problem, bhsd_strides
@@ -711,7 +711,11 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
                              if bm * bn < choice[0]["BLOCK_M"] * choice[0]["BLOCK_N"]]  # fmt: skip
     for i, (meta, num_warps, num_stages) in enumerate(candidates):
         try:
-            kernel_fn[grid(meta)](**args, **meta, num_warps=num_warps, num_stages=num_stages)
+            if compiling_only():  # diyfa.attention.prefetch's worker: compile, run nothing
+                compile_kernel(kernel_fn, grid(meta), {**args, **meta}, num_warps, num_stages)
+            else:
+                kernel_fn[grid(meta)](**args, **meta, num_warps=num_warps,
+                                      num_stages=num_stages)  # fmt: skip
         except OutOfResources:
             if i == len(candidates) - 1:
                 raise
