@@ -883,6 +883,10 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
     b, h, hk, sq, sk = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k
     if sq == 0 or sk == 0 or b * h == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if 0 in do.stride():  # e.g. the expanded gradient of out.sum(): as the Hopper backward
+        # does, one dense copy. The kernels are then specialised as for a training loop's dO
+        # (prefetch.py compiles them during the forward on a dense stand-in).
+        do = do.contiguous()
     # dQ first: it also writes delta = rowsum(dO * O), which dK/dV reads.
     dq, delta = backward_dq(do, q, k, v, out, lse2, p)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
