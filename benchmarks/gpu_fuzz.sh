@@ -4,13 +4,18 @@
 #   1. the named regressions (tests/test_fuzz_regressions.py) on CUDA;
 #   2. the four fuzz tests (attention fwd+bwd, varlen fwd+bwd, KV cache, matmul) with the gpu
 #      profile: lengths up to 16k, head dims 1..256, thousands of examples allowed, each test
-#      stopped after DIYFA_FUZZ_SECONDS (default 80) unless it has found a failure, which
-#      hypothesis then shrinks (up to about five minutes; the run's timeout cuts what is left).
-# Compiles set the pace (each new shape class compiles its kernels: seconds each, and a
+#      stopped after its share of DIYFA_FUZZ_SECONDS (FUZZ_SECONDS; default attention 140 s,
+#      varlen 110, kvcache 90, matmul 70) unless it has found a failure, which hypothesis
+#      then shrinks (up to about five minutes; the run's timeout cuts what is left).
+# Compiles set the pace (each new kernel class compiles its kernels: seconds each, and a
 # minute or more for fp32 at large head dims; 2026-11-23 on an H200, one process: 3 attention
-# examples in 108 s), so FUZZ_JOBS processes (default 6: six float64 references of 2^28
-# scores fit the GPU together; 8 ran out of memory) run side by side on the one GPU, job i
-# with seed FUZZ_SEED + i (job 0 also runs the regressions), sharing Triton's compile cache.
+# examples in 108 s). So each job draws the attention tests' kernel classes (dtype, head dim,
+# causal, window sides, softcap, pinned tiles; the KV cache's paging and splits) from a pool
+# of DIYFA_FUZZ_CLASSES (default 4) chosen at random from seed FUZZ_SEED + i, and shapes,
+# strides, layouts and values freely (tests/test_fuzz.py, "kernel classes"); and FUZZ_JOBS
+# processes (default 6: six float64 references of 2^28 scores fit the GPU together; 8 ran
+# out of memory) run side by side on the one GPU, job i with hypothesis seed FUZZ_SEED + i
+# (job 0 also runs the regressions), sharing Triton's compile cache.
 # Writes to $OUT: summary.md (per test, summed over the jobs: examples, outcome, seconds; the
 # seed, to repeat a job), gpu.txt, and jobs.tar.gz holding per job N: examples.N.jsonl,
 # junit.N.xml, fuzz.N.log (the whole pytest output, falsifying examples and
@@ -30,7 +35,8 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 SEED=${FUZZ_SEED:-$(date +%s)}
-export DIYFA_FUZZ_PROFILE=${FUZZ_PROFILE:-gpu} DIYFA_FUZZ_SECONDS=${FUZZ_SECONDS:-80}
+export DIYFA_FUZZ_PROFILE=${FUZZ_PROFILE:-gpu}
+export DIYFA_FUZZ_SECONDS=${FUZZ_SECONDS:-attention=140,varlen=110,kvcache=90,matmul=70}
 # Default configs, no autotuning: every new shape class would otherwise benchmark its whole
 # config space; the fuzz run is about correctness, and compiles are its bottleneck already.
 export DIYFA_AUTOTUNE=0
@@ -46,7 +52,7 @@ for i in $(seq 0 $((JOBS - 1))); do
   [ "$i" = 0 ] && files="tests/test_fuzz_regressions.py tests/test_fuzz.py"
   : > "$jobs/examples.$i.jsonl"
   # shellcheck disable=SC2086  # $files is one or two paths
-  DIYFA_FUZZ_SUMMARY="$jobs/examples.$i.jsonl" timeout -s INT -k 30 "${FUZZ_TIMEOUT:-470}" \
+  DIYFA_FUZZ_SUMMARY="$jobs/examples.$i.jsonl" DIYFA_FUZZ_POOL_SEED=$((SEED + i)) timeout -s INT -k 30 "${FUZZ_TIMEOUT:-470}" \
     python3 -m pytest -q -p no:cacheprovider -rs --hypothesis-seed=$((SEED + i)) \
     --hypothesis-show-statistics --junitxml="$jobs/junit.$i.xml" $files \
     > "$jobs/fuzz.$i.log" 2>&1 &
@@ -63,7 +69,8 @@ import collections, glob, json, os, sys
 import xml.etree.ElementTree as ET
 
 out, seed, status, jobs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-examples = collections.defaultdict(lambda: {"examples": 0, "seconds": 0.0, "failed": False})
+examples = collections.defaultdict(lambda: {"examples": 0, "seconds": 0.0, "failed": False,
+                                             "paths": collections.Counter(), "classes": set()})
 for path in glob.glob(os.path.join(out, "examples.*.jsonl")):
     for line in open(path):
         r = json.loads(line)
@@ -71,6 +78,8 @@ for path in glob.glob(os.path.join(out, "examples.*.jsonl")):
         e["examples"] += r["examples"]
         e["seconds"] = max(e["seconds"], r["seconds"])
         e["failed"] = e["failed"] or r["failed"]
+        e["paths"].update(r.get("paths", {}))
+        e["classes"].update(r.get("classes", []))
 cases = {}  # test name -> [outcome per job, seconds of the longest job]
 for path in sorted(glob.glob(os.path.join(out, "junit.*.xml"))):
     try:
@@ -114,6 +123,16 @@ for test, r in examples.items():  # tests no junit file has (every job's run cut
               f"| {r['seconds']:.0f} |")
         if r["failed"]:
             failed.append(f"test_fuzz_{test}")
+attn = sum(examples[t]["examples"] for t in ("attention", "varlen", "kvcache") if t in examples)
+print(f"\nAttention examples (attention + varlen + kvcache): {attn}; matmul: "
+      f"{examples['matmul']['examples'] if 'matmul' in examples else 0}.\n")
+print("| test | kernel path (as \"auto\" chose it) | examples |\n|---|---|---|")
+for test, r in examples.items():
+    for p, n in sorted(r["paths"].items(), key=lambda x: -x[1]):
+        print(f"| {test} | {p} | {n} |")
+for test, r in examples.items():
+    if r["classes"]:
+        print(f"\n{test}: {len(r['classes'])} kernel classes: {'; '.join(sorted(r['classes']))}")
 print(f"\n{len(failed)} failing: {', '.join(failed) or 'none'}. Falsifying examples and "
       f"@reproduce_failure blobs: fuzz.N.log in jobs.tar.gz. Repeat job N alone with "
       f"FUZZ_SEED={seed} + N FUZZ_JOBS=1.")

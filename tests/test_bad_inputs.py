@@ -156,8 +156,14 @@ ROWS = [
     ("fa/window-right", lambda e: _fa(e, window_size=(0, -5)), V,
      r"window_size sides must be >= 0 or -1 \(unbounded\), got \(0, -5\)"),
     ("fa/softcap-str", lambda e: _fa(e, softcap="1"), T, r"softcap must be a number, got '1'"),
+    ("fa/softcap-tiny", lambda e: _fa(e, softcap=1e-300), V,
+     r"softcap must be 0 \(off\) or between 2\^-126 and 2\^126 \(the kernels take 1 / softcap "
+     r"in fp32\), got 1e-300"),
     ("fa/scale-inf", lambda e: _fa(e, softmax_scale=float("inf")), V,
      r"softmax_scale must be finite and >= 0, got inf"),
+    ("fa/scale-huge", lambda e: _fa(e, softmax_scale=1e300), V,
+     r"softmax_scale must be at most 2\^126 \(8\.51e\+37: the kernels scale in fp32\), "
+     r"got 1e\+300"),
     # ---- flash_attention_varlen -----------------------------------------------------------
     ("varlen/q-list", lambda e: _varlen(e, q=e.qp.tolist()), T,
      r"q must be a torch\.Tensor, got list"),

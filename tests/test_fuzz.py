@@ -25,10 +25,12 @@ Every failure found here is a named regression test in tests/test_fuzz_regressio
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 from unittest import mock
@@ -43,6 +45,7 @@ from hypothesis.errors import UnsatisfiedAssumption  # noqa: E402
 
 import diyfa  # noqa: E402
 from diyfa import tuning  # noqa: E402
+from diyfa.attention import checks  # noqa: E402
 from diyfa.ops.matmul import triton_matmul  # noqa: E402
 from diyfa.reference import attention_ref, matmul_ref  # noqa: E402
 
@@ -73,7 +76,21 @@ EXAMPLES = {
     "deep": {name: 10 * n for name, n in _CI.items()},
     "gpu": dict(attention=4000, varlen=2000, kvcache=2000, matmul=3000),
 }[FUZZ_PROFILE]
-SECONDS = float(os.environ.get("DIYFA_FUZZ_SECONDS", "inf"))
+
+
+def _seconds(spec: str) -> dict[str, float]:
+    """DIYFA_FUZZ_SECONDS: one number for every test, or per test ("attention=140,
+    varlen=110,kvcache=90,matmul=70"; a test not named gets no limit)."""
+    if "=" not in spec:
+        return collections.defaultdict(lambda: float(spec))
+    limits = collections.defaultdict(lambda: math.inf)
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        limits[name.strip()] = float(value)
+    return limits
+
+
+SECONDS = _seconds(os.environ.get("DIYFA_FUZZ_SECONDS", "inf"))
 MAX_LEN = 16384 if GPU else 48
 # b * h * seqlen_q * seqlen_k bound: the float64 reference holds a few score matrices.
 MAX_SCORES = 2**28 if GPU else 2**14
@@ -82,6 +99,25 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 _started: dict[str, float] = {}
 _examples: dict[str, int] = {}
 _failed: set[str] = set()
+_paths: dict[str, dict[str, int]] = {}  # test -> {kernel path: examples}
+
+
+def _count_path(test: str, path: str) -> None:
+    counts = _paths.setdefault(test, {})
+    counts[path] = counts.get(path, 0) + 1
+
+
+def _attention_path(problem) -> str:
+    """Which kernels "auto" runs for a problem: "<forward family> / <backward>"."""
+    from diyfa.attention import hopper_bwd
+    from diyfa.attention.dispatch import select
+
+    fwd = select(problem).name
+    bwd = "portable"
+    if fwd == "hopper" and hopper_bwd.supports(problem) is None:
+        mode = hopper_bwd.auto_mode(problem)
+        bwd = f"gluon {mode}" if mode else "portable"
+    return f"fwd {fwd} / bwd {bwd}"
 
 
 @contextlib.contextmanager
@@ -90,9 +126,9 @@ def _example(test: str):
     as skipped with the count, unless it has failed: then hypothesis shrinks the failure as
     usual (its own limit: about five minutes)."""
     start = _started.setdefault(test, time.monotonic())
-    if time.monotonic() - start >= SECONDS and test not in _failed:
-        pytest.skip(f"DIYFA_FUZZ_SECONDS={SECONDS:g} spent: {_examples.get(test, 0)} examples "
-                    "passed")  # fmt: skip
+    if time.monotonic() - start >= SECONDS[test] and test not in _failed:
+        pytest.skip(f"DIYFA_FUZZ_SECONDS ({SECONDS[test]:g} s) spent: "
+                    f"{_examples.get(test, 0)} examples passed")  # fmt: skip
     _examples[test] = _examples.get(test, 0) + 1
     try:
         yield
@@ -114,7 +150,10 @@ def _summary(request):
         with open(path, "a") as f:
             f.write(json.dumps({"test": test, "examples": _examples.get(test, 0),
                                 "seconds": round(time.monotonic() - _started[test], 1),
-                                "failed": test in _failed}) + "\n")
+                                "failed": test in _failed, "paths": _paths.get(test, {}),
+                                "pool_seed": POOL_SEED if CLASSES else None,
+                                "classes": [_class_name(c) for c in POOLS.get(test, [])]})
+                    + "\n")  # fmt: skip
 
 
 def _check(name, ours, pt, ref, factor, dtype, slack=None):
@@ -175,13 +214,23 @@ def _head_dim():
                      st.sampled_from(common + [1, 2, 3, 255]))  # fmt: skip
 
 
-def _window(causal):
-    side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, MAX_LEN))
-    right = st.sampled_from([-1, 0]) if causal else side
-    return st.one_of(st.just((-1, -1)), st.tuples(side, right))
+_SIDE = st.one_of(st.integers(0, 8), st.integers(0, MAX_LEN))  # a bounded window side
 
 
-_SOFTCAP = st.one_of(st.just(0.0), st.just(0.0), st.floats(0.5, 50.0))
+def _window(causal, sides):
+    """(left, right) for a class's window sides ((left bounded, right bounded) or None: no
+    window); with causal=True a bounded right side is 0."""
+    if sides is None:
+        return st.just((-1, -1))
+    left = _SIDE if sides[0] else st.just(-1)
+    right = (st.just(0) if causal else _SIDE) if sides[1] else st.just(-1)
+    return st.tuples(left, right)
+
+
+def _softcap(on):
+    return st.floats(0.5, 50.0) if on else st.just(0.0)
+
+
 _SCALE = st.one_of(st.none(), st.none(), st.floats(0.0, 2.0))
 # Pinned BLOCK_M x BLOCK_N: small tiles make short sequences cross many blocks under the
 # interpreter; on the GPU every pinned pair is a compile of its own, so mostly the defaults.
@@ -200,6 +249,72 @@ def _pinned_blocks(blocks):
           tuning.pinned("attn_bwd_dq", BLOCK_M=bm, BLOCK_N=bn),
           tuning.pinned("attn_bwd_dkdv", BLOCK_M=bm, BLOCK_N=bn)):  # fmt: skip
         yield
+
+
+# ----------------------------------------------------------------------------- kernel classes
+@dataclass(frozen=True)
+class KernelClass:
+    """The draws that decide which kernels a case compiles (each new combination compiles
+    its own: seconds on the GPU, a minute for fp32 at large head dims)."""
+
+    dtype: torch.dtype
+    d: int
+    causal: bool
+    window: tuple | None  # (left bounded, right bounded), or None: no window
+    softcap: bool
+    blocks: tuple | None  # attention's pinned BLOCK_M x BLOCK_N; the KV cache: (paged, splits)
+
+
+def _free_class(test: str):
+    """A freely drawn class (the ci and deep profiles: the interpreter compiles nothing)."""
+    if test == "kvcache":
+        extra = st.tuples(st.booleans(), st.sampled_from([0, 0, 1, 2, 3, 5]))
+        window, softcap = st.none(), st.just(False)
+    else:
+        extra = _BLOCKS
+        window = st.one_of(st.none(), st.tuples(st.booleans(), st.booleans()))
+        softcap = st.sampled_from([False, False, True])
+    return st.builds(KernelClass, dtype=st.sampled_from(DTYPES), d=_head_dim(),
+                     causal=st.booleans(), window=window, softcap=softcap,
+                     blocks=extra)  # fmt: skip
+
+
+def _random_class(test: str, rng: random.Random) -> KernelClass:
+    """One class drawn as :func:`_free_class` draws it, from ``rng``."""
+    common = [16, 32, 40, 64, 80, 96, 128, 160, 192, 256]
+    d = rng.choice(common) if rng.random() < 0.5 else rng.randint(1, 256)
+    if test == "kvcache":
+        return KernelClass(rng.choice(DTYPES), d, rng.random() < 0.5, None, False,
+                           (rng.random() < 0.5, rng.choice([0, 0, 1, 2, 3, 5])))  # fmt: skip
+    window = None if rng.random() < 0.5 else (rng.random() < 0.5, rng.random() < 0.5)
+    blocks = (None if rng.random() < 0.75
+              else (rng.choice([16, 32, 64]), rng.choice([16, 32, 64])))  # fmt: skip
+    return KernelClass(rng.choice(DTYPES), d, rng.random() < 0.5, window,
+                       rng.random() < 1 / 3, blocks)  # fmt: skip
+
+
+# The gpu profile draws each test's classes from a pool of DIYFA_FUZZ_CLASSES (default 4)
+# chosen at random once per process (seed DIYFA_FUZZ_POOL_SEED; benchmarks/gpu_fuzz.sh gives
+# each job its own), and everything else freely: shapes (0 and 1 included), batch, heads,
+# GQA, strides, layouts, window widths, softcap values, scales, values. Drawing the classes
+# freely too, a run spent its time compiling (H200, 2026-11-23: 5 jobs x 60 s gave 54
+# attention examples); with a pool each job compiles its few classes once and then runs
+# examples, and N jobs cover N x 4 classes per test, a different set each run.
+CLASSES = int(os.environ.get("DIYFA_FUZZ_CLASSES", "4" if GPU else "0"))
+POOL_SEED = int(os.environ.get("DIYFA_FUZZ_POOL_SEED", str(random.SystemRandom().randrange(2**31))))
+POOLS = {test: [_random_class(test, random.Random(f"{POOL_SEED}-{test}-{i}"))
+                for i in range(CLASSES)]
+         for test in ("attention", "varlen", "kvcache")}  # fmt: skip
+
+
+def _class_name(c: KernelClass) -> str:
+    return (f"{str(c.dtype).removeprefix('torch.')} d{c.d}{' causal' if c.causal else ''}"
+            f"{f' window{c.window}' if c.window else ''}{' softcap' if c.softcap else ''}"
+            f"{f' {c.blocks}' if c.blocks else ''}")  # fmt: skip
+
+
+def _kernel_class(test: str):
+    return st.sampled_from(POOLS[test]) if CLASSES else _free_class(test)
 
 
 # ------------------------------------------------------------------ tensors in many strides
@@ -290,14 +405,13 @@ def _attention_tensors(c: AttnCase):
 
 @st.composite
 def attention_cases(draw):
-    dtype = draw(st.sampled_from(DTYPES))
+    kc = draw(_kernel_class("attention"))
     sq, sk = draw(_seqlen()), draw(_seqlen())
     max_bh = max(1, MAX_SCORES // max(1, sq * sk))
     hk = draw(st.integers(1, min(2 if not GPU else 4, max_bh)))
     group = draw(st.integers(1, max(1, min(3 if not GPU else 8, max_bh // hk))))
     h = hk * group
     b = draw(st.integers(1, max(1, min(2 if not GPU else 4, max_bh // h))))
-    causal = draw(st.booleans())
     layout = draw(st.sampled_from(["bhsd", "bshd"]))
     styles = ["contiguous", "contiguous", "transposed", "sliced"]
     q_style = draw(st.sampled_from(styles + (["packed"] if sq == sk and h == hk else [])))
@@ -305,10 +419,10 @@ def attention_cases(draw):
         kv_style = "packed"
     else:
         kv_style = draw(st.sampled_from(styles + ["expanded", "packed"]))
-    return AttnCase(b=b, h=h, hk=hk, sq=sq, sk=sk, d=draw(_head_dim()), dtype=dtype,
-                    causal=causal, window=draw(_window(causal)), softcap=draw(_SOFTCAP),
+    return AttnCase(b=b, h=h, hk=hk, sq=sq, sk=sk, d=kc.d, dtype=kc.dtype, causal=kc.causal,
+                    window=draw(_window(kc.causal, kc.window)), softcap=draw(_softcap(kc.softcap)),
                     scale=draw(_SCALE), layout=layout, q_style=q_style, kv_style=kv_style,
-                    blocks=draw(_BLOCKS), q_mag=draw(st.sampled_from([1.0, 1.0, 3.0])),
+                    blocks=kc.blocks, q_mag=draw(st.sampled_from([1.0, 1.0, 3.0])),
                     seed=draw(st.integers(0, 2**16)))  # fmt: skip
 
 
@@ -324,6 +438,10 @@ def run_attention_case(c: AttnCase, grads: bool = True, backend: str = "auto") -
         return ls, [views[n][1](ls[views[n][0]]) for n in "qkv"]
 
     ours_l, (q, k, v) = inputs(c.dtype)
+    if backend == "auto":
+        _count_path("attention", _attention_path(checks.check_inputs(
+            q, k, v, causal=c.causal, softmax_scale=c.scale, layout=c.layout,
+            align="bottom_right", window_size=c.window, softcap=c.softcap)))  # fmt: skip
     with _pinned_blocks(c.blocks):
         out, lse = diyfa.flash_attention(q, k, v, causal=c.causal, softmax_scale=c.scale,
                                          layout=c.layout, return_lse=True, backend=backend,
@@ -385,6 +503,7 @@ class VarlenCase:
 
 @st.composite
 def varlen_cases(draw):
+    kc = draw(_kernel_class("varlen"))
     n = draw(st.integers(1, 4 if not GPU else 16))
     top = min(MAX_LEN, math.isqrt(MAX_SCORES // n))  # all sequences' scores within bounds
     lens_q = tuple(draw(st.lists(_seqlen(top), min_size=n, max_size=n)))
@@ -393,12 +512,12 @@ def varlen_cases(draw):
     max_h = max(1, MAX_SCORES // scores)
     hk = draw(st.integers(1, min(2 if not GPU else 4, max_h)))
     h = hk * draw(st.integers(1, max(1, min(3, max_h // hk))))
-    causal = draw(st.booleans())
     return VarlenCase(lens_q=lens_q, lens_k=lens_k, extra_q=draw(st.sampled_from([0, 0, 3])),
-                      extra_k=draw(st.sampled_from([0, 0, 5])), h=h, hk=hk, d=draw(_head_dim()),
-                      dtype=draw(st.sampled_from(DTYPES)), causal=causal,
-                      window=draw(_window(causal)), softcap=draw(_SOFTCAP), scale=draw(_SCALE),
-                      sliced=draw(st.booleans()), blocks=draw(_BLOCKS),
+                      extra_k=draw(st.sampled_from([0, 0, 5])), h=h, hk=hk, d=kc.d,
+                      dtype=kc.dtype, causal=kc.causal,
+                      window=draw(_window(kc.causal, kc.window)),
+                      softcap=draw(_softcap(kc.softcap)), scale=draw(_SCALE),
+                      sliced=draw(st.booleans()), blocks=kc.blocks,
                       seed=draw(st.integers(0, 2**16)))  # fmt: skip
 
 
@@ -427,6 +546,9 @@ def run_varlen_case(c: VarlenCase, grads: bool = True) -> None:
     cu_q, cu_k = _cu(c.lens_q), _cu(c.lens_k)
     max_q, max_k = max(c.lens_q) + c.extra_q, max(c.lens_k) + c.extra_k
     ours_l, (q, k, v) = inputs(c.dtype)
+    _count_path("varlen", _attention_path(checks.check_varlen_inputs(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=c.causal, softmax_scale=c.scale,
+        window_size=c.window, softcap=c.softcap)))  # fmt: skip
     with _pinned_blocks(c.blocks):
         out, lse = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k,
                                                 causal=c.causal, softmax_scale=c.scale,
@@ -504,6 +626,8 @@ class KVCase:
 
 @st.composite
 def kvcache_cases(draw):
+    kc = draw(_kernel_class("kvcache"))
+    paged, splits = kc.blocks
     b = draw(st.integers(1, 3 if not GPU else 8))
     top = 80 if not GPU else MAX_LEN
     lens = tuple(draw(st.lists(st.one_of(st.integers(0, top), st.sampled_from([0, 1])),
@@ -512,11 +636,11 @@ def kvcache_cases(draw):
     s_new = draw(st.sampled_from([0, 0, 1, sq, 3]))
     hk = draw(st.integers(1, 2 if not GPU else 8))
     h = hk * draw(st.integers(1, 4))
-    return KVCase(lens=lens, sq=sq, s_new=s_new, h=h, hk=hk, d=draw(_head_dim()),
-                  dtype=draw(st.sampled_from(DTYPES)), causal=draw(st.booleans()),
-                  scale=draw(_SCALE), page=draw(st.sampled_from([0, 0, 1, 3, 16, 32, 64])),
+    return KVCase(lens=lens, sq=sq, s_new=s_new, h=h, hk=hk, d=kc.d, dtype=kc.dtype,
+                  causal=kc.causal, scale=draw(_SCALE),
+                  page=draw(st.sampled_from([1, 3, 16, 32, 64])) if paged else 0,
                   spare=draw(st.sampled_from([0, 1, 7])), packed=draw(st.booleans()),
-                  splits=draw(st.sampled_from([0, 0, 1, 2, 3, 5])),
+                  splits=splits,
                   seed=draw(st.integers(0, 2**16)))  # fmt: skip
 
 
@@ -564,6 +688,8 @@ def run_kvcache_case(c: KVCase) -> None:
             q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table,
             causal=c.causal, softmax_scale=c.scale, num_splits=c.splits,
             return_lse=True)  # fmt: skip
+    _count_path("kvcache", f"{'paged' if table is not None else 'contiguous'}, num_splits "
+                f"{c.splits or 'auto'}{', append' if c.s_new else ''}")  # fmt: skip
     assert out.shape == q.shape and out.dtype == c.dtype
     assert torch.equal(seqlens.cpu(), torch.tensor(c.lens, dtype=torch.int32))
     # The cache: the new rows at lens[i].., everything else as before.

@@ -33,8 +33,15 @@ def check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+_SCALE_MAX = 2.0**126  # times log2(e), still within fp32's range (3.4e38)
+_FP32_TINY = 2.0**-126  # fp32's smallest normal number
+
+
 def _resolved_scale(softmax_scale, head_dim: int) -> float:
-    """The softmax scale as a float: the one given (finite), or 1/sqrt(head_dim)."""
+    """The softmax scale as a float: the one given, or 1/sqrt(head_dim). The kernels take it
+    in fp32 (times log2(e)): a scale above 2^126 is refused; one below its smallest normal number
+    (2^-126) is 0, as the GPU's fp32 arithmetic would make it (and the Triton interpreter
+    would otherwise type it float64 and fail inside the kernel)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
@@ -42,7 +49,10 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
     if not math.isfinite(softmax_scale) or softmax_scale < 0:
         raise ValueError(f"softmax_scale must be finite and >= 0, got {softmax_scale} (the "
                          "kernels take a row's maximum score before scaling)")  # fmt: skip
-    return float(softmax_scale)
+    if softmax_scale > _SCALE_MAX:
+        raise ValueError(f"softmax_scale must be at most 2^126 ({_SCALE_MAX:.3g}: the kernels "
+                         f"scale in fp32), got {softmax_scale}")  # fmt: skip
+    return float(softmax_scale) if softmax_scale >= _FP32_TINY else 0.0
 
 
 def check_variants(window_size, softcap, causal) -> tuple[int, int, float]:
@@ -65,6 +75,9 @@ def check_variants(window_size, softcap, causal) -> tuple[int, int, float]:
         raise TypeError(f"softcap must be a number, got {softcap!r}")
     if not (softcap >= 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a finite number >= 0 (0 turns it off), got {softcap}")
+    if softcap and not _FP32_TINY <= softcap <= _SCALE_MAX:  # the kernels divide by it in fp32
+        raise ValueError(f"softcap must be 0 (off) or between 2^-126 and 2^126 (the kernels "
+                         f"take 1 / softcap in fp32), got {softcap}")  # fmt: skip
     return left, (0 if causal else right), float(softcap)
 
 
