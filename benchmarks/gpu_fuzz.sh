@@ -70,7 +70,8 @@ import xml.etree.ElementTree as ET
 
 out, seed, status, jobs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 examples = collections.defaultdict(lambda: {"examples": 0, "seconds": 0.0, "failed": False,
-                                             "paths": collections.Counter(), "classes": set()})
+                                             "paths": collections.Counter(), "classes": set(),
+                                             "timing": collections.defaultdict(lambda: [0, 0.0])})
 for path in glob.glob(os.path.join(out, "examples.*.jsonl")):
     for line in open(path):
         r = json.loads(line)
@@ -80,6 +81,9 @@ for path in glob.glob(os.path.join(out, "examples.*.jsonl")):
         e["failed"] = e["failed"] or r["failed"]
         e["paths"].update(r.get("paths", {}))
         e["classes"].update(r.get("classes", []))
+        for kind, (n, secs) in r.get("timing", {}).items():
+            e["timing"][kind][0] += n
+            e["timing"][kind][1] += secs
 cases = {}  # test name -> [outcome per job, seconds of the longest job]
 for path in sorted(glob.glob(os.path.join(out, "junit.*.xml"))):
     try:
@@ -130,6 +134,12 @@ print("| test | kernel path (as \"auto\" chose it) | examples |\n|---|---|---|")
 for test, r in examples.items():
     for p, n in sorted(r["paths"].items(), key=lambda x: -x[1]):
         print(f"| {test} | {p} | {n} |")
+print("\n| test | examples that compiled a kernel: n, mean s | the others: n, mean s |\n"
+      "|---|---|---|")
+for test, r in examples.items():
+    cells = [f"{r['timing'][k][0]}, {r['timing'][k][1] / max(1, r['timing'][k][0]):.2f}"
+             for k in ("compiling", "compiled")]
+    print(f"| {test} | {cells[0]} | {cells[1]} |")
 for test, r in examples.items():
     if r["classes"]:
         print(f"\n{test}: {len(r['classes'])} kernel classes: {'; '.join(sorted(r['classes']))}")

@@ -100,6 +100,17 @@ _started: dict[str, float] = {}
 _examples: dict[str, int] = {}
 _failed: set[str] = set()
 _paths: dict[str, dict[str, int]] = {}  # test -> {kernel path: examples}
+# Where a gpu run's time goes: test -> {"compiling": [examples, seconds], "compiled": [...]},
+# an example "compiling" when Triton compiled (or loaded from its disk cache) a kernel in it.
+_timing: dict[str, dict[str, list]] = {}
+_compiles = [0]
+if HAS_CUDA:
+    from triton import knobs
+
+    def _count_compile(**_):  # Triton's JITHook, called after each compile
+        _compiles[0] += 1
+
+    knobs.runtime.jit_post_compile_hook = _count_compile
 
 
 def _count_path(test: str, path: str) -> None:
@@ -130,6 +141,7 @@ def _example(test: str):
         pytest.skip(f"DIYFA_FUZZ_SECONDS ({SECONDS[test]:g} s) spent: "
                     f"{_examples.get(test, 0)} examples passed")  # fmt: skip
     _examples[test] = _examples.get(test, 0) + 1
+    t0, compiles0 = time.monotonic(), _compiles[0]
     try:
         yield
     except UnsatisfiedAssumption:
@@ -137,6 +149,11 @@ def _example(test: str):
     except Exception:
         _failed.add(test)
         raise
+    finally:
+        kind = "compiling" if _compiles[0] > compiles0 else "compiled"
+        spent = _timing.setdefault(test, {}).setdefault(kind, [0, 0.0])
+        spent[0] += 1
+        spent[1] += time.monotonic() - t0
 
 
 @pytest.fixture(autouse=True)
@@ -151,6 +168,7 @@ def _summary(request):
             f.write(json.dumps({"test": test, "examples": _examples.get(test, 0),
                                 "seconds": round(time.monotonic() - _started[test], 1),
                                 "failed": test in _failed, "paths": _paths.get(test, {}),
+                                "timing": _timing.get(test, {}),
                                 "pool_seed": POOL_SEED if CLASSES else None,
                                 "classes": [_class_name(c) for c in POOLS.get(test, [])]})
                     + "\n")  # fmt: skip

@@ -13,9 +13,11 @@ import torch
 
 from .test_fuzz import (
     AttnCase,
+    KVCase,
     MatmulCase,
     VarlenCase,
     run_attention_case,
+    run_kvcache_case,
     run_matmul_case,
     run_varlen_case,
 )
@@ -82,6 +84,23 @@ VARLEN = [
 @pytest.mark.parametrize("case", VARLEN)
 def test_varlen_regression(case):
     run_varlen_case(case)
+
+
+KVCACHE = [
+    # Library bug, fixed (GPU only: the interpreter has no shared memory): an fp32 cache at
+    # head dim 147 (padded 256). The split-KV kernel ran 3 pipeline stages whatever the tile,
+    # and asked 282,688 bytes of shared memory on an H200 (232,448): Triton's OutOfResources
+    # from inside the call. decode.split_stages now runs 2 there (test_kvcache's
+    # test_split_stages_fit_the_shared_memory compiles it for sm90 on the CPU).
+    pytest.param(KVCase(lens=(0,), sq=1, s_new=0, h=1, hk=1, d=147, dtype=F32, causal=True,
+                        scale=None, page=0, spare=0, packed=False, splits=1, seed=0),
+                 id="fp32-d147-split-kernel-shared-memory"),
+]
+
+
+@pytest.mark.parametrize("case", KVCACHE)
+def test_kvcache_regression(case):
+    run_kvcache_case(case)
 
 
 MATMUL = [

@@ -262,6 +262,48 @@ def test_decode_kernels_compile_for_hopper():
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
+_COMPILE_FP32_D256 = """
+import torch
+from diyfa._compile import compile_for_sm90
+from diyfa.attention import decode
+
+H100_SHARED = 232448  # bytes a block may opt into on H100 / H200
+stages = decode.split_stages(256, 256, 4, H100_SHARED)
+tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32}
+args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=147, HEAD_DIM_PAD=256, HEAD_DIM_V=147,
+            HEAD_DIM_V_PAD=256, CAUSAL=True, PAGED=False, PRECISION="ieee", WINDOW=False,
+            SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64)
+values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.float32))
+          if p.name.isupper() else 17) for p in decode._decode_split.params}
+kernel = compile_for_sm90(decode._decode_split, values, num_warps=4, num_stages=stages)
+print("shared", kernel.metadata.shared, "stages", stages, "limit", H100_SHARED)
+"""
+
+
+def test_split_stages_fit_the_shared_memory():
+    """fp32 at padded head dim 256 asked 282,688 bytes at 3 stages on an H200 (a crash inside
+    Triton, found by the GPU fuzz): the split kernel now runs fewer stages where its K and V
+    tiles would not fit. The rule, then the kernel compiled for sm90 at that depth."""
+    import os
+    import subprocess
+    import sys
+
+    from diyfa.attention.decode import split_stages
+
+    limit = 232448
+    assert split_stages(128, 128, 2, limit) == 3  # the measured bf16 d128 decode path
+    assert split_stages(256, 256, 2, limit) == 3
+    assert split_stages(256, 256, 4, limit) == 2
+    assert split_stages(256, 256, 1, limit) == 3  # fp8 cache
+    assert split_stages(512, 512, 4, limit) == 1
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FP32_D256], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = done.stdout.split()
+    assert int(words[1]) <= limit, done.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_gpu_kvcache(paged):

@@ -50,6 +50,18 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step; splits are whole multiples of it
 
 
+def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int) -> int:
+    """The split kernel's pipeline depth: 3, or fewer where the K and V tiles it keeps in
+    flight would not fit the GPU's shared memory. Triton's pipeliner holds ``stages - 1``
+    of them (plus ~20 KB of other buffers: fp32 at padded head dim 256 asked 282,688 bytes
+    at 3 stages, against the H200's 232,448 (found by tests/test_fuzz.py))."""
+    tile = BLOCK_N * (d_pad + dv_pad) * elem_bytes
+    for stages in (3, 2):
+        if (stages - 1) * tile + 32 * 1024 <= max_shared:
+            return stages
+    return 1
+
+
 @triton.jit
 def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   stride_qb, stride_qs, stride_qh, stride_qd,
@@ -320,7 +332,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     if q.is_cuda:  # diyfa's launcher: Triton's per-call binding costs tens of microseconds
-        launch(_decode_split, split_grid, split_args, {}, 4, 3)
+        stages = split_stages(d_pad, dv_pad, k_cache.element_size(),
+                              kernel_limits(q.device.index)["max_shared_mem"])  # fmt: skip
+        launch(_decode_split, split_grid, split_args, {}, 4, stages)
         launch(_combine, (rows,), combine_args, {}, 4, 3)
     else:  # the interpreter
         _decode_split[split_grid](**split_args, num_warps=1)
