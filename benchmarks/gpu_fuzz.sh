@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # The property-based tests (tests/test_fuzz.py) under the "gpu" hypothesis profile, on CUDA,
-# as one device call (nvidia-h200, about 8 minutes):
-#   1. the named regressions (tests/test_fuzz_regressions.py) on CUDA;
-#   2. the four fuzz tests (attention fwd+bwd, varlen fwd+bwd, KV cache, matmul) with the gpu
-#      profile: lengths up to 16k, head dims 1..256, thousands of examples allowed, each test
-#      stopped after its share of DIYFA_FUZZ_SECONDS (FUZZ_SECONDS; default attention 140 s,
-#      varlen 110, kvcache 90, matmul 70) unless it has found a failure, which hypothesis
-#      then shrinks (up to about five minutes; the run's timeout cuts what is left).
-# Compiles set the pace (each new kernel class compiles its kernels: seconds each, and a
-# minute or more for fp32 at large head dims; 2026-11-23 on an H200, one process: 3 attention
-# examples in 108 s). So each job draws the attention tests' kernel classes (dtype, head dim,
-# causal, window sides, softcap, pinned tiles; the KV cache's paging and splits) from a pool
-# of DIYFA_FUZZ_CLASSES (default 4) chosen at random from seed FUZZ_SEED + i, and shapes,
-# strides, layouts and values freely (tests/test_fuzz.py, "kernel classes"); and FUZZ_JOBS
-# processes (default 6: six float64 references of 2^28 scores fit the GPU together; 8 ran
-# out of memory) run side by side on the one GPU, job i with hypothesis seed FUZZ_SEED + i
-# (job 0 also runs the regressions), sharing Triton's compile cache.
+# as one device call (nvidia-h200, about 8 minutes): parallel jobs on the one GPU, each
+# running ONE fuzz test (attention fwd+bwd, varlen fwd+bwd, KV cache or matmul) for the whole
+# call: FUZZ_PLAN lists the jobs' tests (default "attention attention varlen varlen kvcache
+# matmul": six jobs, 2/2/1/1). The last job first runs the named regressions
+# (tests/test_fuzz_regressions.py) on CUDA. The gpu profile: lengths up to 16k, head dims
+# 1..256, thousands of examples allowed, each job stopped after DIYFA_FUZZ_SECONDS
+# (FUZZ_SECONDS, default 380) unless it has found a failure, which hypothesis then shrinks
+# (the run's timeout cuts what is left).
+# Compiles set the pace: an example that compiles a kernel took 1.5-9 s, one that finds its
+# kernels compiled 0.01-0.16 s (H200, 2026-11-23, fuzz-summary_ff6d01d). So each job draws
+# its test's kernel classes (dtype, head dim, causal, window sides, softcap, pinned tiles;
+# the KV cache's paging and splits) from a pool of DIYFA_FUZZ_CLASSES (default 6) chosen at
+# random from seed FUZZ_SEED + i, and shapes, strides, layouts and values freely
+# (tests/test_fuzz.py, "kernel classes"), and keeps its one test for the whole call, where
+# the earlier jobs ran the four tests in turn and compiled every test's classes. Job i uses
+# hypothesis seed FUZZ_SEED + i; the jobs share Triton's compile cache. The float64
+# references of large cases take gigabytes for a moment: each job empties its CUDA cache
+# after every example and retries an example that ran out of memory once (then gives it up;
+# the summary lists those).
 # Writes to $OUT: summary.md (per test, summed over the jobs: examples, outcome, seconds; the
 # seed, to repeat a job), gpu.txt, and jobs.tar.gz holding per job N: examples.N.jsonl,
 # junit.N.xml, fuzz.N.log (the whole pytest output, falsifying examples and
@@ -30,13 +33,13 @@
 # 2026-11-23_h200_fuzz-summary_34dc924.md.
 #
 # Usage on the device: bash benchmarks/gpu_fuzz.sh   (OUT set by the device tool;
-# FUZZ_SECONDS, FUZZ_SEED, FUZZ_TIMEOUT, FUZZ_JOBS override the defaults). FUZZ_PROFILE=ci runs the CI
-# profile instead, on any machine: a check of this script's plumbing.
+# FUZZ_PLAN, FUZZ_SECONDS, FUZZ_SEED, FUZZ_TIMEOUT override the defaults). FUZZ_PROFILE=ci
+# runs the CI profile instead, on any machine: a check of this script's plumbing.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 SEED=${FUZZ_SEED:-$(date +%s)}
 export DIYFA_FUZZ_PROFILE=${FUZZ_PROFILE:-gpu}
-export DIYFA_FUZZ_SECONDS=${FUZZ_SECONDS:-attention=140,varlen=110,kvcache=90,matmul=70}
+export DIYFA_FUZZ_SECONDS=${FUZZ_SECONDS:-380} DIYFA_FUZZ_CLASSES=${DIYFA_FUZZ_CLASSES:-6}
 # Default configs, no autotuning: every new shape class would otherwise benchmark its whole
 # config space; the fuzz run is about correctness, and compiles are its bottleneck already.
 export DIYFA_AUTOTUNE=0
@@ -44,18 +47,20 @@ python3 -c "import hypothesis" 2>/dev/null || { [ -d .whl ] &&
   python3 -m pip install -q --no-index --find-links .whl hypothesis 2>&1 | tail -n 2; }
 python3 -c "import hypothesis" || { echo "hypothesis missing: carry .whl (make gpu-wheels)"; exit 1; }
 start=$(date +%s)
-JOBS=${FUZZ_JOBS:-6}
+read -r -a PLAN <<< "${FUZZ_PLAN:-attention attention varlen varlen kvcache matmul}"
+JOBS=${#PLAN[@]}
 jobs="$OUT/jobs"; rm -rf "$jobs"; mkdir -p "$jobs"
 pids=()
 for i in $(seq 0 $((JOBS - 1))); do
   files="tests/test_fuzz.py"
-  [ "$i" = 0 ] && files="tests/test_fuzz_regressions.py tests/test_fuzz.py"
+  [ "$i" = $((JOBS - 1)) ] && files="tests/test_fuzz_regressions.py tests/test_fuzz.py"
   : > "$jobs/examples.$i.jsonl"
   # shellcheck disable=SC2086  # $files is one or two paths
-  DIYFA_FUZZ_SUMMARY="$jobs/examples.$i.jsonl" DIYFA_FUZZ_POOL_SEED=$((SEED + i)) timeout -s INT -k 30 "${FUZZ_TIMEOUT:-470}" \
+  DIYFA_FUZZ_SUMMARY="$jobs/examples.$i.jsonl" DIYFA_FUZZ_POOL_SEED=$((SEED + i)) \
+    timeout -s INT -k 30 "${FUZZ_TIMEOUT:-470}" \
     python3 -m pytest -q -p no:cacheprovider -rs --hypothesis-seed=$((SEED + i)) \
-    --hypothesis-show-statistics --junitxml="$jobs/junit.$i.xml" $files \
-    > "$jobs/fuzz.$i.log" 2>&1 &
+    --hypothesis-show-statistics --junitxml="$jobs/junit.$i.xml" \
+    -k "test_fuzz_${PLAN[$i]} or regression" $files > "$jobs/fuzz.$i.log" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -64,14 +69,16 @@ for pid in "${pids[@]}"; do
   [ "$rc" -gt "$status" ] && status=$rc
 done
 echo "pytest jobs: worst exit $status after $(( $(date +%s) - start )) s" | tee -a "$jobs/fuzz.0.log"
-python3 - "$jobs" "$SEED" "$status" "$JOBS" <<'EOF' | tee "$OUT/summary.md"
+python3 - "$jobs" "$SEED" "$status" "${PLAN[*]}" <<'EOF' | tee "$OUT/summary.md"
 import collections, glob, json, os, sys
 import xml.etree.ElementTree as ET
 
-out, seed, status, jobs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out, seed, status, plan = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split()
+jobs = len(plan)
 examples = collections.defaultdict(lambda: {"examples": 0, "seconds": 0.0, "failed": False,
                                              "paths": collections.Counter(), "classes": set(),
-                                             "timing": collections.defaultdict(lambda: [0, 0.0])})
+                                             "timing": collections.defaultdict(lambda: [0, 0.0]),
+                                             "oom": []})
 for path in glob.glob(os.path.join(out, "examples.*.jsonl")):
     for line in open(path):
         r = json.loads(line)
@@ -81,6 +88,7 @@ for path in glob.glob(os.path.join(out, "examples.*.jsonl")):
         e["failed"] = e["failed"] or r["failed"]
         e["paths"].update(r.get("paths", {}))
         e["classes"].update(r.get("classes", []))
+        e["oom"] += r.get("out_of_memory", [])
         for kind, (n, secs) in r.get("timing", {}).items():
             e["timing"][kind][0] += n
             e["timing"][kind][1] += secs
@@ -106,7 +114,8 @@ for path in sorted(glob.glob(os.path.join(out, "junit.*.xml"))):
         entry = cases.setdefault(name, [[], 0.0])
         entry[0].append(outcome)
         entry[1] = max(entry[1], float(case.get("time") or 0))
-print(f"# fuzz run ({os.environ['DIYFA_FUZZ_PROFILE']} profile): {jobs} jobs, seeds "
+print(f"# fuzz run ({os.environ['DIYFA_FUZZ_PROFILE']} profile): {jobs} jobs "
+      f"({' '.join(plan)}), seeds "
       f"{seed}..{seed + jobs - 1}, DIYFA_FUZZ_SECONDS={os.environ['DIYFA_FUZZ_SECONDS']}, "
       f"worst pytest exit {status}\n")
 print("| test | examples (all jobs) | outcome | seconds (longest job) |\n|---|---|---|---|")
@@ -141,11 +150,15 @@ for test, r in examples.items():
              for k in ("compiling", "compiled")]
     print(f"| {test} | {cells[0]} | {cells[1]} |")
 for test, r in examples.items():
+    if r["oom"]:
+        print(f"\n{test}: {len(r['oom'])} examples given up for GPU memory (out of memory twice, "
+              f"not counted above): " + "; ".join(r["oom"]))
+for test, r in examples.items():
     if r["classes"]:
         print(f"\n{test}: {len(r['classes'])} kernel classes: {'; '.join(sorted(r['classes']))}")
 print(f"\n{len(failed)} failing: {', '.join(failed) or 'none'}. Falsifying examples and "
       f"@reproduce_failure blobs: fuzz.N.log in jobs.tar.gz. Repeat job N alone with "
-      f"FUZZ_SEED={seed} + N FUZZ_JOBS=1.")
+      f"FUZZ_SEED={seed} + N FUZZ_PLAN=<its test>.")
 EOF
 tar -czf "$OUT/jobs.tar.gz" -C "$jobs" . && rm -rf "$jobs"
 exit "$status"
