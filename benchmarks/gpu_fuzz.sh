@@ -89,6 +89,8 @@ for path in glob.glob(os.path.join(out, "examples.*.jsonl")):
         e["paths"].update(r.get("paths", {}))
         e["classes"].update(r.get("classes", []))
         e["oom"] += r.get("out_of_memory", [])
+        if r.get("first_failure"):
+            e.setdefault("first_failures", []).append(r["first_failure"])
         for kind, (n, secs) in r.get("timing", {}).items():
             e["timing"][kind][0] += n
             e["timing"][kind][1] += secs
@@ -149,6 +151,9 @@ for test, r in examples.items():
     cells = [f"{r['timing'][k][0]}, {r['timing'][k][1] / max(1, r['timing'][k][0]):.2f}"
              for k in ("compiling", "compiled")]
     print(f"| {test} | {cells[0]} | {cells[1]} |")
+for test, r in examples.items():
+    for f in r.get("first_failures", []):
+        print(f"\n{test}: first failure (before shrinking): {f}")
 for test, r in examples.items():
     if r["oom"]:
         print(f"\n{test}: {len(r['oom'])} examples given up for GPU memory (out of memory twice, "

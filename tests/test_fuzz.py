@@ -133,6 +133,7 @@ def _attention_path(problem) -> str:
 
 
 _oom: dict[str, list] = {}  # test -> cases given up for GPU memory (gpu profile)
+_failures: dict[str, str] = {}  # test -> its first failure: the error and the case
 
 
 def _example(test: str, run, case) -> None:
@@ -162,8 +163,10 @@ def _example(test: str, run, case) -> None:
                 out_of_memory = True  # handled below, once the traceback's tensors are gone
             except UnsatisfiedAssumption:
                 raise
-            except Exception:
+            except Exception as e:
                 _failed.add(test)
+                # Kept now: a run cut while hypothesis shrinks still names a failing case.
+                _failures.setdefault(test, f"{type(e).__name__}: {str(e)[:400]} | {case!r}")
                 raise
             gc.collect()
             torch.cuda.empty_cache()
@@ -196,6 +199,7 @@ def _summary(request):
                                 "failed": test in _failed, "paths": _paths.get(test, {}),
                                 "timing": _timing.get(test, {}),
                                 "out_of_memory": _oom.get(test, []),
+                                "first_failure": _failures.get(test),
                                 "pool_seed": POOL_SEED if CLASSES else None,
                                 "classes": [_class_name(c) for c in POOLS.get(test, [])]})
                     + "\n")  # fmt: skip
