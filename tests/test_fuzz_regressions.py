@@ -146,6 +146,20 @@ MATMUL = [
                             out_dtype=None, scale_a="tensor", scale_b="tensor", bias=None,
                             activation=None, precision="tf32", kernel="auto", seed=1085),
                  id="fp8-e4m3-k879-fast-accumulation"),
+    # Library bug, fixed (GPU only: the interpreter's dot is numpy's): fp32 with
+    # precision="ieee" summed K products into one accumulator in a row (Triton's FMA dot),
+    # an error growing with K: on an H200, 2.02e-5 for this single dot of K = 426 against
+    # 2x cuBLAS's 9.3e-6, and 2.6e-4 against 1.2e-4 for the first failing case found (488 x
+    # 417 x 853, gelu, scales, bias). The portable kernel now adds a fresh partial per K tile.
+    pytest.param(MatmulCase(batch=None, m=1, n=1, k=426, dtype_a=F32, dtype_b=F32,
+                            layout_a="row", layout_b="row", out_dtype=None, scale_a="none",
+                            scale_b="none", bias=None, activation=None, precision="ieee",
+                            kernel="auto", seed=0), id="fp32-ieee-k426-one-dot"),
+    pytest.param(MatmulCase(batch=None, m=488, n=417, k=853, dtype_a=F32, dtype_b=F32,
+                            layout_a="transposed", layout_b="row", out_dtype=None,
+                            scale_a="row1", scale_b="tensor", bias=F32, activation="gelu",
+                            precision="ieee", kernel="portable", seed=5094),
+                 id="fp32-ieee-k853-epilogue"),
 ]
 
 

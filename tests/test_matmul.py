@@ -796,6 +796,46 @@ for fp8_acc in (None, 32, 1024):  # fast, promoted every instruction, once per t
 """
 
 
+_COMPILE_FP32 = """
+import torch
+from diyfa._compile import compile_for_sm90
+from diyfa.ops import matmul as mm
+
+for precision in ("ieee", "tf32"):
+    args = dict(SCALE_A=None, SCALE_B=None, HAS_BIAS=False, ACTIVATION=None,
+                PRECISION=precision, A_ROW_MAJOR=True, B_ROW_MAJOR=True, FP8_ACC=None,
+                BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
+    tensors = ("A", "B", "C", "SCALE_A_PTR", "SCALE_B_PTR", "BIAS")
+    values = {p.name: args[p.name] if p.name in args else
+              torch.empty(16, dtype=torch.float32) if p.name in tensors else 4096
+              for p in mm._matmul_kernel.params}
+    ptx = compile_for_sm90(mm._matmul_kernel, values, num_warps=4, num_stages=2).asm["ptx"]
+    print(precision, ptx.count("fma.rn.f32"), ptx.count("add.f32") + ptx.count("add.rn.f32"),
+          ptx.count("mma"))
+"""
+
+
+def test_fp32_ieee_sums_in_two_levels_on_hopper():
+    """fp32 with precision="ieee" (CUDA-core FMAs): the products of every two K tiles go into
+    a fresh partial that is then added to the accumulator, not into one K-long chain of
+    roundings (whose error grew past 2x cuBLAS's with K on an H200: the GPU fuzz's
+    fp32-ieee-k426-one-dot). Compiled for sm90: the FMA chain and one add per output per
+    partial (64 x 64 tile, 128 threads: 32 outputs each, added in the loop and once after
+    it); tf32 stays on the tensor cores with no extra add."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FP32], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r.split()[0]: [int(x) for x in r.split()[1:]] for r in done.stdout.splitlines()}
+    fma, add, mma = rows["ieee"]
+    assert fma == 32 * 32 and add == 2 * 32 and mma == 0, rows
+    assert rows["tf32"][0] == 0 and rows["tf32"][1] == 0 and rows["tf32"][2] > 0, rows
+
+
 def test_fp8_accumulation_compiles_for_hopper():
     """The portable kernel's fp8 dot compiles for sm90 in each DIYFA_FP8_ACC mode, a setting
     above BLOCK_K included (clamped to one promotion per tile, where Triton would refuse it),

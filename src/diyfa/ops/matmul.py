@@ -339,15 +339,31 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
               + rk[:, None] * stride_bk + rn[None, :] * stride_bn)  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # fp32 with precision="ieee" runs on the CUDA cores, where Triton's dot adds each product
+    # into the accumulator it is given: one K-long chain of roundings, whose error grows with
+    # K (H200: 2.2x cuBLAS's error at K = 426, found by the GPU fuzz). There the products go
+    # into a partial sum that joins the accumulator every second tile (two-level summation:
+    # at the fp32 tiles' BLOCK_K of 32, 64 products per partial). A zero-initialised dot
+    # added afterwards would not do: Triton folds add(dot(a, b, 0), acc) into dot(a, b, acc).
+    TWO_LEVEL: tl.constexpr = PRECISION == "ieee" and A.dtype.element_ty == tl.float32
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION,
-                     max_num_imprecise_acc=_promote_every(FP8_ACC, BLOCK_K))
+        if TWO_LEVEL:
+            part = tl.dot(a, b, part, input_precision=PRECISION)
+            if k % 2 == 1:
+                acc += part
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION,
+                         max_num_imprecise_acc=_promote_every(FP8_ACC, BLOCK_K))
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if TWO_LEVEL:
+        acc += part
     offs_m = start_m.to(tl.int32) + rm
     offs_n = start_n.to(tl.int32) + rn
     acc = _epilogue(acc, offs_m, offs_n, M, N, SCALE_A_PTR + off_b * stride_sab,
