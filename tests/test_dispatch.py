@@ -141,7 +141,8 @@ def test_importing_the_package_loads_no_kernel_family():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ("['diyfa.attention.checks', 'diyfa.attention.dispatch', "
                                   "'diyfa.attention.function', 'diyfa.attention.ops', "
-                                  "'diyfa.attention.problem'] False")  # fmt: skip
+                                  "'diyfa.attention.prefetch', 'diyfa.attention.problem'] "
+                                  "False")  # fmt: skip
 
 
 def test_portable_refuses_grids_past_cuda_limit():

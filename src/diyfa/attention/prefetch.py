@@ -36,8 +36,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from diyfa import tuning
-from diyfa._launcher import compile_only
 from diyfa.attention.dispatch import Family
 from diyfa.attention.problem import Problem
 
@@ -77,6 +75,8 @@ def start(q, k, v, problem: Problem, family: Family) -> Future | None:
     if key in _seen:
         return None
     _seen.add(key)
+    from diyfa import tuning  # here: importing diyfa.attention loads no Triton
+
     if (not q.is_cuda or not enabled() or tuning.autotune_enabled()
             or torch.cuda.is_current_stream_capturing() or not _fits(q, k, v)):  # fmt: skip
         return None
@@ -101,6 +101,8 @@ def standins(q: torch.Tensor, v: torch.Tensor, problem: Problem):
 
 
 def _compile_backward(family: Family, problem: Problem, q, k, v, out, lse2) -> None:
+    from diyfa._launcher import compile_only
+
     with torch.cuda.device(q.device), compile_only():
         family.backward(out, q, k, v, out, lse2, problem)
 
