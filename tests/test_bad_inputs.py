@@ -156,6 +156,8 @@ ROWS = [
     ("fa/window-right", lambda e: _fa(e, window_size=(0, -5)), V,
      r"window_size sides must be >= 0 or -1 \(unbounded\), got \(0, -5\)"),
     ("fa/softcap-str", lambda e: _fa(e, softcap="1"), T, r"softcap must be a number, got '1'"),
+    ("fa/softcap-scale-ratio", lambda e: _fa(e, softcap=2.0**-100, softmax_scale=2.0**100), V,
+     r"softmax_scale / softcap must be at most 2\^126 \(the kernels take it in fp32\), got "),
     ("fa/softcap-tiny", lambda e: _fa(e, softcap=1e-300), V,
      r"softcap must be 0 \(off\) or between 2\^-126 and 2\^126 \(the kernels take 1 / softcap "
      r"in fp32\), got 1e-300"),

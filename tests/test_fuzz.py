@@ -321,7 +321,8 @@ def _free_class(test: str):
         window, softcap = st.none(), st.just(False)
     else:
         extra = _BLOCKS
-        window = st.one_of(st.none(), st.tuples(st.booleans(), st.booleans()))
+        window = st.one_of(st.none(), st.tuples(st.booleans(), st.booleans()).map(
+            lambda w: w if any(w) else None))  # (no side bounded) is no window
         softcap = st.sampled_from([False, False, True])
     return st.builds(KernelClass, dtype=st.sampled_from(DTYPES), d=_head_dim(),
                      causal=st.booleans(), window=window, softcap=softcap,
@@ -336,6 +337,7 @@ def _random_class(test: str, rng: random.Random) -> KernelClass:
         return KernelClass(rng.choice(DTYPES), d, rng.random() < 0.5, None, False,
                            (rng.random() < 0.5, rng.choice([0, 0, 1, 2, 3, 5])))  # fmt: skip
     window = None if rng.random() < 0.5 else (rng.random() < 0.5, rng.random() < 0.5)
+    window = window if window and any(window) else None  # (no side bounded) is no window
     blocks = (None if rng.random() < 0.75
               else (rng.choice([16, 32, 64]), rng.choice([16, 32, 64])))  # fmt: skip
     return KernelClass(rng.choice(DTYPES), d, rng.random() < 0.5, window,

@@ -150,7 +150,8 @@ MATMUL = [
     # precision="ieee" summed K products into one accumulator in a row (Triton's FMA dot),
     # an error growing with K: on an H200, 2.02e-5 for this single dot of K = 426 against
     # 2x cuBLAS's 9.3e-6, and 2.6e-4 against 1.2e-4 for the first failing case found (488 x
-    # 417 x 853, gelu, scales, bias). The portable kernel now adds a fresh partial per K tile.
+    # 417 x 853, gelu, scales, bias). The portable kernel now starts a fresh partial every
+    # second K tile (two-level summation; test_matmul's PTX test).
     pytest.param(MatmulCase(batch=None, m=1, n=1, k=426, dtype_a=F32, dtype_b=F32,
                             layout_a="row", layout_b="row", out_dtype=None, scale_a="none",
                             scale_b="none", bias=None, activation=None, precision="ieee",

@@ -1,4 +1,4 @@
-"""diyfa._interpreter: the two fixes to Triton 3.6's CPU interpreter that bf16 needs.
+"""diyfa._interpreter: the fixes to Triton 3.6's CPU interpreter that bf16 and fp8 need.
 
 Each test fails without its patch (checked by running them with apply() commented out).
 """
@@ -75,3 +75,26 @@ def test_fp8_e5m2_dot_keeps_subnormals(dtype_b):
     c = torch.empty(16, 16)
     dot_fp8[(1,)](a, b, c)
     assert torch.equal(c.double(), a.double() @ b.double())
+
+
+def test_fp32_to_e4m3_rounds_to_nearest_and_saturates_like_the_gpu():
+    """fp8 attention's P (times 2^8) is cast to float8_e4m3fn in the kernel: the interpreter's
+    own cast was up to 64 off for values in [0, 300]; the GPU rounds to nearest even and
+    saturates at +-448 (cvt.rn.satfinite)."""
+    import triton
+    import triton.language as tl
+
+    import diyfa.attention.portable  # noqa: F401  (importing a kernel module applies the fixes)
+
+    @triton.jit
+    def to_e4m3(X, Y):
+        o = tl.arange(0, 64)
+        tl.store(Y + o, tl.load(X + o).to(tl.float8e4nv).to(tl.float32))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(56, generator=g) * 300, torch.tensor(
+        [0.0, -1.0e-3, 2.0**-10, 17.0, 448.0, 460.0, 1000.0, -1000.0])])  # fmt: skip
+    y = torch.empty(64)
+    to_e4m3[(1,)](x, y)
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    assert torch.equal(y, want), (y - want).abs().max()

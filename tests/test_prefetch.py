@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -93,6 +94,7 @@ def test_standins_match_the_forward_outputs(case):
 
 def test_start_skips_cpu_tensors_and_kinds_it_has_seen(monkeypatch):
     monkeypatch.setattr(prefetch, "_seen", set())
+    monkeypatch.setenv("DIYFA_PREFETCH_BACKWARD", "1")
     q = torch.randn(1, 2, 16, 32, device=DEVICE)
     p = _problem(q, q, q, layout="bhsd")
     fam = select(p)
@@ -116,15 +118,27 @@ def test_start_skips_cpu_tensors_and_kinds_it_has_seen(monkeypatch):
     assert len(submitted) == 1
 
 
-def test_wait_drops_the_worker_failure(caplog):
+def test_wait_drops_the_worker_failure(caplog, monkeypatch):
+    """The worker's failure is logged, never raised, and kept as text (its traceback would
+    hold the worker's buffers): a failing backward in compile-only mode gives a string."""
     from concurrent.futures import Future
 
+    class Family:
+        def backward(self, *args):
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    text = prefetch._compile_backward(Family(), None, torch.zeros(1), None, None, None, None)
+    assert text == "RuntimeError('boom')"
     f = Future()
-    f.set_exception(RuntimeError("boom"))
+    f.set_result(text)
+    g = Future()
+    g.set_exception(RuntimeError("bang"))
     with caplog.at_level("DEBUG", logger="diyfa.attention.prefetch"):
         prefetch.wait(f)
+        prefetch.wait(g)
         prefetch.wait(None)
-    assert "boom" in caplog.text
+    assert "boom" in caplog.text and "bang" in caplog.text
 
 
 @pytest.mark.gpu

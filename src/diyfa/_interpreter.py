@@ -17,6 +17,11 @@ float8_e5m2 subnormals (exponent field 0: values down to 2^-16), which come out 
 products of small e5m2 values went missing (a fp32-output product off by 2^-15). e5m2 is the
 top byte of fp16: the patched dot widens its bit patterns exactly (e4m3 operands keep the
 interpreter's conversion, which is exact for them).
+
+Fourth, its cast to float8_e4m3fn (``x.to(tl.float8e4nv)``, fp8 attention's P) rounds wrong:
+fp32 values in [0, 300] came out up to 64 away from the nearest e4m3 value (the GPU's
+``cvt.rn.satfinite`` rounds to nearest even and saturates at +-448). The patched cast does
+exactly that, through torch's float8_e4m3fn (NaN stays NaN).
 """
 
 from __future__ import annotations
@@ -73,6 +78,18 @@ def apply() -> None:
             return interpreter.TensorHandle(_fp32_to_bf16_bits_rne(src.data), tl.bfloat16)
         return original_cast(self, src, dst_type)
 
+    original_fp_to_fp = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
+            import torch
+
+            x = torch.from_numpy(np.ascontiguousarray(src.data).astype(np.float32))
+            bits = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(bits, tl.float8e4nv)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
     builder.create_dot = create_dot
     builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
     _applied = True

@@ -172,13 +172,23 @@ def compiling_only() -> bool:
 
 def compile_kernel(fn, grid: tuple, args: dict, num_warps: int, num_stages: int):
     """What a launch of ``fn`` with these arguments would run, compiled (Triton's
-    ``warmup``: its in-memory and disk caches), its launcher built and its module loaded on
-    the current device; nothing runs. Raises Triton's OutOfResources, as a launch would, when
-    the kernel does not fit the GPU. Returns the ``CompiledKernel``."""
+    ``warmup``: its in-memory and disk caches) and its C launcher built (Triton's disk
+    cache); nothing runs. Raises Triton's OutOfResources, as a launch would, when the kernel
+    needs more shared memory than the device has. Returns the ``CompiledKernel``.
+
+    The kernel object itself is left unloaded: Triton loads it (module and launcher, in two
+    steps) at its first launch, and a launch on another thread must never find it half
+    loaded. Building the launcher here (a C compile, ~0.35 s) leaves that first launch a
+    disk-cache hit and a module load: milliseconds."""
+    from triton.compiler.compiler import max_shared_mem
+    from triton.runtime import driver
+    from triton.runtime.errors import OutOfResources
+
     kernel = fn.warmup(grid=grid, **args, num_warps=num_warps, num_stages=num_stages)
-    # Triton loads a kernel (and compiles its C launcher, ~0.35 s) at its first launch; here,
-    # now. The same call raises OutOfResources there and here.
-    kernel._init_handles()
+    driver.active.launcher_cls(kernel.src, kernel.metadata)  # built and cached, then dropped
+    limit = max_shared_mem(driver.active.get_current_device())
+    if kernel.metadata.shared > limit:
+        raise OutOfResources(kernel.metadata.shared, limit, "shared memory")
     return kernel
 
 

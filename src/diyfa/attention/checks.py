@@ -55,6 +55,14 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale) if softmax_scale >= _FP32_TINY else 0.0
 
 
+def check_tanh_scale(scale: float, softcap: float) -> None:
+    """With a softcap the kernels scale the scores by scale / softcap in fp32: refused when
+    that ratio passes 2^126 (each bounded alone, 2^100 / 2^-100 would still overflow)."""
+    if softcap and scale / softcap > _SCALE_MAX:
+        raise ValueError(f"softmax_scale / softcap must be at most 2^126 (the kernels take it "
+                         f"in fp32), got {scale} / {softcap}")  # fmt: skip
+
+
 def check_variants(window_size, softcap, causal) -> tuple[int, int, float]:
     """(window_left, window_right, softcap) of the options, checked: FlashAttention's
     ``window_size=(left, right)``, -1 = unbounded (causal=True makes right 0 and forbids a
@@ -115,9 +123,60 @@ def check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
+def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, batch: int, kv_heads: int,
+                     dropout_p: float, fake: bool = False) -> tuple | None:
+    """The descales of fp8 (float8_e4m3fn) q, k, v, checked: each fp32, on the inputs'
+    device, (1,) / () per tensor or contiguous (batch, kv_heads), all three one shape
+    (returned as (1,) or (batch, kv_heads) tensors); None for 16/32-bit inputs, which take
+    no descales. fp8 is forward only (inference): no gradient, no dropout."""
+    names = ("q_descale", "k_descale", "v_descale")
+    given = (q_descale, k_descale, v_descale)
+    if q.dtype != torch.float8_e4m3fn:
+        for name, t in zip(names, given, strict=True):
+            if t is not None:
+                raise ValueError(f"{name} applies to float8_e4m3fn q, k, v; these are "
+                                 f"{q.dtype}")  # fmt: skip
+        return None
+    out = []
+    for name, t in zip(names, given, strict=True):
+        if t is None:
+            raise ValueError(f"fp8 (float8_e4m3fn) q, k, v need {name}: fp32, (1,) per tensor "
+                             f"or (batch={batch}, kv_heads={kv_heads}); a stored value times "
+                             "its descale is the real one")  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}.dtype is {t.dtype}; accepted: float32")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the inputs' device {q.device}, got {t.device}")
+        if t.dim() <= 1 and t.numel() == 1:
+            t = t.reshape(1)
+        elif tuple(t.shape) != (batch, kv_heads):
+            raise ValueError(f"{name} must be (1,) per tensor or (batch, kv_heads) = "
+                             f"({batch}, {kv_heads}), got shape {tuple(t.shape)}")  # fmt: skip
+        elif not fake and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+        out.append(t)
+    if len({tuple(t.shape) for t in out}) != 1:
+        raise ValueError("q_descale, k_descale and v_descale must share a shape, got "
+                         + ", ".join(str(tuple(t.shape)) for t in out))  # fmt: skip
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError("fp8 attention is forward only (inference): q, k, v require grad; "
+                         "call it under torch.no_grad() or detach them")  # fmt: skip
+    if dropout_p:
+        raise ValueError(f"fp8 attention is forward only (inference): dropout_p must be 0, "
+                         f"got {dropout_p}")  # fmt: skip
+    cap = device_capability(q.device)
+    if cap is not None and cap < (8, 9):
+        raise ValueError(f"fp8 attention needs a GPU with fp8 tensor cores (compute capability "
+                         f">= 8.9), got {cap[0]}.{cap[1]}")  # fmt: skip
+    return tuple(out)
+
+
 def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                  deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                 sinks=None, dropout_p=0.0, dropout_seed=0) -> Problem:
+                 sinks=None, dropout_p=0.0, dropout_seed=0, q_descale=None, k_descale=None,
+                 v_descale=None) -> Problem:
     """Check q, k, v and the options; return the call's :class:`Problem`.
 
     ``layout`` is "bhsd" or "bshd"; ``align`` ("bottom_right" or "top_left") is chosen by
@@ -140,9 +199,10 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
             raise ValueError(
                 f"{name} must be 4-D ({axes} for layout={layout!r}), got shape {tuple(t.shape)}"
             )
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float8_e4m3fn:
             raise TypeError(
-                f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32"
+                f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32, and "
+                "float8_e4m3fn (forward only, with descales)"
             )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
@@ -179,7 +239,10 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
     if alibi_slopes is not None or sinks is not None:
         check_bias_tensors(alibi_slopes, sinks, b, h, q.device)
     dropout_p = check_dropout(dropout_p)
+    descales = check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, b, hk, dropout_p,
+                                fake)  # fmt: skip
     scale = _resolved_scale(softmax_scale, d)
+    check_tanh_scale(scale, softcap)
     device = q.device
     # Fake tensors (torch.compile's tracing, ops.py) have no storage: alignment unknown.
     aligned16 = fake or not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
@@ -189,7 +252,7 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                    device_capability(device), aligned16, None, None, 0,
                    deterministic or torch.are_deterministic_algorithms_enabled(), window_left,
                    window_right, softcap, alibi_slopes, sinks,
-                   0 if dv == d else dv, dropout_p, dropout_seed)  # fmt: skip
+                   0 if dv == d else dv, dropout_p, dropout_seed, descales)  # fmt: skip
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
@@ -241,6 +304,9 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for the "
                              f"varlen layout, got shape {tuple(t.shape)}")  # fmt: skip
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+        raise TypeError("flash_attention_varlen takes float16, bfloat16 or float32 q, k, v, "
+                        "got float8_e4m3fn (fp8 runs through flash_attention, with descales)")
     one = check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal=causal,
                        softmax_scale=softmax_scale, layout="bshd", align="bottom_right",
                        deterministic=deterministic, window_size=window_size,

@@ -238,6 +238,7 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
         check_bias_tensors,
         check_fp8_cache,
         check_kvcache_inputs,
+        check_tanh_scale,
         check_variants,
     )
 
@@ -248,6 +249,7 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
                                           softmax_scale=softmax_scale, num_splits=num_splits,
                                           fp8=fp8)  # fmt: skip
     left, right, softcap = check_variants(window_size, softcap, causal)
+    check_tanh_scale(scale, softcap)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     seqlens = cache_seqlens
     if k is not None and k.shape[1] > 0:

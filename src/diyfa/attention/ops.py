@@ -40,11 +40,13 @@ from diyfa.attention.problem import bhsd_shape
 
 
 def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, window_left,
-             window_right, softcap, alibi_slopes, sinks, fake=False):
+             window_right, softcap, alibi_slopes, sinks, q_descale=None, k_descale=None,
+             v_descale=None, fake=False):
     return check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                         align=align, fake=fake, deterministic=deterministic,
                         window_size=(window_left, window_right), softcap=softcap,
-                        alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                        alibi_slopes=alibi_slopes, sinks=sinks, q_descale=q_descale,
+                        k_descale=k_descale, v_descale=v_descale)  # fmt: skip
 
 
 def _sink_grad(do, out, lse2, problem):
@@ -61,22 +63,28 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   backend: str, deterministic: bool, window_left: int, window_right: int,
                   softcap: float, alibi_slopes: Optional[torch.Tensor],  # noqa: UP045
                   sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                  q_descale: Optional[torch.Tensor] = None,  # noqa: UP045
+                  k_descale: Optional[torch.Tensor] = None,  # noqa: UP045
+                  v_descale: Optional[torch.Tensor] = None,  # noqa: UP045
                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
-                       window_left, window_right, softcap, alibi_slopes, sinks)
+                       window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
+                       k_descale, v_descale)  # fmt: skip
     return select(problem, backend).forward(q, k, v, problem)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, causal, align, softmax_scale, layout, backend, deterministic,
-                        window_left, window_right, softcap, alibi_slopes, sinks):  # fmt: skip
+                        window_left, window_right, softcap, alibi_slopes, sinks,
+                        q_descale=None, k_descale=None, v_descale=None):  # fmt: skip
     # The eager errors, now.
-    _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, window_left,
-             window_right, softcap, alibi_slopes, sinks, fake=True)
+    problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
+                       window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
+                       k_descale, v_descale, fake=True)  # fmt: skip
     b, h, sq, _ = bhsd_shape(q, layout)
     # The families return a contiguous output in the call's layout: q's shape with v's head
-    # dim.
-    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    # dim (bf16 for fp8 inputs).
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=problem.out_dtype, device=q.device)
     return out, torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
 
 
@@ -108,16 +116,20 @@ def _setup_context(ctx, inputs, output):
     q, k, v, *options = inputs
     out, lse2 = output
     ctx.save_for_backward(q, k, v, out, lse2)
-    ctx.options = options
+    # The options end with the fp8 descales, which the backward does not take (fp8 is
+    # forward only: the checks refuse it with gradients).
+    ctx.options = options[:-3]
     ctx.mark_non_differentiable(lse2)
 
 
 def _backward(ctx, do, _dlse2):
     q, k, v, out, lse2 = ctx.saved_tensors
     dq, dk, dv, dsinks = torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, *ctx.options)
-    # The options end with (alibi_slopes, sinks): sinks get their gradient.
+    # The backward's options end with (alibi_slopes, sinks): sinks get their gradient; then
+    # the three descales, none.
     grads = (None,) * (len(ctx.options) - 1)
-    return (dq, dk, dv) + grads + (dsinks if ctx.options[-1] is not None else None,)
+    return ((dq, dk, dv) + grads + (dsinks if ctx.options[-1] is not None else None,)
+            + (None,) * 3)  # fmt: skip
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -209,7 +209,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, FP8: tl.constexpr = False):
     """Online softmax over the K/V blocks [lo, hi). SOFTCAP: the raw scores become
     tanh(q.k * tanh_scale) (qk_scale then carries softcap * log2(e)). ALIBI: the scores are
     scaled here and get -slope2 * |i + alibi_offset - j| (base 2)."""
@@ -249,7 +249,11 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                      offs_n[:, None] < seqlen_k, dv_ok[None, :], MASKED,
                      HEAD_DIM_V != HEAD_DIM_V_PAD)  # fmt: skip
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        if FP8:  # P in e4m3 for P @ V, times 2^8: its large values near 256 (e4m3 reaches 448),
+            # its small ones clear of e4m3's underflow (2^-9); the output takes the 2^8 back.
+            acc = tl.dot((p * 256.0).to(v.dtype), v, acc * alpha[:, None])
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -263,11 +267,12 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, total_q, SEQ_BUCKET,
               window_left, window_right, tanh_scale, SLOPES, stride_slopes_b, SINK_LOGITS,
               dropout_p, dropout_seed, dropout_stride,
+              DESCALE_Q, DESCALE_K, DESCALE_V, stride_ds_b, stride_ds_h,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
               PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
-              DROPOUT: tl.constexpr,
+              DROPOUT: tl.constexpr, FP8: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m, off_b, off_h, off_hk, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset, CAUSAL,
@@ -278,6 +283,14 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
     q_base = Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh
     k_base = K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh
     v_base = V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh
+    if FP8:  # e4m3 inputs: a stored value times its descale is the real one. q's and k's fold
+        # into the scores' scale (the softcap's, with a softcap), v's into the output.
+        ds = off_b * stride_ds_b + off_hk * stride_ds_h
+        qk_descale = tl.load(DESCALE_Q + ds) * tl.load(DESCALE_K + ds)
+        if SOFTCAP:
+            tanh_scale = tanh_scale * qk_descale
+        else:
+            qk_scale = qk_scale * qk_descale
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -308,25 +321,27 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
                                    dropout_seed, BLOCK_N, HEAD_DIM,
                                    HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW,
                                    SOFTCAP, ALIBI, DROPOUT, True,
-                                   PRECISION)
+                                   PRECISION, FP8)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi,
                                seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
                                tanh_scale, slope2, alibi_offset, row, dropout_stride, dropout_p,
                                dropout_seed, BLOCK_N, HEAD_DIM,
                                HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW, SOFTCAP,
-                               ALIBI, DROPOUT, False, PRECISION)
+                               ALIBI, DROPOUT, False, PRECISION, FP8)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_hi, hi,
                                seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
                                tanh_scale, slope2, alibi_offset, row, dropout_stride, dropout_p,
                                dropout_seed, BLOCK_N, HEAD_DIM,
                                HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW, SOFTCAP,
-                               ALIBI, DROPOUT, True, PRECISION)
+                               ALIBI, DROPOUT, True, PRECISION, FP8)
 
     empty = l_i == 0.0  # rows that saw no key
     l_safe = tl.where(empty, 1.0, l_i)  # (log2 of 0 would be -inf, then replaced anyway)
     acc = acc / l_safe[:, None]
+    if FP8:
+        acc = acc * (tl.load(DESCALE_V + ds) * (1.0 / 256.0))
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     tl.store(LSE + row + offs_m, lse2, mask=m_ok)
     o_base = O + off_b * stride_ob + q_start * stride_os + off_h * stride_oh
@@ -654,9 +669,10 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-def _empty(batch, heads, seqlen, dim, layout, like: torch.Tensor) -> torch.Tensor:
+def _empty(batch, heads, seqlen, dim, layout, like: torch.Tensor,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     shape = (batch, heads, seqlen, dim) if layout == "bhsd" else (batch, seqlen, heads, dim)
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
 # (kernel, device, dtype, HEAD_DIM_PAD, CAUSAL, SEQ_BUCKET) -> the autotuner's choice. Looked up
@@ -676,7 +692,8 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
     autotune = tuning.autotune_enabled()
     key = (name, autotune, t.device.index, t.dtype, head_dim_pad, args["CAUSAL"],
            args["SEQ_BUCKET"], args["VARLEN"], args["WINDOW"], args["SOFTCAP"], args["ALIBI"],
-           args["SINKS"], args["HEAD_DIM_V_PAD"], args["DROPOUT"])  # fmt: skip
+           args["SINKS"], args["HEAD_DIM_V_PAD"], args["DROPOUT"],
+           args.get("FP8", False))  # fmt: skip
     pinned = name in tuning._pinned
     choice = None if pinned else _chosen.get(key)
     if choice is None and autotune and not pinned and t.is_cuda:
@@ -805,7 +822,7 @@ def _outputs(q, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     if p.cu_seqlens_q is not None:
         out = torch.empty((p.total_q, p.heads, p.head_dim_v), dtype=q.dtype, device=q.device)
         return out, torch.empty((p.heads, p.total_q), dtype=torch.float32, device=q.device)
-    out = _empty(p.batch, p.heads, p.seqlen_q, p.head_dim_v, p.layout, q)
+    out = _empty(p.batch, p.heads, p.seqlen_q, p.head_dim_v, p.layout, q, p.out_dtype)
     return out, torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32,
                             device=q.device)  # fmt: skip
 
@@ -836,11 +853,20 @@ def _attention_forward(q, k, v, problem: Problem):
     def grid(meta):
         return (cdiv(sq, meta["BLOCK_M"]), b * h)
 
+    if p.descales is None:
+        fp8 = dict(DESCALE_Q=lse2, DESCALE_K=lse2, DESCALE_V=lse2, stride_ds_b=0,
+                   stride_ds_h=0, FP8=False)  # fmt: skip
+    else:  # (1,) per tensor, or contiguous (batch, kv_heads) (checks.check_fp8_inputs)
+        dq_, dk_, dv_ = p.descales
+        per_head = dq_.dim() == 2
+        fp8 = dict(DESCALE_Q=dq_, DESCALE_K=dk_, DESCALE_V=dv_,
+                   stride_ds_b=p.kv_heads if per_head else 0, stride_ds_h=1 if per_head else 0,
+                   FP8=True)  # fmt: skip
     _launch(_attn_fwd, "attn_fwd", grid, q, common["HEAD_DIM_PAD"],
             Q=q, K=k, V=v, O=out, LSE=lse2,
             **_named("q", p.q_strides), **_named("k", p.k_strides),
             **_named("v", p.v_strides), **_named("o", _strides(out, p)),
-            SEQ_BUCKET=tuning.seq_bucket(sq, sk), **common)  # fmt: skip
+            SEQ_BUCKET=tuning.seq_bucket(sq, sk), **fp8, **common)  # fmt: skip
     return out, lse2
 
 
@@ -921,7 +947,10 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, num_war
                 HEAD_DIM_PAD=128, HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, CAUSAL=True,
                 PRECISION="ieee" if dtype == torch.float32 else "tf32", VARLEN=False,
                 WINDOW=False, SOFTCAP=False, ALIBI=False, SINKS=False, DROPOUT=False,
+                FP8=False, DESCALE_Q=stats, DESCALE_K=stats, DESCALE_V=stats,
                 BLOCK_M=64, BLOCK_N=64)  # fmt: skip
+    if dtype == torch.float8_e4m3fn:  # fp8 inputs give a bf16 output
+        base.update(FP8=True, O=torch.empty(16, dtype=torch.bfloat16))
     base.update(args)
     values = {p.name: base.get(p.name, torch.empty(16, dtype=dtype) if p.name.isupper() else 17)
               for p in fn[kernel].params}  # fmt: skip

@@ -77,14 +77,19 @@ def start(q, k, v, problem: Problem, family: Family) -> Future | None:
     _seen.add(key)
     from diyfa import tuning  # here: importing diyfa.attention loads no Triton
 
-    if (not q.is_cuda or not enabled() or tuning.autotune_enabled()
-            or torch.cuda.is_current_stream_capturing() or not _fits(q, k, v)):  # fmt: skip
+    if not q.is_cuda or not enabled() or tuning.autotune_enabled():
         return None
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diyfa-prefetch")
-    out, lse2 = standins(q, v, problem)
-    return _pool.submit(_compile_backward, family, problem, q, k, v, out, lse2)
+    try:  # an optimisation: nothing here may fail the user's call
+        if torch.cuda.is_current_stream_capturing() or not _fits(q, k, v):
+            return None
+        global _pool
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diyfa-prefetch")
+        out, lse2 = standins(q, v, problem)
+        return _pool.submit(_compile_backward, family, problem, q, k, v, out, lse2)
+    except Exception as error:  # e.g. the stand-ins' allocation under a memory cap
+        log.debug("backward prefetch not started: %r", error)
+        return None
 
 
 def standins(q: torch.Tensor, v: torch.Tensor, problem: Problem):
@@ -100,11 +105,17 @@ def standins(q: torch.Tensor, v: torch.Tensor, problem: Problem):
     return out, torch.empty(shape, dtype=torch.float32, device=q.device)
 
 
-def _compile_backward(family: Family, problem: Problem, q, k, v, out, lse2) -> None:
+def _compile_backward(family: Family, problem: Problem, q, k, v, out, lse2) -> str | None:
+    """The worker's job; returns its failure as text (None: done). Not the exception itself:
+    its traceback would keep the worker's buffers alive until the backward runs."""
     from diyfa._launcher import compile_only
 
-    with torch.cuda.device(q.device), compile_only():
-        family.backward(out, q, k, v, out, lse2, problem)
+    try:
+        with torch.cuda.device(q.device), compile_only():
+            family.backward(out, q, k, v, out, lse2, problem)
+    except Exception as error:
+        return repr(error)
+    return None
 
 
 def wait(future: Future | None) -> None:
@@ -112,7 +123,7 @@ def wait(future: Future | None) -> None:
     failure is logged, never raised (the backward compiles what it needs itself)."""
     if future is None:
         return
-    error = future.exception()
+    error = future.exception() or future.result()
     if error is not None:
-        log.debug("backward prefetch failed (the backward compiles its kernels itself): %r",
+        log.debug("backward prefetch failed (the backward compiles its kernels itself): %s",
                   error)  # fmt: skip

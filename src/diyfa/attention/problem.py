@@ -79,6 +79,15 @@ class Problem:
     # once per call, so the backward regenerates it.
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    # fp8 (issue 18): q, k, v in float8_e4m3fn with fp32 descales (q_descale, k_descale,
+    # v_descale), each (1,) (per tensor) or (batch, kv_heads) contiguous: a stored value times
+    # its descale is the real one. The output is bf16. Forward only.
+    descales: tuple | None = None
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The output's dtype: the inputs', or bf16 for fp8 inputs."""
+        return torch.bfloat16 if self.descales is not None else self.dtype
 
     @property
     def head_dim_v(self) -> int:

@@ -148,6 +148,11 @@ DEFAULTS = {
 # Without autotuning, problems with fewer 128x256 tiles than half the SMs take smaller tiles
 # with a longer K step (an H200 at 1024^3: 6.4 us per kernel against 13.7 us for 128x256).
 SMALL_DEFAULTS = {"tma": {9: (64, 128, 128, 8, 4, 4, False)}}
+# fp32 with precision="ieee" on the portable kernel (CUDA-core FMAs, summed in two levels: two
+# accumulator tiles): 128 x 128 with 8 warps, 64 + 64 fp32 registers a thread. The 128 x 256
+# default spilled 2,016 bytes a thread with the second accumulator (332 before it), 128 x 128
+# spills 20 (ptxas, sm90a, 2026-11-23; not timed on a GPU).
+IEEE_DEFAULT = (128, 128, 64, 8, 8, 4)
 # Small tiles under the interpreter: the tests still cross several tiles and K steps.
 INTERPRETER_DEFAULTS = {
     "portable": (32, 32, 32, 2, 4, 1),
@@ -216,15 +221,19 @@ def configs_for(kind: str, elem_bytes: int, out_bytes: int, smem_limit: int,
 
 
 def default_config(kind: str, elem_bytes: int, out_bytes: int, capability_major: int | None,
-                   smem_limit: int | None, small: bool = False) -> MatmulConfig:  # fmt: skip
+                   smem_limit: int | None, small: bool = False,
+                   ieee: bool = False) -> MatmulConfig:  # fmt: skip
     """The config used without autotuning (interpreter, ``DIYFA_AUTOTUNE=0``): for ``small``
-    problems the small-problem table's entry, else the tuned table's entry for the
-    architecture, else the default table's."""
+    problems the small-problem table's entry, for fp32 ``ieee`` on the portable kernel
+    :data:`IEEE_DEFAULT`, else the tuned table's entry for the architecture, else the
+    default table's."""
     if interpreter_enabled() or capability_major is None:
         return make_config(INTERPRETER_DEFAULTS[kind], elem_bytes)
     table = DEFAULTS[kind]
     small_table = SMALL_DEFAULTS.get(kind, {})
-    if small and capability_major in small_table:
+    if ieee and kind == "portable" and elem_bytes == 4:
+        entry = IEEE_DEFAULT
+    elif small and capability_major in small_table:
         entry = small_table[capability_major]
     else:
         entry = tuning.tuned_entry(f"matmul_{kind}", capability_major, 0) or (
@@ -717,7 +726,8 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
             _chosen[key] = (dict(best.kwargs), best.num_warps, best.num_stages)
             tuning.remember_choice(disk_key, *_chosen[key])
             return None
-        cfg = default_config(kind, elem_bytes, out_bytes, major, smem, small)
+        cfg = default_config(kind, elem_bytes, out_bytes, major, smem, small,
+                             ieee=args.get("PRECISION") == "ieee")  # fmt: skip
         choice = _chosen[key] = (cfg.meta(), cfg.num_warps, cfg.num_stages)
     meta, num_warps, num_stages = choice
     if kind == "tma":
