@@ -475,7 +475,7 @@ def test_launch_steps_down_when_a_config_does_not_fit(monkeypatch):
     # Unpinned: the default (here the interpreter's 32x32) fits and is remembered.
     portable._launch(FakeKernel(), "attn_fwd", lambda m: (1,), t, 256, **args)
     assert portable._chosen[("attn_fwd", False, None, torch.float32, 256, False, 1024,
-                             False, False, False, False, False, 256, False)][0] == {
+                             False, False, False, False, False, 256, False, False)][0] == {
         "BLOCK_M": 32, "BLOCK_N": 32}
     with pytest.raises(OutOfResources):
         with diyfa.tuning.pinned("attn_fwd", BLOCK_M=64, BLOCK_N=64):
