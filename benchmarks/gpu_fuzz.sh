@@ -3,8 +3,9 @@
 # as one device call (nvidia-h200, about 8 minutes): parallel jobs on the one GPU, each
 # running ONE fuzz test (attention fwd+bwd, varlen fwd+bwd, KV cache or matmul) for the whole
 # call: FUZZ_PLAN lists the jobs' tests (default "attention attention varlen varlen kvcache
-# matmul": six jobs, 2/2/1/1). The last job first runs the named regressions
-# (tests/test_fuzz_regressions.py) on CUDA. The gpu profile: lengths up to 16k, head dims
+# matmul": six jobs, 2/2/1/1; "fp8_attention" names the fp8 forward's test). The last job
+# first runs the named regressions (tests/test_fuzz_regressions.py) on CUDA, and gets 100 s
+# less for its test. The gpu profile: lengths up to 16k, head dims
 # 1..256, thousands of examples allowed, each job stopped after DIYFA_FUZZ_SECONDS
 # (FUZZ_SECONDS, default 380) unless it has found a failure, which hypothesis then shrinks
 # (the run's timeout cuts what is left).

@@ -68,6 +68,9 @@ def _emulate(q, k, v, *, causal, scale, layout, window, softcap):
         if right >= 0:
             keep &= j <= i + right
     s = s.masked_fill(~keep.to(s.device), float("-inf"))
+    if sk == 0:  # nothing to attend to: zeros
+        out = torch.zeros(s.shape[:-1] + v.shape[-1:], dtype=torch.bfloat16)
+        return out.transpose(1, 2) if layout == "bshd" else out
     m = s.amax(-1, keepdim=True).clamp_min(-1e30)
     p = torch.exp(s - m).nan_to_num(0.0)
     l = p.sum(-1, keepdim=True)

@@ -12,6 +12,9 @@ float64 references, by the rules of the hand-written tests.
   by the 2x rule, and the cache holds exactly the appended rows afterwards.
 - triton_matmul: shapes (0 included), batches, transposed and sliced operands, dtypes (fp8
   too), every epilogue (scales, bias, activation, out_dtype), by test_matmul's rule.
+- flash_attention on float8_e4m3fn inputs (forward only): shapes, GQA, causal, windows,
+  softcap, layouts, per-tensor or per-head descales, outlier channels; within 2x a PyTorch
+  emulation of the recipe plus P's e4m3 rounding (test_fp8_attention).
 
 Profiles (tests/conftest.py): ``ci`` (default; derandomized, small shapes, the interpreter on
 the CPU), ``deep`` (the same shapes, 10x the examples, a fresh seed each run) and ``gpu``
@@ -53,6 +56,7 @@ from diyfa.reference import attention_ref, matmul_ref  # noqa: E402
 from .conftest import DEVICE, FUZZ_PROFILE, HAS_CUDA  # noqa: E402
 from .test_attention import FLOOR, half_ulp, rounding_slack  # noqa: E402
 from .test_attention import _check as _check_nonempty  # noqa: E402
+from .test_fp8_attention import E4M3, _emulate  # noqa: E402
 from .test_matmul import _act  # noqa: E402
 
 # Random inputs make the interpreter's numpy overflow on lanes the kernels compute and never
@@ -71,11 +75,11 @@ if GPU and not HAS_CUDA:
                 "interpreter)", allow_module_level=True)  # fmt: skip
 
 # Examples per test: the ci numbers keep the whole file under a minute on 2 CPU cores.
-_CI = dict(attention=100, varlen=25, kvcache=30, matmul=80)
+_CI = dict(attention=100, varlen=25, kvcache=30, matmul=80, fp8_attention=30)
 EXAMPLES = {
     "ci": _CI,
     "deep": {name: 10 * n for name, n in _CI.items()},
-    "gpu": dict(attention=4000, varlen=2000, kvcache=2000, matmul=3000),
+    "gpu": dict(attention=4000, varlen=2000, kvcache=2000, matmul=3000, fp8_attention=2000),
 }[FUZZ_PROFILE]
 
 
@@ -960,6 +964,108 @@ def run_matmul_case(c: MatmulCase) -> None:
 @given(case=matmul_cases())
 def test_fuzz_matmul(case):
     _example("matmul", run_matmul_case, case)
+
+
+# --------------------------------------------------------------------------- fp8 attention
+@dataclass(frozen=True)
+class Fp8Case:
+    b: int
+    h: int
+    hk: int
+    sq: int
+    sk: int
+    d: int
+    causal: bool
+    window: tuple
+    softcap: float
+    layout: str
+    per_head: bool  # descales per (batch, kv head), else per tensor
+    outliers: bool  # a few head-dim channels of q and k 20x larger
+    seed: int
+
+
+@st.composite
+def fp8_cases(draw):
+    sq, sk = draw(_seqlen()), draw(_seqlen())
+    max_bh = max(1, MAX_SCORES // max(1, sq * sk))
+    hk = draw(st.integers(1, min(2 if not GPU else 4, max_bh)))
+    h = hk * draw(st.integers(1, max(1, min(3, max_bh // hk))))
+    b = draw(st.integers(1, max(1, min(2, max_bh // h))))
+    causal = draw(st.booleans())
+    sides = draw(st.one_of(st.none(), st.tuples(st.booleans(), st.booleans()).map(
+        lambda w: w if any(w) else None)))  # fmt: skip
+    d = draw(st.sampled_from([16, 32, 64, 128, 256]) if GPU else st.one_of(
+        st.integers(1, 64), st.sampled_from([16, 64, 128])))  # fmt: skip
+    return Fp8Case(b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, causal=causal,
+                   window=draw(_window(causal, sides)), softcap=draw(_softcap(draw(
+                       st.sampled_from([False, False, True])))),
+                   layout=draw(st.sampled_from(["bhsd", "bshd"])), per_head=draw(st.booleans()),
+                   outliers=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))  # fmt: skip
+
+
+def run_fp8_case(c: Fp8Case) -> None:
+    """The fp8 forward against float64 attention of the dequantised inputs: out within 2x a
+    PyTorch emulation of the recipe (test_fp8_attention) plus the rounding of P to e4m3 (3
+    mantissa bits: 2^-4 of each term of P @ |V|, which the emulation, rounding P against the
+    row's global maximum where the kernel uses the running one, need not share) and half a
+    bf16 ulp; LSE as for 16-bit inputs."""
+    g = torch.Generator().manual_seed(c.seed)
+
+    def make(heads, s):
+        shape = (c.b, heads, s, c.d) if c.layout == "bhsd" else (c.b, s, heads, c.d)
+        return torch.randn(shape, generator=g)
+
+    q, k, v = make(c.h, c.sq), make(c.hk, c.sk), make(c.hk, c.sk)
+    if c.outliers:
+        q[..., : max(1, c.d // 16)] *= 20
+        k[..., : max(1, c.d // 16)] *= 20
+    heads_dim = 1 if c.layout == "bhsd" else 2
+    seq_dim = 3 - heads_dim
+
+    def quant(x, group):  # amax scaling to 448; per (batch, kv head) takes a group's max
+        if not c.per_head:
+            amax = x.abs().amax() if x.numel() else torch.tensor(0.0)
+            sc = (amax / 448).clamp_min(1e-12).reshape(1)
+            return (x / sc).to(E4M3), sc, sc
+        amax = (x.abs().amax(dim=(seq_dim, 3)) if x.numel()
+                else torch.zeros(c.b, x.shape[heads_dim]))  # an empty sequence: any scale
+        amax = amax.view(c.b, c.hk, group).amax(-1)  # (batch, kv heads)
+        sc = (amax / 448).clamp_min(1e-12)
+        full = sc.repeat_interleave(group, 1)  # per head
+        shape = full[:, :, None, None] if c.layout == "bhsd" else full[:, None, :, None]
+        return (x / shape).to(E4M3), sc.contiguous(), shape
+
+    group = c.h // c.hk
+    (q8, qs, qb), (k8, ks, kb), (v8, vs, vb) = quant(q, group), quant(k, 1), quant(v, 1)
+    with torch.no_grad():
+        out, lse = diyfa.flash_attention(
+            q8.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), causal=c.causal, layout=c.layout,
+            window_size=c.window, softcap=c.softcap, q_descale=qs.to(DEVICE),
+            k_descale=ks.to(DEVICE), v_descale=vs.to(DEVICE), return_lse=True)  # fmt: skip
+    qd, kd, vd = q8.double() * qb.double(), k8.double() * kb.double(), v8.double() * vb.double()
+    window = None if c.window == (-1, -1) else c.window
+    kw = dict(causal=c.causal, layout=c.layout, softcap=c.softcap, window=window)
+    ref, ref_lse = attention_ref(qd, kd, vd, compute_dtype=torch.float64, return_lse=True, **kw)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    _check_lse(lse, ref_lse.to(lse.device) if ref_lse.numel() else ref_lse)
+    if not out.numel():
+        return
+    emu = _emulate(qd, kd, vd, causal=c.causal, scale=c.d**-0.5, layout=c.layout,
+                   window=window, softcap=c.softcap)  # fmt: skip
+    # The P @ |V| bound of P's rounding: float64 probabilities of the reference's scores.
+    p_abs_v = attention_ref(qd, kd, vd.abs(), compute_dtype=torch.float64, **kw)
+    slack = 2.0**-4 * p_abs_v + half_ulp(ref, torch.bfloat16)
+    err = ((out.double().cpu() - ref) .abs() - slack).max().item()
+    emu_err = (emu.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all()
+    assert err <= 2 * emu_err + FLOOR[torch.bfloat16], (
+        f"fp8 error beyond P's rounding {err:.3e} > 2x the emulation's {emu_err:.3e}")
+
+
+@settings(max_examples=EXAMPLES["fp8_attention"])
+@given(case=fp8_cases())
+def test_fuzz_fp8_attention(case):
+    _example("fp8_attention", run_fp8_case, case)
 
 
 def test_profiles_are_registered():
