@@ -117,6 +117,14 @@ def _refuse_unsupported(function: str, lse: str = "", **options) -> None:
             )
 
 
+def _no_fp8(function: str, t) -> None:
+    """flash-attn 2's functions take no descales: fp8 inputs are refused by name."""
+    if str(getattr(t, "dtype", "")) == "torch.float8_e4m3fn":
+        raise TypeError(f"{function} takes float16, bfloat16 or float32 tensors, got "
+                        "float8_e4m3fn (fp8 attention: diyfa.flash_attention with q_descale, "
+                        "k_descale, v_descale)")  # fmt: skip
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False):  # fmt: skip
@@ -126,6 +134,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     bottom-right. Refused options: see the module docstring."""
     _refuse_unsupported("flash_attn_func", _DENSE_LSE,
                         return_attn_probs=return_attn_probs)  # fmt: skip
+    _no_fp8("flash_attn_func", q)
     return diyfa.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                  layout="bshd", deterministic=deterministic,
                                  **_variants(window_size, softcap, causal),
@@ -140,6 +149,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     views of it, not copies)."""
     _refuse_unsupported("flash_attn_qkvpacked_func", _DENSE_LSE,
                         return_attn_probs=return_attn_probs)  # fmt: skip
+    _no_fp8("flash_attn_qkvpacked_func", qkv)
     q, k, v = _unpack("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
     return diyfa.flash_attention(q, k, v, causal=causal,
                                  softmax_scale=softmax_scale, layout="bshd",
@@ -156,6 +166,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     q and kv (k, v are views of kv)."""
     _refuse_unsupported("flash_attn_kvpacked_func", _DENSE_LSE,
                         return_attn_probs=return_attn_probs)  # fmt: skip
+    _no_fp8("flash_attn_kvpacked_func", q)
     k, v = _unpack("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return diyfa.flash_attention(q, k, v, causal=causal,
                                  softmax_scale=softmax_scale, layout="bshd",

@@ -87,7 +87,8 @@ def flash_attention(
 
     Args:
         q: (batch, heads, seqlen_q, head_dim) for layout="bhsd",
-           (batch, seqlen_q, heads, head_dim) for layout="bshd". fp16, bf16 or fp32.
+           (batch, seqlen_q, heads, head_dim) for layout="bshd". fp16, bf16 or fp32 (or
+           float8_e4m3fn with descales, forward only: see q_descale).
         k, v: the same with kv_heads (dividing heads: GQA/MQA) and seqlen_k.
         causal: mask aligned bottom-right (query i sees keys j <= i + seqlen_k - seqlen_q).
         softmax_scale: default 1/sqrt(head_dim).

@@ -124,7 +124,7 @@ def check_dropout(dropout_p) -> float:
 
 
 def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, batch: int, kv_heads: int,
-                     dropout_p: float, fake: bool = False) -> tuple | None:
+                     dropout_p: float, fake: bool = False, sinks=None) -> tuple | None:
     """The descales of fp8 (float8_e4m3fn) q, k, v, checked: each fp32, on the inputs'
     device, (1,) / () per tensor or contiguous (batch, kv_heads), all three one shape
     (returned as (1,) or (batch, kv_heads) tensors); None for 16/32-bit inputs, which take
@@ -162,6 +162,9 @@ def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, batch: int, kv_he
                          + ", ".join(str(tuple(t.shape)) for t in out))  # fmt: skip
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError("fp8 attention is forward only (inference): q, k, v require grad; "
+                         "call it under torch.no_grad() or detach them")  # fmt: skip
+    if torch.is_grad_enabled() and sinks is not None and sinks.requires_grad:
+        raise ValueError("fp8 attention is forward only (inference): sinks require grad; "
                          "call it under torch.no_grad() or detach them")  # fmt: skip
     if dropout_p:
         raise ValueError(f"fp8 attention is forward only (inference): dropout_p must be 0, "
@@ -240,7 +243,7 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
         check_bias_tensors(alibi_slopes, sinks, b, h, q.device)
     dropout_p = check_dropout(dropout_p)
     descales = check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, b, hk, dropout_p,
-                                fake)  # fmt: skip
+                                fake, sinks)  # fmt: skip
     scale = _resolved_scale(softmax_scale, d)
     check_tanh_scale(scale, softcap)
     device = q.device

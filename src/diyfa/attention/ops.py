@@ -1,10 +1,11 @@
 """Attention as PyTorch custom operators, for ``torch.compile`` (and anything else that traces).
 
 ``torch.ops.diyfa.attention_fwd(q, k, v, causal, align, softmax_scale, layout, backend,
-    deterministic, window_left, window_right, softcap, alibi_slopes, sinks)`` -> (out, lse2),
-    lse2 the base-2 log-sum-exp (batch, heads, seqlen_q) fp32;
-``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, <the same options>)`` -> (dq, dk, dv,
-    dsinks) (dsinks empty without sinks);
+    deterministic, window_left, window_right, softcap, alibi_slopes, sinks, q_descale=None,
+    k_descale=None, v_descale=None)`` -> (out, lse2), lse2 the base-2 log-sum-exp (batch,
+    heads, seqlen_q) fp32 (the descales: fp8 inputs, forward only, a bf16 out);
+``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, <the same options but the
+    descales>)`` -> (dq, dk, dv, dsinks) (dsinks empty without sinks);
 ``torch.ops.diyfa.attention_varlen_fwd`` / ``attention_varlen_bwd``: the same for packed
 sequences (cumulative lengths and max lengths after q, k, v);
 ``torch.ops.diyfa.attention_kvcache``: the KV-cache call, declaring k_cache and v_cache

@@ -251,7 +251,11 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                      HEAD_DIM_V != HEAD_DIM_V_PAD)  # fmt: skip
         if FP8:  # P in e4m3 for P @ V, times 2^8: its large values near 256 (e4m3 reaches 448),
             # its small ones clear of e4m3's underflow (2^-9); the output takes the 2^8 back.
-            acc = tl.dot((p * 256.0).to(v.dtype), v, acc * alpha[:, None])
+            # The tensor cores sum fp8 products in reduced precision; promoted into the fp32
+            # accumulator once per block (max_num_imprecise_acc = BLOCK_N), so the running
+            # output over every key block stays an fp32 sum.
+            acc = tl.dot((p * 256.0).to(v.dtype), v, acc * alpha[:, None],
+                         max_num_imprecise_acc=BLOCK_N)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -725,7 +729,8 @@ def _launch(kernel_fn, name: str, grid, t: torch.Tensor, head_dim_pad: int, **ar
                   cfg["num_stages"])  # fmt: skip
     candidates = [choice] + [({"BLOCK_M": bm, "BLOCK_N": bn}, w, st)
                              for bm, bn, w, st in tuning.FALLBACKS
-                             if bm * bn < choice[0]["BLOCK_M"] * choice[0]["BLOCK_N"]]  # fmt: skip
+                             if bm * bn < choice[0]["BLOCK_M"] * choice[0]["BLOCK_N"]
+                             and (bn >= 32 or not args.get("FP8"))]  # fp8 dots: K >= 32
     for i, (meta, num_warps, num_stages) in enumerate(candidates):
         try:
             if compiling_only():  # diyfa.attention.prefetch's worker: compile, run nothing
@@ -857,6 +862,11 @@ def _attention_forward(q, k, v, problem: Problem):
         fp8 = dict(DESCALE_Q=lse2, DESCALE_K=lse2, DESCALE_V=lse2, stride_ds_b=0,
                    stride_ds_h=0, FP8=False)  # fmt: skip
     else:  # (1,) per tensor, or contiguous (batch, kv_heads) (checks.check_fp8_inputs)
+        # 8-bit dots need K >= 32 on the GPU: head dims pad to at least 32 (P @ V's K is
+        # BLOCK_N, at least 32 in every fp8 config: tuning.FALLBACKS' smaller ones are
+        # skipped below).
+        common["HEAD_DIM_PAD"] = max(32, common["HEAD_DIM_PAD"])
+        common["HEAD_DIM_V_PAD"] = max(32, common["HEAD_DIM_V_PAD"])
         dq_, dk_, dv_ = p.descales
         per_head = dq_.dim() == 2
         fp8 = dict(DESCALE_Q=dq_, DESCALE_K=dk_, DESCALE_V=dv_,
