@@ -197,7 +197,7 @@ def _call(**over):
     (dict(v_descale=torch.ones(1, dtype=torch.float64)), TypeError,
      r"v_descale\.dtype is torch\.float64; accepted: float32"),
     (dict(k_descale=torch.ones(3, 2)), ValueError,
-     r"k_descale must be \(1,\) per tensor or \(batch, kv_heads\) = \(1, 2\), got shape \(3, 2\)"),
+     r"k_descale must be \(1,\) per tensor or \(batch, kv_heads\) = \(1, 2\), got \(3, 2\)"),
     (dict(k_descale=torch.ones(1, 2)), ValueError,
      r"q_descale, k_descale and v_descale must share a shape"),
     (dict(k=torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)), TypeError,

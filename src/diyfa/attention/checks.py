@@ -97,20 +97,29 @@ def check_bias_tensors(alibi_slopes, sinks, batch: int, heads: int, device) -> N
         ("alibi_slopes", alibi_slopes, ((heads,), (batch, heads)), (torch.float32,)),
         ("sinks", sinks, ((heads,),), (torch.float16, torch.bfloat16, torch.float32)),
     ):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.dtype not in dtypes:
-            raise TypeError(f"{name}.dtype is {t.dtype}; accepted: "
-                            + ", ".join(str(d).removeprefix("torch.") for d in dtypes))
-        if tuple(t.shape) not in shapes:
-            raise ValueError(f"{name} must have shape " + " or ".join(str(s) for s in shapes)
-                             + f" (heads={heads}, batch={batch}), got {tuple(t.shape)}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, the inputs on {device}: one device")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+        if t is not None:
+            shape_rule = ("must have shape " + " or ".join(str(s) for s in shapes)
+                          + f" (heads={heads}, batch={batch})")  # fmt: skip
+            check_small_tensor(name, t, dtypes, shapes, shape_rule, device)
+
+
+def check_small_tensor(name: str, t, dtypes: tuple, shapes: tuple, shape_rule: str, device,
+                       fake: bool = False) -> None:
+    """A small per-head tensor argument (ALiBi slopes, sinks, fp8 descales): a tensor of one
+    of ``dtypes`` and ``shapes`` (``shape_rule`` says which, in words), contiguous, on
+    ``device``; TypeError / ValueError naming what was given otherwise. ``fake``: tracing,
+    strides unknown."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}.dtype is {t.dtype}; accepted: "
+                        + ", ".join(str(d).removeprefix("torch.") for d in dtypes))
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} {shape_rule}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the inputs on {device}: one device")
+    if not fake and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
 def check_dropout(dropout_p) -> float:
@@ -144,20 +153,10 @@ def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, batch: int, kv_he
             raise ValueError(f"fp8 (float8_e4m3fn) q, k, v need {name}: fp32, (1,) per tensor "
                              f"or (batch={batch}, kv_heads={kv_heads}); a stored value times "
                              "its descale is the real one")  # fmt: skip
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name}.dtype is {t.dtype}; accepted: float32")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on the inputs' device {q.device}, got {t.device}")
-        if t.dim() <= 1 and t.numel() == 1:
-            t = t.reshape(1)
-        elif tuple(t.shape) != (batch, kv_heads):
-            raise ValueError(f"{name} must be (1,) per tensor or (batch, kv_heads) = "
-                             f"({batch}, {kv_heads}), got shape {tuple(t.shape)}")  # fmt: skip
-        elif not fake and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-        out.append(t)
+        check_small_tensor(name, t, (torch.float32,), ((), (1,), (batch, kv_heads)),
+                           f"must be (1,) per tensor or (batch, kv_heads) = ({batch}, "
+                           f"{kv_heads})", q.device, fake)  # fmt: skip
+        out.append(t.reshape(1) if t.dim() == 0 else t)
     if len({tuple(t.shape) for t in out}) != 1:
         raise ValueError("q_descale, k_descale and v_descale must share a shape, got "
                          + ", ".join(str(tuple(t.shape)) for t in out))  # fmt: skip
