@@ -84,65 +84,6 @@ HOPPER_CONFIGS = {
 
 
 # --------------------------------------------------------------------------------------------
-# exp2 split between the MUFU and the FMA units (FlashAttention-4's trick, for Hopper)
-# --------------------------------------------------------------------------------------------
-# An SM's MUFU unit retires 16 exp2 per clock, its FMA units 128 fp32 operations: at head
-# dim 64 a 64 x 128 block's exponentials take as long as its two matmuls. EXP_POLY of every
-# 4 scores are therefore computed on the FMA units: 2^x = 2^j * 2^f with j = round(x) (the
-# 1.5 * 2^23 rounding trick, whose low bits are j), f in [-0.5, 0.5], 2^f by a cubic
-# (minimax for the relative error on [-0.5, 0.5]: 7.5e-5, below bf16's and fp16's rounding
-# of P), and 2^j built in the exponent field. x is clamped to -127 first, where 2^j's
-# bits are 0: a masked -inf gives exactly 0, as ex2 does; max.NaN keeps a NaN (p is then
-# NaN, and so is p * 2^j).
-_POLY_C = ("0f3F7FFB4A", "0f3F31798D", "0f3E786EE8", "0f3D61FB68")  # 2^f ~ c0 + c1 f + ...
-
-
-def _exp2_asm(poly: int) -> str:
-    """PTX for 4 scores ($4..$7 -> $0..$3), the last ``poly`` of them on the FMA units."""
-    c0, c1, c2, c3 = _POLY_C
-    lines = ["{", ".reg .f32 x, t, j, f, p, s;", ".reg .b32 e;"]
-    for i in range(4):
-        if i < 4 - poly:
-            lines.append(f"ex2.approx.ftz.f32 ${i}, ${i + 4};")
-            continue
-        lines += [
-            f"max.NaN.f32 x, ${i + 4}, 0fC2FE0000;",  # x >= -127
-            "add.rn.f32 t, x, 0f4B400000;",  # t = x + 1.5 * 2^23: round(x) in t's low bits
-            "sub.rn.f32 j, t, 0f4B400000;",
-            "sub.rn.f32 f, x, j;",
-            f"fma.rn.f32 p, f, {c3}, {c2};",
-            f"fma.rn.f32 p, p, f, {c1};",
-            f"fma.rn.f32 p, p, f, {c0};",
-            "mov.b32 e, t;",
-            "shl.b32 e, e, 23;",
-            "add.s32 e, e, 1065353216;",  # + 127 << 23: the bits of 2^j (0 for j = -127)
-            "mov.b32 s, e;",
-            f"mul.rn.f32 ${i}, p, s;",
-        ]
-    return "\n".join(lines + ["}"])
-
-
-EXP2_ASM_1 = gl.constexpr(_exp2_asm(1))  # (jit functions read constexpr globals only)
-EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
-
-
-@gluon.jit
-def _exp2(x, POLY: gl.constexpr):
-    """2^x for fp32 ``x`` (<= 0 or -inf in the softmax): ``POLY`` (0, 1 or 2) of every 4
-    elements on the FMA units, the rest by ex2 (MUFU)."""
-    if POLY == 0:
-        return gl.exp2(x)
-    elif POLY == 1:
-        return gl.inline_asm_elementwise(
-            EXP2_ASM_1, "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32, is_pure=True, pack=4
-        )
-    else:
-        return gl.inline_asm_elementwise(
-            EXP2_ASM_2, "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32, is_pure=True, pack=4
-        )
-
-
-# --------------------------------------------------------------------------------------------
 # Device code
 # --------------------------------------------------------------------------------------------
 @gluon.jit
@@ -285,7 +226,7 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_offset, qk_scale,
                   tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                  ALIBI: gl.constexpr, EXP_POLY: gl.constexpr):
+                  ALIBI: gl.constexpr):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
@@ -314,12 +255,12 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
     if ALIBI:  # already base 2 and scaled
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2(s - m_use[:, None], EXP_POLY)
+        p = gl.exp2(s - m_use[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2(s * qk_scale - m_use[:, None], EXP_POLY)
+        p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
@@ -332,7 +273,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-              VARLEN: gl.constexpr, EXP_POLY: gl.constexpr, C: gl.constexpr):
+              VARLEN: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
@@ -397,8 +338,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             p, m_i, l_i, alpha = _softmax_step(
                 s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale, tanh_scale, slope2, alibi_offset,
-                (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    EXP_POLY)
+                (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
@@ -421,8 +361,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 p, m_i, l_i, alpha = _softmax_step(
                     s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                     qk_scale, tanh_scale, slope2, alibi_offset,
-                    (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    EXP_POLY)
+                    (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
                 acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(kv_empty.index(STAGES + prev))  # nor V_{j-1}
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
@@ -480,12 +419,12 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, EXP_POLY: gl.constexpr):
+               VARLEN: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, EXP_POLY, 0)  # fmt: skip
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, 0)  # fmt: skip
 
 
 @gluon.jit
@@ -495,12 +434,12 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, EXP_POLY: gl.constexpr):
+               VARLEN: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, EXP_POLY, 1)  # fmt: skip
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, 1)  # fmt: skip
 
 
 @gluon.jit
@@ -510,12 +449,12 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, EXP_POLY: gl.constexpr):
+               VARLEN: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, EXP_POLY, 2)  # fmt: skip
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, 2)  # fmt: skip
 
 
 @gluon.jit
@@ -526,7 +465,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                     SINKS: gl.constexpr, VARLEN: gl.constexpr, EXP_POLY: gl.constexpr):
+                     SINKS: gl.constexpr, VARLEN: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
     launch). Launched with num_warps=4 (the first consumer); the partitions add 4 warps per
@@ -560,19 +499,19 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, EXP_POLY)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, EXP_POLY)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, EXP_POLY)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, batch_heads, heads, kv_group, seqlen_q,
                        seqlen_k, causal_offset, left_offset, CU_Q, CU_K, CAUSAL, CONSUMERS,
@@ -585,13 +524,13 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, EXP_POLY)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, EXP_POLY)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, batch_heads, heads, kv_group, seqlen_q,
                        seqlen_k, causal_offset, left_offset, CU_Q, CU_K, CAUSAL, CONSUMERS,
@@ -648,9 +587,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     sk = k4.shape[2]
     if packed is not None:
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
-    config = config or HOPPER_CONFIGS[head_dim_pad(d)]
-    consumers, block_n, stages, per_sm, c_regs, l_regs = config[:6]
-    exp_poly = config[6] if len(config) > 6 else 0
+    consumers, block_n, stages, per_sm, c_regs, l_regs = config or HOPPER_CONFIGS[head_dim_pad(d)]
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
                 o_desc=_desc(o4, SUB_M), LSE=lse2, batch_heads=b * h, heads=h,
                 kv_group=h // k4.shape[1], seqlen_q=sq, seqlen_k=sk,
@@ -660,7 +597,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 SINKS=False, CU_Q=lse2, CU_K=lse2, O=lse2, stride_os=0, stride_oh=0,
-                total_q=0, head_dim=o4.shape[3], VARLEN=False, EXP_POLY=exp_poly)  # fmt: skip
+                total_q=0, head_dim=o4.shape[3], VARLEN=False)  # fmt: skip
     if variants:
         args.update(variants)
     if packed is not None:
