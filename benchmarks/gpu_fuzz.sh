@@ -2,8 +2,10 @@
 # The property-based tests (tests/test_fuzz.py) under the "gpu" hypothesis profile, on CUDA,
 # as one device call (nvidia-h200, about 8 minutes): parallel jobs on the one GPU, each
 # running ONE fuzz test (attention fwd+bwd, varlen fwd+bwd, KV cache or matmul) for the whole
-# call: FUZZ_PLAN lists the jobs' tests (default "attention attention varlen varlen kvcache
-# matmul": six jobs, 2/2/1/1; "fp8_attention" names the fp8 forward's test). The last job
+# call: FUZZ_PLAN lists the jobs' tests (default "matmul matmul attention attention attention
+# varlen varlen fp8_attention kvcache kvcache": ten jobs, one per 1.6 CPU cores of the H200
+# machine, whose compiles set the pace; six jobs gave 1,251 attention and 280 matmul
+# examples, fuzz-summary_ba90c48; "fp8_attention" is the fp8 forward's test). The last job
 # first runs the named regressions (tests/test_fuzz_regressions.py) on CUDA, and gets 100 s
 # less for its test. The gpu profile: lengths up to 16k, head dims
 # 1..256, thousands of examples allowed, each job stopped after DIYFA_FUZZ_SECONDS
@@ -48,7 +50,7 @@ python3 -c "import hypothesis" 2>/dev/null || { [ -d .whl ] &&
   python3 -m pip install -q --no-index --find-links .whl hypothesis 2>&1 | tail -n 2; }
 python3 -c "import hypothesis" || { echo "hypothesis missing: carry .whl (make gpu-wheels)"; exit 1; }
 start=$(date +%s)
-read -r -a PLAN <<< "${FUZZ_PLAN:-attention attention varlen varlen kvcache matmul}"
+read -r -a PLAN <<< "${FUZZ_PLAN:-matmul matmul attention attention attention varlen varlen fp8_attention kvcache kvcache}"
 JOBS=${#PLAN[@]}
 jobs="$OUT/jobs"; rm -rf "$jobs"; mkdir -p "$jobs"
 pids=()
@@ -143,8 +145,9 @@ for test, r in examples.items():  # tests no junit file has (every job's run cut
               f"| {r['seconds']:.0f} |")
         if r["failed"]:
             failed.append(f"test_fuzz_{test}")
-attn = sum(examples[t]["examples"] for t in ("attention", "varlen", "kvcache") if t in examples)
-print(f"\nAttention examples (attention + varlen + kvcache): {attn}; matmul: "
+attn = sum(examples[t]["examples"] for t in ("attention", "varlen", "kvcache", "fp8_attention")
+           if t in examples)
+print(f"\nAttention examples (attention + varlen + kvcache + fp8_attention): {attn}; matmul: "
       f"{examples['matmul']['examples'] if 'matmul' in examples else 0}.\n")
 print("| test | kernel path (as \"auto\" chose it) | examples |\n|---|---|---|")
 for test, r in examples.items():
