@@ -56,7 +56,7 @@ from diyfa.reference import attention_ref, matmul_ref  # noqa: E402
 from .conftest import DEVICE, FUZZ_PROFILE, HAS_CUDA  # noqa: E402
 from .test_attention import FLOOR, half_ulp, rounding_slack  # noqa: E402
 from .test_attention import _check as _check_nonempty  # noqa: E402
-from .test_fp8_attention import E4M3, _emulate  # noqa: E402
+from .test_fp8_attention import E4M3, _emulate, check_fp8_lse  # noqa: E402
 from .test_matmul import _act  # noqa: E402
 
 # Random inputs make the interpreter's numpy overflow on lanes the kernels compute and never
@@ -1045,7 +1045,8 @@ def run_fp8_case(c: Fp8Case) -> None:
     PyTorch emulation of the recipe (test_fp8_attention) plus the rounding of P to e4m3 (3
     mantissa bits: 2^-4 of each term of P @ |V|, which the emulation, rounding P against the
     row's global maximum where the kernel uses the running one, need not share) and half a
-    bf16 ulp; LSE as for 16-bit inputs."""
+    bf16 ulp; LSE as for 16-bit inputs, plus the bound of the tensor cores' reduced-precision
+    fp8 sums (test_fp8_attention.check_fp8_lse)."""
     g = torch.Generator().manual_seed(c.seed)
 
     def make(heads, s):
@@ -1084,7 +1085,8 @@ def run_fp8_case(c: Fp8Case) -> None:
     kw = dict(causal=c.causal, layout=c.layout, softcap=c.softcap, window=window)
     ref, ref_lse = attention_ref(qd, kd, vd, compute_dtype=torch.float64, return_lse=True, **kw)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
-    _check_lse(lse, ref_lse.to(lse.device) if ref_lse.numel() else ref_lse)
+    check_fp8_lse(lse, ref_lse, qd, kd, scale=c.d**-0.5, layout=c.layout, causal=c.causal,
+                  window=window)  # fmt: skip
     if not out.numel():
         return
     emu = _emulate(qd, kd, vd, causal=c.causal, scale=c.d**-0.5, layout=c.layout,

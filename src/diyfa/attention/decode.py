@@ -48,6 +48,8 @@ if interpreter_enabled():
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step; splits are whole multiples of it
+NUM_WARPS = 4  # the split kernel's warps
+PROGRAMS_PER_SM = 2  # pick_splits' aim: about this many split programs per SM
 
 
 def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int) -> int:
@@ -208,10 +210,10 @@ def _combine(O_PART, LSE_PART, O, LSE, SINK_LOGITS, rows_per_split, seqlen_q, he
 
 
 def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
-    """Splits so that about two programs per SM run: a long cache with few (batch, kv head)
-    pairs is cut into more ranges; never ranges shorter than 4 blocks of keys."""
+    """Splits so that about PROGRAMS_PER_SM programs per SM run: a long cache with few (batch,
+    kv head) pairs is cut into more ranges; never ranges shorter than 4 blocks of keys."""
     sms = 4 if device.type != "cuda" else kernel_limits(device.index)["sm_count"]
-    want = cdiv(2 * sms, max(1, batch * kv_heads))
+    want = cdiv(PROGRAMS_PER_SM * sms, max(1, batch * kv_heads))
     return max(1, min(want, cdiv(max_seqlen_k, 4 * BLOCK_N), 64))
 
 
@@ -336,7 +338,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     if q.is_cuda:  # diyfa's launcher: Triton's per-call binding costs tens of microseconds
         stages = split_stages(d_pad, dv_pad, k_cache.element_size(),
                               kernel_limits(q.device.index)["max_shared_mem"])  # fmt: skip
-        launch(_decode_split, split_grid, split_args, {}, 4, stages)
+        launch(_decode_split, split_grid, split_args, {}, NUM_WARPS, stages)
         launch(_combine, (rows,), combine_args, {}, 4, 3)
     else:  # the interpreter
         _decode_split[split_grid](**split_args, num_warps=1)

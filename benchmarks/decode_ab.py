@@ -1,0 +1,114 @@
+"""A/B runs of the split-KV decode kernel's launch parameters (diyfa/attention/decode.py:
+BLOCK_N, NUM_WARPS, pipeline stages, PROGRAMS_PER_SM), contiguous and paged caches, in one
+process on a CUDA GPU. GB/s = (K and V cache bytes read + q + out) / time, next to the
+measured copy bandwidth (a 2 GB ``clone``: bytes read + written / time). Every variant's
+output is first compared with the default's (the same math, max |diff| printed).
+
+Usage (device): python3 benchmarks/decode_ab.py [--out decode_ab.jsonl]
+  [--variants "64,4,3,2;128,8,3,2"]   (BLOCK_N, warps, stages, programs per SM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
+
+import diyfa  # noqa: E402
+from diyfa.attention import decode  # noqa: E402
+
+# (batch, q heads, kv heads, cached tokens, page size or None), d 128, one new token
+SHAPES = [(16, 32, 8, 16384, None), (64, 32, 8, 4096, None), (1, 32, 8, 131072, None),
+          (128, 32, 8, 512, None), (16, 32, 32, 16384, None),
+          (16, 32, 8, 16384, 16), (16, 32, 8, 16384, 256), (64, 32, 8, 4096, 16)]  # fmt: skip
+DEFAULT_VARIANTS = "64,4,3,2;64,4,4,4;128,4,3,2;128,8,3,2;64,8,4,4;32,4,4,4"
+
+
+@contextlib.contextmanager
+def variant(block_n, warps, stages, per_sm):
+    saved = decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, decode.split_stages
+    decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM = block_n, warps, per_sm
+    decode.split_stages = lambda *_: stages
+    try:
+        yield
+    finally:
+        decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, decode.split_stages = saved
+
+
+def inputs(b, h, hk, n, page, d=128, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=dtype, generator=g)
+    seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    if page is None:
+        k = torch.randn(b, n, hk, d, device="cuda", dtype=dtype, generator=g)
+        return q, k, torch.randn_like(k), seqlens, None
+    per_seq = -(-n // page)
+    table = torch.randperm(b * per_seq, device="cuda", generator=g).view(b, per_seq).int()
+    k = torch.randn(b * per_seq, page, hk, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, torch.randn_like(k), seqlens, table
+
+
+def copy_bandwidth() -> float:
+    from triton.testing import do_bench
+
+    x = torch.empty(2**30, dtype=torch.int16, device="cuda")
+    ms = do_bench(lambda: x.clone(), warmup=25, rep=100, return_mode="median")
+    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="decode_ab.jsonl")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    a = ap.parse_args()
+    from triton.testing import do_bench
+
+    variants = [tuple(int(x) for x in v.split(",")) for v in a.variants.split(";") if v]
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=__import__("triton").__version__)  # fmt: skip
+    copy = copy_bandwidth()
+    print(f"copy bandwidth: {copy:.0f} GB/s", flush=True)
+    table = []
+    with open(a.out, "w") as out:
+        out.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")
+        for b, h, hk, n, page in SHAPES:
+            q, k, v, seqlens, tbl = inputs(b, h, hk, n, page)
+            nbytes = 2 * b * n * hk * 128 * 2 + 2 * q.numel() * 2
+            row = {"b": b, "h": h, "hk": hk, "n": n, "page": page}
+            ref = None
+            for var in variants:
+                name = "v" + "-".join(map(str, var))
+                try:
+                    fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,
+                                           cache_seqlens=seqlens, block_table=tbl)  # fmt: skip
+                    with variant(*var):
+                        o = fn()
+                        ref = o if ref is None else ref
+                        diff = (o.float() - ref.float()).abs().max().item()
+                        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                    row[name] = round(nbytes / (ms * 1e-3) / 1e9)
+                    if diff > 0.02:
+                        row[name + "_diff"] = diff
+                except Exception as e:  # noqa: BLE001 - a variant that fails is a note
+                    row[name] = type(e).__name__
+            out.write(json.dumps({"record": "measurement", **env, **row}) + "\n")
+            out.flush()
+            print(row, flush=True)
+            table.append(row)
+            torch.cuda.empty_cache()
+    print(f"\ndecode GB/s (copy {copy:.0f}); variants BLOCK_N-warps-stages-programs/SM")
+    for r in table:
+        head = f"b{r['b']} h{r['h']}/{r['hk']} n{r['n']} page{r['page']}"
+        print(f"{head:34s}", "  ".join(f"{k}={v}" for k, v in r.items()
+                                       if k not in ("b", "h", "hk", "n", "page")))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
