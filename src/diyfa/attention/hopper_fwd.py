@@ -77,10 +77,26 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # Shared memory: Q (consumers * 64 * d) + STAGES * 2 * BLOCK_N * d, 2 bytes each: 144 / 160
 # / 192 KB of the 227 KB a block may use. Chosen from A/B runs on an H100 (docs/attention.md).
 HOPPER_CONFIGS = {
-    64: (2, 128, 4, 1, 240, 24),
-    128: (2, 128, 2, 1, 240, 24),
-    256: (2, 64, 2, 1, 240, 24),
+    64: (2, 128, 4, 1, 240, 24, 0),
+    128: (2, 128, 2, 1, 240, 24, 1),
+    256: (2, 64, 2, 1, 240, 24, 0),
 }
+# From LONG_KEYS keys on, head dim 64 runs three consumers (192 query rows per tile): H200,
+# bf16, 2026-11-23 (benchmarks/results/*_hopper-fwd-pin-ab_1fc2b6f.jsonl): 490.6 against
+# 457.0 TFLOPS at 16k, 478.4 against 450.1 causal, 470.1 against 456.8 at 4096 (causal
+# even); at 1024 keys it lost (359.7 against 373.0, causal 201.4 against 243.2). 160
+# registers each leave ptxas a few bytes of spill (test_hopper_kernel_compiles_and_fits).
+# The 7th entry, PIN, keeps the wait for P V after the softmax (see _consumer): +2% at d128
+# (5 of 6 shapes), -2..-3% at d64 and mixed at d256 in the same run, so d128 only.
+LONG_KEYS = 4096
+HOPPER_CONFIGS_LONG = {64: (3, 128, 4, 1, 160, 24, 0)}
+
+
+def default_config(head_dim_padded: int, seqlen_k: int) -> tuple:
+    """The config the kernel runs for a padded head dim and (longest) key length."""
+    if seqlen_k >= LONG_KEYS and head_dim_padded in HOPPER_CONFIGS_LONG:
+        return HOPPER_CONFIGS_LONG[head_dim_padded]
+    return HOPPER_CONFIGS[head_dim_padded]
 
 
 # --------------------------------------------------------------------------------------------
@@ -595,9 +611,9 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     sk = k4.shape[2]
     if packed is not None:
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
-    config = config or HOPPER_CONFIGS[head_dim_pad(d)]
+    config = config or default_config(head_dim_pad(d), sk)
     consumers, block_n, stages, per_sm, c_regs, l_regs = config[:6]
-    pin = config[6] if len(config) > 6 else 1
+    pin = config[6] if len(config) > 6 else 0
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
                 o_desc=_desc(o4, SUB_M), LSE=lse2, batch_heads=b * h, heads=h,
                 kv_group=h // k4.shape[1], seqlen_q=sq, seqlen_k=sk,
