@@ -50,7 +50,6 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step; splits are whole multiples of it
 NUM_WARPS = 4  # the split kernel's warps
 PROGRAMS_PER_SM = 2  # pick_splits' aim: about this many split programs per SM
-TABLE_ASM = True  # paged caches: block-table reads by inline PTX on CUDA (see _load_table)
 
 
 def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int) -> int:
@@ -66,19 +65,6 @@ def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int) -> i
 
 
 @triton.jit
-def _load_table(ptrs, mask):
-    """Block-table entries by a plain global load (inline PTX; 0 where ``mask`` is off).
-    With ``tl.load``, Triton's pipeliner turns the table read into an asynchronous copy like
-    the K/V tiles whose addresses depend on it, and then must wait for every copy in flight
-    (``cp.async.wait_group 0``) before it can compute the next addresses: the paged kernel
-    ran unpipelined (PTX read, 2026-11-23; an H200 moved 1,046 GB/s through 16-token pages
-    against 3,121 contiguous)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   stride_qb, stride_qs, stride_qh, stride_qd,
                   stride_kb, stride_ks, stride_kh, stride_kd,
@@ -91,7 +77,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_ASM: tl.constexpr = False):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
     query r % seqlen_q; one decode step's rows usually fit one block."""
@@ -138,11 +124,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         if PAGED:
-            table = BLOCK_TABLE + off_b * stride_tb + offs_n // page_size
-            if TABLE_ASM:
-                page = _load_table(table, n_ok).to(tl.int64)
-            else:
-                page = tl.load(table, mask=n_ok, other=0).to(tl.int64)
+            page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_ok,
+                           other=0).to(tl.int64)  # fmt: skip
             k_rows = page * stride_kb + (offs_n % page_size) * stride_ks
             v_rows = page * stride_vb + (offs_n % page_size) * stride_vs
         else:
@@ -342,7 +325,6 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         CAUSAL=causal or right >= 0, PAGED=paged,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        TABLE_ASM=paged and q.is_cuda and TABLE_ASM,
     )  # fmt: skip
     so = out.stride()
     combine_args = dict(
