@@ -119,21 +119,35 @@ def _case(b, h, hk, sq, sk, d, *, causal=False, layout="bhsd", per_head=False, w
 
 
 # The tensor cores add fp8 products in reduced precision (about 14 bits kept on Hopper, as
-# DeepSeek-V3's report measured; the aligned addends are truncated, so the errors of the
-# d / 32 instructions of a dot add up rather than cancel): a score q.k is off by up to
-# 2^-10 of sum_c |q_c k_c| here (an H200 showed up to about 2^-11 at d128 with outlier
-# channels, 2026-11-23, tests of f66f694). The LSE, 1-Lipschitz in the scaled scores
-# (softcap's tanh only shrinks them), is off by at most the row's largest such error over
-# the keys it sees. On 16-bit inputs (fp32 accumulation) the LSE check is 1e-4 relative;
-# here it is that plus this. (P's e4m3 rounding, 2^-4 of each probability, dominates the
-# output's error all the same.)
-FP8_SUM_BITS = 10
+# DeepSeek-V3's report measured; the aligned addends are truncated, so errors add up rather
+# than cancel). Left unpromoted over the head dim, a score lost up to ~2^-9.6 of sum_c |q_c
+# k_c| at d256 and ~2^-11 at d128 on an H200 (outlier channels, 2026-11-23); the kernel now
+# promotes each instruction's 32-product sum into fp32 (portable.py), so a score is off by at
+# most about 2^-13 of that sum per instruction, which add: 2^-11 of sum_c |q_c k_c| is the
+# bound here (two bits of margin). The LSE, 1-Lipschitz in the scaled scores (softcap's
+# tanh only shrinks them), is off by at most the row's largest score error over the keys it
+# sees; on 16-bit inputs (fp32 sums) the LSE check is 1e-4 relative, here that plus this.
+FP8_SUM_BITS = 11
+
+
+def fp8_score_error(qd, kd, *, scale, layout, causal=False, window=None):
+    """Per query row (batch, heads, seqlen_q): the bound above on any of its visible scaled
+    scores' error, from the dequantised (float64) q and k."""
+    q, k = (qd, kd) if layout == "bhsd" else (qd.transpose(1, 2), kd.transpose(1, 2))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    absprod = q.abs().cpu().double() @ k.abs().cpu().double().transpose(-1, -2)
+    keep = attention_mask(q.shape[2], k.shape[2], causal=causal, window=window)
+    if keep is not None:
+        absprod = absprod.masked_fill(~keep, 0.0)
+    if absprod.shape[-1] == 0:  # no keys: no score to be wrong
+        return absprod.new_zeros(absprod.shape[:-1])
+    return 2.0**-FP8_SUM_BITS * scale * absprod.amax(-1)
 
 
 def check_fp8_lse(lse, ref_lse, qd, kd, *, scale, layout, causal=False, window=None):
     """lse against the float64 reference's: -inf exactly where a row sees no key, elsewhere
-    within 1e-4 (1 + |lse|) plus the fp8 accumulation bound above. qd, kd: the dequantised
-    inputs (float64)."""
+    within 1e-4 (1 + |lse|) plus the fp8 score bound above. qd, kd: the dequantised inputs
+    (float64)."""
     lse, ref_lse = lse.cpu().double(), ref_lse.cpu()
     seen = torch.isfinite(ref_lse)
     assert lse.shape == ref_lse.shape
@@ -141,13 +155,8 @@ def check_fp8_lse(lse, ref_lse, qd, kd, *, scale, layout, causal=False, window=N
     assert torch.isneginf(lse[~seen]).all()
     if not seen.any():
         return
-    q, k = (qd, kd) if layout == "bhsd" else (qd.transpose(1, 2), kd.transpose(1, 2))
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    absprod = q.abs().cpu().double() @ k.abs().cpu().double().transpose(-1, -2)
-    keep = attention_mask(q.shape[2], k.shape[2], causal=causal, window=window)
-    if keep is not None:
-        absprod = absprod.masked_fill(~keep, 0.0)
-    tol = 1e-4 * (1 + ref_lse.abs()) + 2.0**-FP8_SUM_BITS * scale * absprod.amax(-1)
+    tol = 1e-4 * (1 + ref_lse.abs()) + fp8_score_error(qd, kd, scale=scale, layout=layout,
+                                                       causal=causal, window=window)
     err = (lse - ref_lse).abs()
     worst = (err - tol)[seen].argmax()
     assert (err[seen] <= tol[seen]).all(), (
