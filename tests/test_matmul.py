@@ -833,8 +833,8 @@ print("spills", spills, k.metadata.shared)
 
 
 def test_fp32_ieee_sums_in_two_levels_on_hopper():
-    """fp32 with precision="ieee" (CUDA-core FMAs): the products of every two K tiles go into
-    a fresh partial that is then added to the accumulator, not into one K-long chain of
+    """fp32 with precision="ieee" (CUDA-core FMAs): the products of every K tile go into a
+    fresh partial that is then added to the accumulator, not into one K-long chain of
     roundings (whose error grew past 2x cuBLAS's with K on an H200: the GPU fuzz's
     fp32-ieee-k426-one-dot). Compiled for sm90: the FMA chain and one add per output per
     partial (64 x 64 tile, 128 threads: 32 outputs each, added in the loop and once after

@@ -351,9 +351,10 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
     # fp32 with precision="ieee" runs on the CUDA cores, where Triton's dot adds each product
     # into the accumulator it is given: one K-long chain of roundings, whose error grows with
     # K (H200: 2.2x cuBLAS's error at K = 426, found by the GPU fuzz). There the products go
-    # into a partial sum that joins the accumulator every second tile (two-level summation:
-    # at the fp32 tiles' BLOCK_K of 32, 64 products per partial). A zero-initialised dot
-    # added afterwards would not do: Triton folds add(dot(a, b, 0), acc) into dot(a, b, acc).
+    # into a partial sum that joins the accumulator after every tile (two-level summation:
+    # BLOCK_K products per partial; every second tile still left 1.4x cuBLAS's error at
+    # K = 132, m = 1: H200 fuzz, 2026-11-23). A zero-initialised dot added afterwards would
+    # not do: Triton folds add(dot(a, b, 0), acc) into dot(a, b, acc).
     TWO_LEVEL: tl.constexpr = PRECISION == "ieee" and A.dtype.element_ty == tl.float32
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -362,7 +363,7 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
         b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
         if TWO_LEVEL:
             part = tl.dot(a, b, part, input_precision=PRECISION)
-            if k % 2 == 1:
+            if k_left > 0:  # always true; a reset the compiler cannot fold away
                 acc += part
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
