@@ -148,10 +148,10 @@ DEFAULTS = {
 # Without autotuning, problems with fewer 128x256 tiles than half the SMs take smaller tiles
 # with a longer K step (an H200 at 1024^3: 6.4 us per kernel against 13.7 us for 128x256).
 SMALL_DEFAULTS = {"tma": {9: (64, 128, 128, 8, 4, 4, False)}}
-# fp32 with precision="ieee" on the portable kernel (CUDA-core FMAs, summed in two levels: two
-# accumulator tiles): 128 x 128 with 8 warps, 64 + 64 fp32 registers a thread. The 128 x 256
-# default spilled 2,016 bytes a thread with the second accumulator (332 before it), 128 x 128
-# spills 20 (ptxas, sm90a, 2026-11-23; not timed on a GPU).
+# fp32 with precision="ieee" on the portable kernel (the fp32 products summed in fp64 on the
+# fp64 tensor cores, see _matmul_kernel): 128 x 128 with 8 warps, 64 fp64 accumulators (128
+# registers) a thread, no spills (ptxas, sm90a, 2026-11-23; 64 x 128 with 4 warps spilled
+# 376 bytes). Not yet run or timed on a GPU.
 IEEE_DEFAULT = (128, 128, 64, 8, 8, 4)
 # Small tiles under the interpreter: the tests still cross several tiles and K steps.
 INTERPRETER_DEFAULTS = {
@@ -348,32 +348,32 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
               + rk[:, None] * stride_bk + rn[None, :] * stride_bn)  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # fp32 with precision="ieee" runs on the CUDA cores, where Triton's dot adds each product
-    # into the accumulator it is given: one K-long chain of roundings, whose error grows with
-    # K (H200: 2.2x cuBLAS's error at K = 426, found by the GPU fuzz). There the products go
-    # into a partial sum that joins the accumulator after every tile (two-level summation:
-    # BLOCK_K products per partial; every second tile still left 1.4x cuBLAS's error at
-    # K = 132, m = 1: H200 fuzz, 2026-11-23). A zero-initialised dot added afterwards would
-    # not do: Triton folds add(dot(a, b, 0), acc) into dot(a, b, acc).
-    TWO_LEVEL: tl.constexpr = PRECISION == "ieee" and A.dtype.element_ty == tl.float32
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # fp32 with precision="ieee": the exact fp32 products (24 x 24 bits fit fp64's 53) summed
+    # in fp64, rounded to fp32 once at the end, so the result is within half an fp32 ulp of
+    # the exact sum plus fp64's error (~K 2^-53, relative to sum |a b|). Summed in fp32, one
+    # K-long FMA chain had 2.2x cuBLAS's error at K = 426 on an H200, fp32 partial sums
+    # per K tile still 9.4x at K = 3922 (GPU fuzz, 2026-11-23). On sm90 the fp64 dot is the
+    # fp64 tensor-core mma (67 TFLOPS on an H100, as many as its fp32 CUDA-core FMAs).
+    F64_SUM: tl.constexpr = PRECISION == "ieee" and A.dtype.element_ty == tl.float32
+    if F64_SUM:
+        acc64 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+    else:
+        acc64 = acc  # (unused)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
-        if TWO_LEVEL:
-            part = tl.dot(a, b, part, input_precision=PRECISION)
-            if k_left > 0:  # always true; a reset the compiler cannot fold away
-                acc += part
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if F64_SUM:
+            acc64 = tl.dot(a.to(tl.float64), b.to(tl.float64), acc64, input_precision="ieee",
+                           out_dtype=tl.float64)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION,
                          max_num_imprecise_acc=_promote_every(FP8_ACC, BLOCK_K))
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if TWO_LEVEL:
-        acc += part
+    if F64_SUM:
+        acc = acc64.to(tl.float32)
     offs_m = start_m.to(tl.int32) + rm
     offs_n = start_n.to(tl.int32) + rn
     acc = _epilogue(acc, offs_m, offs_n, M, N, SCALE_A_PTR + off_b * stride_sab,
