@@ -801,7 +801,7 @@ import torch
 from diyfa._compile import compile_for_sm90
 from diyfa.ops import matmul as mm
 
-for precision in ("ieee", "tf32"):
+for precision in ("ieee64", "ieee", "tf32"):
     args = dict(SCALE_A=None, SCALE_B=None, HAS_BIAS=False, ACTIVATION=None,
                 PRECISION=precision, A_ROW_MAJOR=True, B_ROW_MAJOR=True, FP8_ACC=None,
                 BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
@@ -811,12 +811,13 @@ for precision in ("ieee", "tf32"):
               for p in mm._matmul_kernel.params}
     ptx = compile_for_sm90(mm._matmul_kernel, values, num_warps=4, num_stages=2).asm["ptx"]
     print(precision, ptx.count("fma.rn.f32"), ptx.count(".f64.f64.f64.f64"),
-          ptx.count("cvt.rn.f32.f64"), ptx.count("mma"))
+          ptx.count("cvt.rn.f32.f64"), ptx.count("mma"),
+          ptx.count("add.f32") + ptx.count("add.rn.f32"))
 
 # The fp32 ieee default tile, an fp64 accumulator: ptxas's spill report.
 import os, subprocess, tempfile, triton
 cfg = mm.make_config(mm.IEEE_DEFAULT, 4)
-args.update(PRECISION="ieee", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+args.update(PRECISION="ieee64", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
 values = {p.name: args[p.name] if p.name in args else
           torch.empty(16, dtype=torch.float32) if p.name in tensors else 4096
           for p in mm._matmul_kernel.params}
@@ -833,12 +834,14 @@ print("spills", spills, k.metadata.shared)
 
 
 def test_fp32_ieee_sums_in_fp64_on_hopper():
-    """fp32 with precision="ieee": the exact fp32 products summed in fp64 (DMMA, the fp64
-    tensor-core mma, on sm90), rounded to fp32 once per output, not in fp32 chains (one
-    K-long FMA chain had 2.2x cuBLAS's error at K = 426 on an H200, per-tile fp32 partials
-    still 9.4x at K = 3922: the GPU fuzz). Compiled for sm90: fp64 mma and no fp32 FMA, one
-    fp64 -> fp32 rounding per output (64 x 64 tile, 128 threads: 32 each); the default
-    ieee tile (128 x 128, 8 warps) without spills; tf32 stays on the tensor cores in fp32."""
+    """fp32 with precision="ieee" where fp64 is fast (the kernel's "ieee64"): the exact fp32
+    products summed in fp64 (DMMA, the fp64 tensor-core mma, on sm90), rounded to fp32 once
+    per output, not in fp32 chains (one K-long FMA chain had 2.2x cuBLAS's error at K = 426
+    on an H200, per-tile fp32 partials still 9.4x at K = 3922: the GPU fuzz). Compiled for
+    sm90: fp64 mma and no fp32 FMA, one fp64 -> fp32 rounding per output (64 x 64 tile,
+    128 threads: 32 each); the default ieee tile (128 x 128, 8 warps) without spills. Where
+    fp64 is slow ("ieee"): FMA chains into a per-tile partial, one add per output in the
+    loop and one after it. tf32 stays on the tensor cores in fp32."""
     import os
     import subprocess
     import sys
@@ -849,8 +852,10 @@ def test_fp32_ieee_sums_in_fp64_on_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r.split()[0]: [int(x) for x in r.split()[1:]] for r in done.stdout.splitlines()}
     assert rows["spills"][0] == 0 and rows["spills"][1] <= 232448, rows
-    fma32, mma64, round64, _ = rows["ieee"]
+    fma32, mma64, round64, _, _ = rows["ieee64"]
     assert fma32 == 0 and mma64 > 0 and round64 == 32, rows
+    fma32, mma64, _, mma, add = rows["ieee"]
+    assert fma32 == 32 * 32 and mma64 == 0 and mma == 0 and add == 2 * 32, rows
     assert rows["tf32"][0] == 0 and rows["tf32"][1] == 0 and rows["tf32"][3] > 0, rows
 
 
@@ -870,3 +875,26 @@ def test_fp8_accumulation_compiles_for_hopper():
     assert set(rows) == {"None", "32", "1024"}, done.stdout
     assert all(wgmma > 0 for wgmma, _ in rows.values()), rows
     assert rows["32"][1] > rows["1024"][1] > rows["None"][1], rows
+
+
+def test_ieee_sums_in_fp64_only_where_fp64_is_fast(monkeypatch):
+    """fp32 "ieee" runs the fp64-sum kernel ("ieee64") under the interpreter and on GPUs whose
+    fp64 keeps up with fp32 (A100, H100/H200, B200); elsewhere (fp64 at 1/64 of fp32) the
+    fp32 partial sums; other dtypes and tf32 pass through."""
+    from diyfa.ops import matmul as mm
+
+    a32 = torch.empty(2, 2)
+    assert mm._kernel_precision("ieee", a32) == "ieee64"
+    assert mm._kernel_precision("tf32", a32) == "tf32"
+    assert mm._kernel_precision("ieee", a32.half()) == "ieee"
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    fake = torch.empty(2, 2).as_subclass(FakeCuda)
+    monkeypatch.setattr(mm, "interpreter_enabled", lambda: False)
+    for cap, want in (((9, 0), "ieee64"), ((8, 0), "ieee64"), ((8, 9), "ieee"), ((8, 6), "ieee"),
+                      ((12, 0), "ieee")):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d, c=cap: c)
+        assert mm._kernel_precision("ieee", fake) == want, cap

@@ -73,7 +73,8 @@ SUB_M = 64  # query rows per consumer warpgroup: one m64 wgmma
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 # padded head_dim -> (consumers, BLOCK_N, STAGES, programs per SM (0: one program per tile,
-# not persistent; causal calls are never persistent), consumer registers, loader registers).
+# not persistent; causal calls are never persistent), consumer registers, loader registers,
+# PIN (1: the wait for P V is held after the softmax, see _consumer)).
 # Shared memory: Q (consumers * 64 * d) + STAGES * 2 * BLOCK_N * d, 2 bytes each: 144 / 160
 # / 192 KB of the 227 KB a block may use. Chosen from A/B runs on an H100 (docs/attention.md).
 HOPPER_CONFIGS = {
@@ -84,10 +85,14 @@ HOPPER_CONFIGS = {
 # From LONG_KEYS keys on, head dim 64 runs three consumers (192 query rows per tile): H200,
 # bf16, 2026-11-23 (benchmarks/results/*_hopper-fwd-pin-ab_1fc2b6f.jsonl): 490.6 against
 # 457.0 TFLOPS at 16k, 478.4 against 450.1 causal, 470.1 against 456.8 at 4096 (causal
-# even); at 1024 keys it lost (359.7 against 373.0, causal 201.4 against 243.2). 160
-# registers each leave ptxas a few bytes of spill (test_hopper_kernel_compiles_and_fits).
+# even); at 1024 keys it lost (359.7 against 373.0, causal 201.4 against 243.2). At 160
+# registers each, ptxas spills 4 bytes, 136 causal (test_hopper_kernel_compiles_and_fits).
+# Chosen by the key count alone, measured with as many queries as keys; with few query rows
+# the third consumer mostly computes rows past the end (slower, not wrong).
 # The 7th entry, PIN, keeps the wait for P V after the softmax (see _consumer): +2% at d128
-# (5 of 6 shapes), -2..-3% at d64 and mixed at d256 in the same run, so d128 only.
+# (5 of 6 shapes), -2..-3% at d64 and mixed at d256 in the same run, so d128 only (the
+# store also brings a warpgroup barrier per block, which Triton adds before it: part of the
+# effect and of the cost).
 LONG_KEYS = 4096
 HOPPER_CONFIGS_LONG = {64: (3, 128, 4, 1, 160, 24, 0)}
 

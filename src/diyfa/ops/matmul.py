@@ -7,12 +7,15 @@ Shapes and layouts
     tensor.
 
 Dtypes and numerics (obeyed by both kernels)
-    - Every product accumulates in fp32; the epilogue runs in fp32 and rounds once, to
-      ``out_dtype`` (default: the input dtype; bf16 for fp8 inputs).
+    - Every product accumulates in fp32 (fp32 ``precision="ieee"`` on GPUs with fast fp64:
+      in fp64, see below); the epilogue runs in fp32 and rounds once, to ``out_dtype``
+      (default: the input dtype; bf16 for fp8 inputs).
     - fp16, bf16: tensor-core dots of the input values.
     - fp32: TF32 tensor-core dots by default (like ``torch.backends.cuda.matmul.allow_tf32``);
-      ``precision="ieee"`` gives exact fp32 products (slower). Under the interpreter both are
-      exact. ``precision`` has no effect on the other dtypes.
+      ``precision="ieee"`` gives exact fp32 products (slower), summed in fp64 and rounded
+      once where fp64 is fast (compute capability 8.0, 9.0, 10.0: A100, H100/H200, B200),
+      else in fp32 partial sums per K tile. Under the interpreter both are exact.
+      ``precision`` has no effect on the other dtypes.
     - fp8 (float8_e4m3fn, float8_e5m2, also mixed): needs ``scale_a`` and ``scale_b``, fp32,
       each per-tensor (one element) or per-row of a (M,) / per-column of b (N,). The scales
       multiply the fp32 accumulator, before the bias. Needs a GPU with fp8 tensor cores
@@ -253,6 +256,8 @@ def _autotuned(kernel_fn, kind: str, elem_bytes: int, out_bytes: int, smem_limit
                for c in configs_for(kind, elem_bytes, out_bytes, smem_limit, capability_major)]
     key = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "SCALE_A",
            "SCALE_B", "HAS_BIAS", "ACTIVATION"]  # fmt: skip
+    if "PRECISION" in kernel_fn.arg_names:  # tf32 and ieee (fp64 sums) want different tiles
+        key.append("PRECISION")
     return triton.autotune(configs=configs, key=key)(kernel_fn)
 
 
@@ -354,11 +359,17 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
     # K-long FMA chain had 2.2x cuBLAS's error at K = 426 on an H200, fp32 partial sums
     # per K tile still 9.4x at K = 3922 (GPU fuzz, 2026-11-23). On sm90 the fp64 dot is the
     # fp64 tensor-core mma (67 TFLOPS on an H100, as many as its fp32 CUDA-core FMAs).
-    F64_SUM: tl.constexpr = PRECISION == "ieee" and A.dtype.element_ty == tl.float32
+    # PRECISION "ieee64" is "ieee" where the host found fast fp64. Elsewhere (fp64 at 1/64 of
+    # fp32 on consumer and L-series GPUs) fp32 "ieee" sums each K tile's products into a
+    # fresh fp32 partial added to the accumulator (1.4x cuBLAS's error at m = 1, K = 132 with
+    # a partial per two tiles; per tile it passed; 9.4x at K = 3922 all the same).
+    F64_SUM: tl.constexpr = PRECISION == "ieee64" and A.dtype.element_ty == tl.float32
+    TWO_LEVEL: tl.constexpr = PRECISION == "ieee" and A.dtype.element_ty == tl.float32
     if F64_SUM:
         acc64 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
     else:
         acc64 = acc  # (unused)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < k_left), other=0.0)
@@ -366,6 +377,12 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
         if F64_SUM:
             acc64 = tl.dot(a.to(tl.float64), b.to(tl.float64), acc64, input_precision="ieee",
                            out_dtype=tl.float64)
+        elif TWO_LEVEL:
+            part = tl.dot(a, b, part, input_precision=PRECISION)
+            if k_left > 0:  # always true; a reset the compiler cannot fold away (Triton
+                # folds add(dot(a, b, 0), acc) into dot(a, b, acc))
+                acc += part
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION,
                          max_num_imprecise_acc=_promote_every(FP8_ACC, BLOCK_K))
@@ -374,6 +391,8 @@ def _matmul_kernel(A, B, C, SCALE_A_PTR, SCALE_B_PTR, BIAS,
 
     if F64_SUM:
         acc = acc64.to(tl.float32)
+    if TWO_LEVEL:
+        acc += part
     offs_m = start_m.to(tl.int32) + rm
     offs_n = start_n.to(tl.int32) + rn
     acc = _epilogue(acc, offs_m, offs_n, M, N, SCALE_A_PTR + off_b * stride_sab,
@@ -584,6 +603,19 @@ def _device_facts(t: torch.Tensor) -> tuple[int | None, int | None, int | None]:
     return lim["capability_major"], lim["max_shared_mem"], lim["sm_count"]
 
 
+FAST_FP64 = ((8, 0), (9, 0), (10, 0))  # fp64 (tensor cores) about as fast as fp32 FMAs
+
+
+def _kernel_precision(precision: str, a: torch.Tensor) -> str:
+    """The portable kernel's PRECISION: "ieee64" (fp32 products summed in fp64) for fp32
+    "ieee" under the interpreter and on GPUs of FAST_FP64, else ``precision``."""
+    if precision != "ieee" or a.dtype != torch.float32:
+        return precision
+    if not a.is_cuda or interpreter_enabled():
+        return "ieee64"
+    return "ieee64" if torch.cuda.get_device_capability(a.device) in FAST_FP64 else "ieee"
+
+
 def _row_major(t: torch.Tensor) -> bool:
     """Whether the last dim of a (batch, rows, cols) tensor is the contiguous one."""
     return t.stride(2) == 1 or t.shape[2] == 1
@@ -728,7 +760,7 @@ def _launch(kernel_fn, kind: str, grid, elem_bytes: int, out_bytes: int, major, 
             tuning.remember_choice(disk_key, *_chosen[key])
             return None
         cfg = default_config(kind, elem_bytes, out_bytes, major, smem, small,
-                             ieee=args.get("PRECISION") == "ieee")  # fmt: skip
+                             ieee=args.get("PRECISION") in ("ieee", "ieee64"))  # fmt: skip
         choice = _chosen[key] = (cfg.meta(), cfg.num_warps, cfg.num_stages)
     meta, num_warps, num_stages = choice
     if kind == "tma":
@@ -804,7 +836,8 @@ def _matmul(a, b, out, scales, bias, activation, precision, kernel):
     return _launch(_matmul_kernel, "portable", grid, elem, out_bytes, major, smem, operands, dict(
         A=a3, B=b3, stride_ab=a3.stride(0), stride_am=a3.stride(1), stride_ak=a3.stride(2),
         stride_bb=b3.stride(0), stride_bk=b3.stride(1), stride_bn=b3.stride(2),
-        stride_cn=out3.stride(2), PRECISION=precision, **common))  # fmt: skip
+        stride_cn=out3.stride(2), PRECISION=_kernel_precision(precision, a),
+        **common))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
