@@ -17,17 +17,13 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
+from fp8_accuracy import quantise  # noqa: E402 (this folder, on sys.path as the script's)
+
 import diyfa  # noqa: E402
+from diyfa.flops import attention_flops  # noqa: E402
 from diyfa.reference import attention_ref  # noqa: E402
 
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64), (4, 8, 4096, 256)]
-E4M3 = torch.float8_e4m3fn
-
-
-def quant(t):
-    """Per-tensor e4m3 quantisation: (t8, descale)."""
-    scale = t.abs().amax().float().clamp(min=1e-12) / 448.0
-    return (t.float() / scale).to(E4M3), scale.reshape(1)
 
 
 def measure(b, h, s, d, causal, warmup, rep) -> dict:
@@ -37,7 +33,8 @@ def measure(b, h, s, d, causal, warmup, rep) -> dict:
 
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))  # fmt: skip
-    (q8, qs), (k8, ks), (v8, vs) = quant(q), quant(k), quant(v)
+    (q8, qs), (k8, ks), (v8, vs) = (quantise(t.float(), per_head=False)
+                                    for t in (q, k, v))  # fmt: skip
 
     def fp8():
         return diyfa.flash_attention(q8, k8, v8, causal=causal, q_descale=qs,
@@ -64,7 +61,7 @@ def measure(b, h, s, d, causal, warmup, rep) -> dict:
         del qd, kd, vd, ref, bref
     for name, fn in (("diyfa-fp8", fp8), ("diyfa-bf16", bf16), ("cudnn-bf16", cudnn)):
         ms = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+        flops = attention_flops(b, h, s, s, d, causal=causal, convention="published")
         row[name] = round(flops / (ms * 1e-3) / 1e12, 1)
     return row
 

@@ -25,6 +25,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 from diyfa.attention import checks  # noqa: E402
 from diyfa.attention import hopper_fwd as hf  # noqa: E402
+from diyfa.flops import attention_flops  # noqa: E402
 from diyfa.reference import attention_ref  # noqa: E402
 
 # (batch, heads, seqlen) per head dim: FlashAttention's sweep (16k tokens) at 4k and 16k
@@ -68,7 +69,9 @@ def check(d: int, dtype, config) -> float:
 
 
 def tflops(b, h, s, d, causal, ms):
-    return 4 * b * h * s * s * d / (2 if causal else 1) / (ms * 1e-3) / 1e12
+    """By the published convention (causal halved), as ``diyfa bench`` reports."""
+    flops = attention_flops(b, h, s, s, d, causal=causal, convention="published")
+    return flops / (ms * 1e-3) / 1e12
 
 
 KEYS = ("d", "b", "h", "s", "causal")

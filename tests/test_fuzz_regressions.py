@@ -186,35 +186,38 @@ def test_matmul_regression(case):
     run_matmul_case(case)
 
 
+def _fp8(**kw) -> Fp8Case:
+    """An fp8 case: the fields given, the rest those of most rows (no mask or variant, bhsd,
+    per-tensor descales, outlier channels, seed 3)."""
+    base = dict(causal=False, window=(-1, -1), softcap=0.0, layout="bhsd", per_head=False,
+                outliers=True, seed=3)
+    return Fp8Case(**{**base, **kw})
+
+
 FP8 = [
     # An empty problem (sq = sk = 0) on CUDA: the harness compared the kernel's (empty, CUDA)
     # LSE with the reference's (empty, CPU) and torch.equal refused the devices. A harness
     # bug: the LSE check now moves both to the CPU.
-    pytest.param(Fp8Case(b=1, h=1, hk=1, sq=0, sk=0, d=16, causal=False, window=(-1, -1),
-                         softcap=0.0, layout="bhsd", per_head=False, outliers=False, seed=0),
+    pytest.param(_fp8(b=1, h=1, hk=1, sq=0, sk=0, d=16, outliers=False, seed=0),
                  id="empty-lse-devices"),
     # One key, outlier channels: the LSE is the one score, which the tensor cores sum from
     # fp8 products in reduced precision (about 14 bits); off by 1.014e-4 relative on an
     # H200, past the 1e-4 meant for fp32 sums. The harness rule was wrong for fp8: the LSE
     # bound now adds a multiple of the row's largest sum of |q_c k_c| (check_fp8_lse).
-    pytest.param(Fp8Case(b=1, h=1, hk=1, sq=1, sk=1, d=32, causal=False, window=(-1, -1),
-                         softcap=0.0, layout="bhsd", per_head=False, outliers=True, seed=3),
+    pytest.param(_fp8(b=1, h=1, hk=1, sq=1, sk=1, d=32),
                  id="one-key-outliers-fp8-sum-precision"),
     # The same at d256 (eight 32-product instructions per score), and at d128 with six keys
     # the scores' error moved a near-one-hot softmax: out off by 0.171 against 2x the
     # emulation's 0.050 (H200, fuzz at 2e36991). A kernel fix: the fp8 Q K^T now promotes
     # each instruction's sum into fp32 (portable.py, max_num_imprecise_acc=32); the harness
     # also allows the scores' bounded error in the output (e^(+-2d) on each probability).
-    pytest.param(Fp8Case(b=2, h=2, hk=1, sq=1, sk=1, d=256, causal=False, window=(-1, -1),
-                         softcap=0.0, layout="bhsd", per_head=False, outliers=True, seed=3),
+    pytest.param(_fp8(b=2, h=2, hk=1, sq=1, sk=1, d=256),
                  id="d256-one-key-outliers-unpromoted-sums"),
-    pytest.param(Fp8Case(b=2, h=1, hk=1, sq=10, sk=6, d=128, causal=False, window=(-1, -1),
-                         softcap=0.0, layout="bhsd", per_head=False, outliers=True, seed=3),
+    pytest.param(_fp8(b=2, h=1, hk=1, sq=10, sk=6, d=128),
                  id="d128-six-keys-outliers-softmax-moved"),
     # One wgmma per score (d32), two keys, outliers: LSE off by 4.8e-2 against 4.4e-2 allowed
     # at 2^-11 of sum |q_c k_c| (H200, fuzz at a6d029c): the bound is now 2^-10 (harness).
-    pytest.param(Fp8Case(b=2, h=4, hk=4, sq=38, sk=2, d=32, causal=False, window=(0, -1),
-                         softcap=0.0, layout="bhsd", per_head=False, outliers=True, seed=3),
+    pytest.param(_fp8(b=2, h=4, hk=4, sq=38, sk=2, d=32, window=(0, -1)),
                  id="d32-two-keys-outliers-one-instruction"),
 ]
 
