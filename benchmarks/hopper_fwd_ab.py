@@ -2,7 +2,7 @@
 importable), in one process on an sm90 GPU.
 
 Each config (``hopper_fwd.HOPPER_CONFIGS``' tuple: consumers, BLOCK_N, stages, programs per
-SM, consumer / loader registers) first runs an odd shape (seqlen_q != seqlen_k,
+SM, consumer / loader registers, pin, Q buffers, LPT) first runs an odd shape (seqlen_q != seqlen_k,
 causal bottom-right with rows that see no key, GQA) against float64, by the 2x rule (its
 error at most twice PyTorch's own in the same dtype); a config that fails is reported and
 not timed. Then every shape is timed with ``triton.testing.do_bench`` (median), TFLOPS by
@@ -11,12 +11,15 @@ stdout.
 
 Usage (device): python3 benchmarks/hopper_fwd_ab.py --out $OUT/ab.jsonl
   [--configs "64:2,128,4,1,240,24;64:3,128,4,1,160,24"] [--dims 64,128,256] [--causal 0,1]
+  [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 
 import torch
@@ -34,7 +37,12 @@ SHAPES = {
     128: [(4, 16, 4096), (1, 16, 16384), (16, 16, 1024)],
     256: [(4, 8, 4096), (1, 8, 16384)],
 }
-DEFAULT_CONFIGS = {d: [hf.HOPPER_CONFIGS[d]] for d in (64, 128, 256)}
+# the defaults, and each as it was before two Q buffers and the LPT causal schedule
+DEFAULT_CONFIGS = {
+    d: list(dict.fromkeys(c for cfg in (hf.HOPPER_CONFIGS[d], hf.HOPPER_CONFIGS_LONG.get(d))
+                          if cfg for c in (cfg, cfg._replace(q_bufs=1, lpt=0))))
+    for d in (64, 128, 256)
+}
 
 
 def parse_configs(text: str) -> dict[int, list[tuple]]:
@@ -52,13 +60,16 @@ def run(q, k, v, causal, config):
 
 
 def check(d: int, dtype, config) -> float:
-    """The config's error over PyTorch's (same dtype) against float64, worst of two cases."""
+    """The config's error over PyTorch's (same dtype) against float64, worst of four cases:
+    a small odd one, and one with more tiles than the GPU has SMs (persistent programs run
+    several tiles: the Q buffers' turns and the causal schedule)."""
     worst = 0.0
-    for causal in (False, True):
+    for causal, (b, h, hk, sq, sk) in itertools.product(
+            (False, True), ((2, 6, 2, 777, 333), (1, 8, 2, 5000, 4100))):
         g = torch.Generator(device="cuda").manual_seed(d)
-        q = torch.randn(2, 6, 777, d, device="cuda", generator=g, dtype=dtype)
-        k = torch.randn(2, 2, 333, d, device="cuda", generator=g, dtype=dtype)
-        v = torch.randn(2, 2, 333, d, device="cuda", generator=g, dtype=dtype)
+        q = torch.randn(b, h, sq, d, device="cuda", generator=g, dtype=dtype)
+        k = torch.randn(b, hk, sk, d, device="cuda", generator=g, dtype=dtype)
+        v = torch.randn(b, hk, sk, d, device="cuda", generator=g, dtype=dtype)
         ours = run(q, k, v, causal, config).double()
         ref = attention_ref(q.double(), k.double(), v.double(), causal=causal,
                             compute_dtype=torch.float64)  # fmt: skip
@@ -77,7 +88,7 @@ def tflops(b, h, s, d, causal, ms):
 KEYS = ("d", "b", "h", "s", "causal")
 
 
-def time_shape(d, b, h, s, causal, dtype, configs, fa4, warmup, rep, env) -> dict:
+def time_shape(d, b, h, s, causal, dtype, configs, fa4, warmup, rep, rounds) -> dict:
     """TFLOPS of each config, cuDNN and FA4 (if given) on one (b, h, s, d) problem."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
@@ -94,12 +105,24 @@ def time_shape(d, b, h, s, causal, dtype, configs, fa4, warmup, rep, env) -> dic
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         fns["fa4"] = lambda: fa4(qt, kt, vt, causal=causal)
     row = {"d": d, "b": b, "h": h, "s": s, "causal": causal}
-    for name, fn in fns.items():
-        try:
-            ms = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-            row[name] = round(tflops(b, h, s, d, causal, ms), 1)
-        except Exception as e:  # noqa: BLE001 - a provider that fails is a note in its row
-            row[name] = type(e).__name__
+    # Rounds: every provider once per round, in turn, and the median over the rounds: the
+    # GPU's clocks drift with its temperature and power (the same kernel timed 10% apart
+    # within one run, 2026-11-24), and a drift then reaches every provider alike.
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if isinstance(row.get(name), str):
+                continue  # it failed once: a note, not a time
+            try:
+                times[name].append(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+            except Exception as e:  # noqa: BLE001 - a provider that fails is a note in its row
+                row[name] = type(e).__name__
+    for name, ms in times.items():
+        if ms and not isinstance(row.get(name), str):
+            row[name] = round(tflops(b, h, s, d, causal, statistics.median(ms)), 1)
+            if len(ms) > 1:  # the rounds' range, slowest to fastest
+                row[name + "~"] = [round(tflops(b, h, s, d, causal, x), 1)
+                                   for x in (max(ms), min(ms))]  # fmt: skip
     return row
 
 
@@ -113,6 +136,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every provider once per round, in turn; report the median")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     configs = parse_configs(a.configs) if a.configs else DEFAULT_CONFIGS
@@ -142,7 +167,7 @@ def main() -> int:
         for b, h, s in SHAPES[d]:
             for causal in (bool(int(c)) for c in a.causal.split(",")):
                 good = [c for c in configs.get(d, []) if ok[c]]
-                row = time_shape(d, b, h, s, causal, dtype, good, fa4, a.warmup, a.rep, env)
+                row = time_shape(d, b, h, s, causal, dtype, good, fa4, a.warmup, a.rep, a.rounds)
                 out.write(json.dumps({"record": "measurement", **env, **row}) + "\n")
                 out.flush()
                 table.append(row)
@@ -151,7 +176,8 @@ def main() -> int:
     print("\nTFLOPS (bf16)" if dtype == torch.bfloat16 else "\nTFLOPS (fp16)")
     for row in table:
         head = f"d{row['d']} b{row['b']} h{row['h']} s{row['s']}" + (" causal" * row["causal"])
-        vals = "  ".join(f"{k}={v}" for k, v in row.items() if k not in KEYS)
+        vals = "  ".join(f"{k}={v}" for k, v in row.items()
+                         if k not in KEYS and not k.endswith("~"))  # fmt: skip
         print(f"{head:32s} {vals}")
     return 0 if not failed else 1
 

@@ -61,7 +61,7 @@ def test_hopper_kernel_compiles_and_fits(dtype):
     assert done.returncode == 0, done.stderr[-3000:]
     kinds = {"bfloat16": "bf16", "float16": "f16"}
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
-        consumers, block_n, stages, _, c_regs, l_regs, _ = r["cfg"]
+        consumers, block_n, stages, _, c_regs, l_regs = r["cfg"][:6]
         where = f"d{r['d']} causal={r['causal']} config={r['cfg']}"
         assert r["shared"] <= 227 * 1024, where
         ptx = r["ptx"]
@@ -92,7 +92,7 @@ tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 out = {}
 for pin in (0, 1):
     k = hf.compile_for_hopper(128, torch.bfloat16, False,
-                              config=hf.HOPPER_CONFIGS[128][:6] + (pin,))
+                              config=hf.HOPPER_CONFIGS[128]._replace(pin=pin))
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
@@ -218,12 +218,15 @@ def test_descriptors_address_the_bhsd_view():
     k = torch.empty(3, 500, 2, 96, dtype=torch.bfloat16)
     q4, k4 = hf.bhsd_view(q, "bshd"), hf.bhsd_view(k, "bshd")
     lse = torch.empty(3, 8, 700)
-    consumers, block_n, stages, per_sm, _, _, _ = hf.HOPPER_CONFIGS[128]
+    cfg = hf.HOPPER_CONFIGS[128]
+    consumers, block_n, stages, per_sm = cfg[:4]
     tiles = -(-700 // (consumers * 64)) * 24
     grid, args, num_warps = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132)
-    assert grid == (tiles,) and num_warps == 4  # causal: one program per tile, always
-    grid, _, _ = hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, False, 132)
+    # causal: one program per tile, always (so one Q buffer)
+    assert grid == (tiles,) and num_warps == 4 and args["Q_BUFS"] == 1
+    grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, False, 132)
     assert grid == ((min(tiles, 132 * per_sm) if per_sm else tiles),)
+    assert args2["Q_BUFS"] == cfg.q_bufs == 2  # persistent: the next tile's Q loads early
     grid, _, _ = hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, False, 4,
                                 (consumers, block_n, stages, 1, 240, 24))  # fmt: skip
     assert grid == (4,)  # persistent: one program per SM

@@ -49,6 +49,7 @@ same LSE. Everything else runs on the portable family.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -72,15 +73,25 @@ LOG2E = 1.4426950408889634
 SUB_M = 64  # query rows per consumer warpgroup: one m64 wgmma
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
-# padded head_dim -> (consumers, BLOCK_N, STAGES, programs per SM (0: one program per tile,
-# not persistent; causal calls are never persistent), consumer registers, loader registers,
-# PIN (1: the wait for P V is held after the softmax, see _consumer)).
-# Shared memory: Q (consumers * 64 * d) + STAGES * 2 * BLOCK_N * d, 2 bytes each: 144 / 160
-# / 192 KB of the 227 KB a block may use. Chosen from A/B runs on an H100 (docs/attention.md).
+class Config(NamedTuple):
+    """One launch configuration of the kernel. Shared memory: Q (q_bufs * consumers * 64 * d)
+    + stages * 2 * block_n * d, 2 bytes each, of the 227 KB a block may use."""
+
+    consumers: int  # consumer warpgroups (64 query rows each): 2 or 3
+    block_n: int  # keys per K/V block
+    stages: int  # K/V ring depth
+    per_sm: int  # programs per SM when persistent; 0: one program per tile
+    consumer_regs: int  # setmaxnreg of the consumers
+    loader_regs: int  # ... and of the loader warp
+    pin: int = 0  # 1: hold the wait for P V after the softmax (see _consumer)
+    q_bufs: int = 1  # Q buffers per consumer: with 2 the next tile's Q loads during this one
+
+
+# padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
 HOPPER_CONFIGS = {
-    64: (2, 128, 4, 1, 240, 24, 0),
-    128: (2, 128, 2, 1, 240, 24, 1),
-    256: (2, 64, 2, 1, 240, 24, 0),
+    64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2),
+    128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2),
+    256: Config(2, 64, 2, 1, 240, 24, 0, q_bufs=1),  # (two Q buffers would not fit)
 }
 # From LONG_KEYS keys on, head dim 64 runs three consumers (192 query rows per tile): H200,
 # bf16, 2026-11-23 (benchmarks/results/*_hopper-fwd-pin-ab_1fc2b6f.jsonl): 490.6 against
@@ -89,15 +100,15 @@ HOPPER_CONFIGS = {
 # registers each, ptxas spills 4 bytes, 136 causal (test_hopper_kernel_compiles_and_fits).
 # Chosen by the key count alone, measured with as many queries as keys; with few query rows
 # the third consumer mostly computes rows past the end (slower, not wrong).
-# The 7th entry, PIN, keeps the wait for P V after the softmax (see _consumer): +2% at d128
-# (5 of 6 shapes), -2..-3% at d64 and mixed at d256 in the same run, so d128 only (the
-# store also brings a warpgroup barrier per block, which Triton adds before it: part of the
-# effect and of the cost).
+# PIN keeps the wait for P V after the softmax (see _consumer): +2% at d128 (5 of 6
+# shapes), -2..-3% at d64 and mixed at d256 in the same run, so d128 only (the store also
+# brings a warpgroup barrier per block, which Triton adds before it: part of the effect and
+# of the cost).
 LONG_KEYS = 4096
-HOPPER_CONFIGS_LONG = {64: (3, 128, 4, 1, 160, 24, 0)}
+HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2)}
 
 
-def default_config(head_dim_padded: int, seqlen_k: int) -> tuple:
+def default_config(head_dim_padded: int, seqlen_k: int) -> Config:
     """The config the kernel runs for a padded head dim and (longest) key length (plain
     attention; hopper_args passes 0 keys for the variants and packed sequences)."""
     if seqlen_k >= LONG_KEYS and head_dim_padded in HOPPER_CONFIGS_LONG:
@@ -204,30 +215,37 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
             left_offset, CU_Q, CU_K, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
             WINDOW: gl.constexpr, VARLEN: gl.constexpr):
     """The loader warp: for each tile of this program, each consumer's Q block (once the
-    consumer has read its previous one), then the tile's K/V blocks through the ring. ``it``
-    counts K/V blocks over the whole program: stage it % STAGES, lap it // STAGES."""
+    consumer has read the one before in that buffer: with two Q buffers per consumer the
+    next tile's Q loads while this tile runs), then the tile's K/V blocks through the ring.
+    ``it`` counts K/V blocks over the whole program: stage it % STAGES, lap it // STAGES;
+    ``lap`` counts tiles: Q buffer set lap % Q_BUFS."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     SUB_M: gl.constexpr = q_bufs.type.shape[3]
     BLOCK_M: gl.constexpr = CONSUMERS * SUB_M
+    Q_BUFS: gl.constexpr = q_bufs.type.shape[0] // CONSUMERS
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    total = num_m * batch_heads
     it = 0
     lap = 0
-    for t in range(gl.program_id(0), num_m * batch_heads, gl.num_programs(0)):
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
         pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
         tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
             off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
         row0 = pid_m * BLOCK_M
+        qb = (lap % Q_BUFS) * CONSUMERS
         for c in gl.static_range(CONSUMERS):
             # A fresh mbarrier counts as having completed the phase before phase 0: the
-            # first wait on an "empty" barrier passes at once. (Packed sequences: rows past
-            # this sequence's end belong to the next one or are zero-filled; the consumers
-            # neither use nor store them.)
-            mbarrier.wait(q_empty.index(c), (lap & 1) ^ 1)
-            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [tb, off_h, q_start + row0 + c * SUB_M, 0],
-                                            q_ready.index(c), q_bufs.index(c))  # fmt: skip
-        n = _num_blocks(row0, BLOCK_M, seqlen_q_t, seqlen_k_t, causal_offset_t, BLOCK_N, CAUSAL)
+            # first wait on an "empty" barrier passes at once. (Packed sequences: rows
+            # past this sequence's end belong to the next one or are zero-filled; the
+            # consumers neither use nor store them.)
+            mbarrier.wait(q_empty.index(qb + c), ((lap // Q_BUFS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qb + c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [tb, off_h, q_start + row0 + c * SUB_M, 0], q_ready.index(qb + c),
+                q_bufs.index(qb + c))  # fmt: skip
+        n = _num_blocks(row0, BLOCK_M, seqlen_q_t, seqlen_k_t, causal_offset_t, BLOCK_N,
+                        CAUSAL)  # fmt: skip
         for j in range(_first_block(row0, left_offset, BLOCK_N, WINDOW), n):
             s = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1
@@ -312,14 +330,17 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_smem = q_bufs.index(C).reshape([SUB_M, HEAD_DIM])
+    Q_BUFS: gl.constexpr = q_bufs.type.shape[0] // CONSUMERS
     pin = gl.allocate_shared_memory(gl.float32, [SUB_M],
                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     it = 0
     lap = 0
-    for t in range(gl.program_id(0), num_m * batch_heads, gl.num_programs(0)):
+    total = num_m * batch_heads
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
         pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
+        qb = (lap % Q_BUFS) * CONSUMERS + C  # this tile's Q buffer
+        q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
         tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
             off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
         row0 = pid_m * BLOCK_M + C * SUB_M
@@ -349,7 +370,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
         acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready.index(C), lap & 1)
+        mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
         if n > lo:
             # Block lo: S, softmax.
             s_idx = it % STAGES
@@ -431,15 +452,15 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 q_smem.store((acc / l_o[:, None]).to(dtype))
                 fence_async_shared()
                 tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0],
-                                                q_bufs.index(C))  # fmt: skip
+                                                q_bufs.index(qb))  # fmt: skip
             else:  # a smaller value head dim: O's tile in the front of Q's buffer
-                o_smem = q_bufs.index(C)._reinterpret(dtype, o_desc.block_type.shape,
+                o_smem = q_bufs.index(qb)._reinterpret(dtype, o_desc.block_type.shape,
                                                       o_desc.layout)  # fmt: skip
                 o_smem.reshape([SUB_M, HEAD_DIM_V]).store((acc / l_o[:, None]).to(dtype))
                 fence_async_shared()
                 tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_smem)
             tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(C))
+        mbarrier.arrive(q_empty.index(qb))
 
 
 @gluon.jit
@@ -495,24 +516,27 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                     SINKS: gl.constexpr, VARLEN: gl.constexpr, PIN: gl.constexpr):
+                     SINKS: gl.constexpr, VARLEN: gl.constexpr, PIN: gl.constexpr,
+                     Q_BUFS: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
     launch). Launched with num_warps=4 (the first consumer); the partitions add 4 warps per
     further consumer and 1 loader warp. Descriptors are 4-D over (batch, heads, seqlen, dim)
     with blocks (1, 1, rows, padded dim)."""
     dtype: gl.constexpr = q_desc.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape,
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS] + q_desc.block_type.shape,
                                        q_desc.layout)  # fmt: skip
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1],
+                                        mbarrier.MBarrierLayout())  # fmt: skip
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1],
+                                        mbarrier.MBarrierLayout())  # fmt: skip
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # kv_empty[s]: K stage s is free; kv_empty[STAGES + s]: V stage s is free.
     kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
+    for i in gl.static_range(Q_BUFS * CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
@@ -621,18 +645,19 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     # consumers spill hundreds of bytes, test_variants)
     config = config or default_config(head_dim_pad(d), sk if not variants and packed is None
                                       else 0)  # fmt: skip
-    consumers, block_n, stages, per_sm, c_regs, l_regs = config[:6]
-    pin = config[6] if len(config) > 6 else 0
+    cfg = Config(*config)
+    consumers, block_n = cfg.consumers, cfg.block_n
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
                 o_desc=_desc(o4, SUB_M), LSE=lse2, batch_heads=b * h, heads=h,
                 kv_group=h // k4.shape[1], seqlen_q=sq, seqlen_k=sk,
                 causal_offset=causal_offset,
-                qk_scale=qk_scale, CAUSAL=causal, CONSUMERS=consumers, STAGES=stages,
-                CONSUMER_REGS=c_regs, LOADER_REGS=l_regs,
+                qk_scale=qk_scale, CAUSAL=causal, CONSUMERS=consumers, STAGES=cfg.stages,
+                CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
                 left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 SINKS=False, CU_Q=lse2, CU_K=lse2, O=lse2, stride_os=0, stride_oh=0,
-                total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(pin))  # fmt: skip
+                total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
+                Q_BUFS=cfg.q_bufs)  # fmt: skip
     if variants:
         args.update(variants)
     if packed is not None:
@@ -640,9 +665,13 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     # Persistent only without a band or packed sequences: the static round robin gives
     # tiles of very unequal work to the same programs (measured, causal: 454 against 618
-    # TFLOPS at 16k, d128).
-    banded = causal or args["WINDOW"] or args["VARLEN"]
-    grid = (min(tiles, num_sms * per_sm) if per_sm and not banded else tiles,)
+    # TFLOPS at 16k, d128), and an LPT order over every head (heaviest tiles of all heads
+    # first, snake order over the programs) lost L2 locality (576 against 622; see
+    # docs/attention.md).
+    persistent = cfg.per_sm and not (causal or args["WINDOW"] or args["VARLEN"])
+    grid = (min(tiles, num_sms * cfg.per_sm) if persistent else tiles,)
+    if not persistent:  # one tile per program: a second Q buffer would never be used
+        args["Q_BUFS"] = 1
     return grid, args, 4
 
 
