@@ -5,7 +5,8 @@
 # (carry .fa4a), this one carries .fa4b and runs
 #   source .fa4b/fa4.sh install && bash benchmarks/gpu_side_by_side.sh
 # Measures (results to $OUT, a table per file last):
-#   fa-sweep --quick (d64/d128, 1k/4k/16k, causal or not) and seed + cross + gqa, fwd and bwd,
+#   fa-sweep --quick (d64/d128, 1k/4k/16k, causal or not; 3 rounds) and seed + cross + gqa
+#     (2 rounds), fwd and bwd,
 #     with every diyfa backward mode: diyfa ("auto"), diyfa-hopper (Gluon backward, atomic
 #     dQ), diyfa-hopper-det (Gluon dK/dV + the portable dQ kernel);
 #   the variants suite (window, softcap, ALiBi, sinks against full causal; diyfa-hopper is
@@ -21,11 +22,13 @@ bench() {  # name timeout args...
     --out "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1 || echo "$name: exit $?"
 }
 all="diyfa,diyfa-hopper,diyfa-hopper-det,sdpa-cudnn,sdpa-flash$fa4"
-bench fasweep 210 --suite fa-sweep --quick --modes fwd,bwd --providers "$all" --warmup 20 --rep 80
-bench variants 130 --suite variants --modes fwd,bwd \
+bench fasweep 250 --suite fa-sweep --quick --modes fwd,bwd --providers "$all" --warmup 20 --rep 80 \
+  --rounds 3
+bench variants 120 --suite variants --modes fwd,bwd \
   --providers "diyfa,diyfa-hopper,diyfa-hopper-det,sdpa-flash$fa4" \
   --warmup 10 --rep 50
-bench seed 200 --suite seed,cross,gqa --modes fwd,bwd --providers "$all" --warmup 20 --rep 60
+bench seed 210 --suite seed,cross,gqa --modes fwd,bwd --providers "$all" --warmup 20 --rep 60 \
+  --rounds 2
 for f in "$OUT"/fasweep.jsonl "$OUT"/seed.jsonl "$OUT"/variants.jsonl; do
   [ -f "$f" ] || continue
   python3 benchmarks/results_table.py "$f"

@@ -37,10 +37,10 @@ SHAPES = {
     128: [(4, 16, 4096), (1, 16, 16384), (16, 16, 1024)],
     256: [(4, 8, 4096), (1, 8, 16384)],
 }
-# the defaults, and each as it was before two Q buffers and the LPT causal schedule
+# the defaults, and each as it was before two Q buffers and the dynamic causal schedule
 DEFAULT_CONFIGS = {
     d: list(dict.fromkeys(c for cfg in (hf.HOPPER_CONFIGS[d], hf.HOPPER_CONFIGS_LONG.get(d))
-                          if cfg for c in (cfg, cfg._replace(q_bufs=1, lpt=0))))
+                          if cfg for c in (cfg, cfg._replace(q_bufs=1, dynamic=0))))
     for d in (64, 128, 256)
 }
 

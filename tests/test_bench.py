@@ -702,3 +702,40 @@ def test_first_call_script_runs_two_fresh_processes(tmp_path, monkeypatch):
     recs = [json.loads(x) for x in (tmp_path / "first_call.jsonl").read_text().splitlines()]
     assert [r["caches"] for r in recs] == ["cold", "warm"]
     assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["causal"] for r in recs)
+
+
+def test_rounds_time_every_provider_again_in_turn_and_keep_the_median(monkeypatch):
+    """Options.rounds: each provider of a case is timed once per round, the providers in
+    turn (round 1: a, b; round 2: a, b; ...), and median_ms is the median of the rounds'
+    medians; the records come out (and are written) without the timing closures."""
+    calls = []
+    times = iter([5.0, 7.0, 1.0, 9.0, 3.0, 2.0])  # a, b, a, b, a, b
+
+    def fake_time(fn, options):
+        calls.append(fn)
+        return next(times), 0.0, 0.0, "fake"
+
+    monkeypatch.setattr(harness, "time_fn", fake_time)
+    monkeypatch.setattr(harness, "on_gpu", lambda: False)
+    plan = suites.Plan("t", "flash", (TINY,), ("fwd",), ("diyfa", "sdpa-math"))
+    written = []
+
+    class Writer:
+        def write(self, rec):
+            written.append(json.dumps(rec))  # fails on a closure or a case object
+
+    opts = harness.Options(cpu_reps=1, rounds=3, check_error=False, measure_memory=False)
+    recs = harness.run([plan], harness.Harness(opts, run_id="r"), writer=Writer())
+    assert [r["provider"] for r in recs] == ["diyfa", "sdpa-math"] and len(written) == 2
+    assert len(calls) == 6 and calls[0] is calls[2] is calls[4] and calls[1] is calls[3]
+    assert recs[0]["round_median_ms"] == [5.0, 1.0, 3.0] and recs[0]["median_ms"] == 3.0
+    assert recs[1]["round_median_ms"] == [7.0, 9.0, 2.0] and recs[1]["median_ms"] == 7.0
+    assert all("_fn" not in r and "_case" not in r for r in recs)
+
+
+def test_cli_refuses_zero_rounds(capsys):
+    from diyfa import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "flash", "--rounds", "0"])
+    assert "must be at least 1, got 0" in capsys.readouterr().err

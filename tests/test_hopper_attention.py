@@ -222,11 +222,25 @@ def test_descriptors_address_the_bhsd_view():
     consumers, block_n, stages, per_sm = cfg[:4]
     tiles = -(-700 // (consumers * 64)) * 24
     grid, args, num_warps = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132)
-    # causal: one program per tile, always (so one Q buffer)
-    assert grid == (tiles,) and num_warps == 4 and args["Q_BUFS"] == 1
+    # causal: persistent too, the tiles handed out by a counter that starts at zero
+    assert grid == (min(tiles, 132 * per_sm),) and num_warps == 4 and args["DYNAMIC"]
+    assert args["COUNTER"].tolist() == [0] and args["COUNTER"].dtype == torch.int32
+    assert args["Q_BUFS"] == cfg.q_bufs
+    grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132,
+                                    cfg._replace(dynamic=0))  # fmt: skip
+    assert grid == (tiles,) and not args2["DYNAMIC"] and args2["Q_BUFS"] == 1  # per tile
+    pack = dict(batch=3, seqlen_q=700, seqlen_k=500, args=dict(VARLEN=True))
+    grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132, None, None,
+                                    pack)  # fmt: skip
+    assert grid == (tiles,) and not args2["DYNAMIC"]  # packed sequences: one program per tile
     grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, False, 132)
     assert grid == ((min(tiles, 132 * per_sm) if per_sm else tiles),)
     assert args2["Q_BUFS"] == cfg.q_bufs == 2  # persistent: the next tile's Q loads early
+    assert not args2["DYNAMIC"]  # equal tiles: a static round robin
+    # three consumers at d64 from 4096 keys, causal from 16k
+    assert hf.default_config(64, 4096).consumers == 3
+    assert hf.default_config(64, 4096, causal=True).consumers == 2
+    assert hf.default_config(64, 16384, causal=True).consumers == 3
     grid, _, _ = hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, False, 4,
                                 (consumers, block_n, stages, 1, 240, 24))  # fmt: skip
     assert grid == (4,)  # persistent: one program per SM

@@ -303,7 +303,10 @@ print(json.dumps(out))
 def test_hopper_kernel_compiles_the_variants():
     """With every variant flag on (window, softcap, ALiBi, sinks), the Hopper forward compiles
     for sm90a at head dims 64/128/256, causal or not, fits the shared memory, spills at
-    most a few kernel arguments (ptxas, 2026-11-23: 0-48 bytes), and runs more exp2 than
+    most a few scalars outside the K/V loop (ptxas, 2026-11-23: 0-48 bytes; 88 at d256
+    causal with all four flags since the causal tiles are handed out by a counter,
+    2026-11-24: the SASS has its STL/LDL at the program's start and per tile, none between
+    the loop's wgmmas), and runs more exp2 than
     the plain kernel (the softcap's tanh); its packed-sequence build compiles and stores O
     without TMA (a masked store: a tile's rows past its sequence belong to the next one).
     In a fresh process (see test_hopper_attention)."""
@@ -325,7 +328,7 @@ def test_hopper_kernel_compiles_the_variants():
                      json.loads(plain.stdout.strip().splitlines()[-1]), strict=True):
         where = f"d{r['d']} causal={r['causal']}"
         assert r["shared"] <= 227 * 1024, where
-        assert r["spilled"] <= 64, where
+        assert r["spilled"] <= 96, where
         assert r["ex2"] > r0["ex2"], where
 
 

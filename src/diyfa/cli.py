@@ -232,6 +232,14 @@ def _resume_command(args, path) -> str:
     return shlex.join([*parts, "--resume", str(path)])
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _same_measuring(run: dict, options, path) -> None:
     """Refuse to continue ``run`` with other timing or error-check options: its rows and the
     new ones share a run id and must be measured alike. Which jobs run (target, suites,
@@ -243,7 +251,7 @@ def _same_measuring(run: dict, options, path) -> None:
         now = ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items())
         raise ValueError(f"cannot resume {path}: its run {run.get('run_id')} was measured with "
                          f"{was}, this command with {now}; give the same --warmup/--rep/"
-                         "--no-error, or start a new file with --out")  # fmt: skip
+                         "--rounds/--no-error, or start a new file with --out")  # fmt: skip
 
 
 def cmd_bench(args) -> int:
@@ -281,7 +289,7 @@ def cmd_bench(args) -> int:
     info = device_info()
     env = results.environment()
     options = harness.Options(warmup_ms=args.warmup, rep_ms=args.rep,
-                              check_error=not args.no_error)  # fmt: skip
+                              check_error=not args.no_error, rounds=args.rounds)  # fmt: skip
     plan_options = {"quick": args.quick, "target": args.target, "providers": providers,
                     "modes": modes}  # fmt: skip
     done: dict = {}
@@ -507,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--warmup", type=int, default=WARMUP_MS, help="do_bench warmup, ms")
     s.add_argument("--rep", type=int, default=REP_MS, help="do_bench repetition time, ms")
+    s.add_argument("--rounds", type=_at_least_one, default=1,
+                   help="time each case's providers N times in turn and keep the median "
+                   "(spreads the GPU's clock drift over every provider alike)")  # fmt: skip
     s.add_argument("--no-ceilings", action="store_true", help="skip measuring cuBLAS/copy")
     s.add_argument("--no-error", action="store_true", help="skip the float64 error check")
     s.add_argument("--no-progress", action="store_true",

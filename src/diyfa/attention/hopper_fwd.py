@@ -85,13 +85,14 @@ class Config(NamedTuple):
     loader_regs: int  # ... and of the loader warp
     pin: int = 0  # 1: hold the wait for P V after the softmax (see _consumer)
     q_bufs: int = 1  # Q buffers per consumer: with 2 the next tile's Q loads during this one
+    dynamic: int = 0  # 1: causal calls persistent too, tiles handed out by an atomic counter
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
 HOPPER_CONFIGS = {
-    64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2),
-    128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2),
-    256: Config(2, 64, 2, 1, 240, 24, 0, q_bufs=1),  # (two Q buffers would not fit)
+    64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2, dynamic=1),
+    128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2, dynamic=1),
+    256: Config(2, 64, 2, 1, 240, 24, 0, q_bufs=1, dynamic=1),  # (two Q buffers would not fit)
 }
 # From LONG_KEYS keys on, head dim 64 runs three consumers (192 query rows per tile): H200,
 # bf16, 2026-11-23 (benchmarks/results/*_hopper-fwd-pin-ab_1fc2b6f.jsonl): 490.6 against
@@ -104,14 +105,20 @@ HOPPER_CONFIGS = {
 # shapes), -2..-3% at d64 and mixed at d256 in the same run, so d128 only (the store also
 # brings a warpgroup barrier per block, which Triton adds before it: part of the effect and
 # of the cost).
+# Causal calls (handed out by the dynamic scheduler) measured otherwise: two consumers won
+# at 4096 keys (421.6 against 397.1 TFLOPS), three at 16k (470.4 against 452.6; H200, bf16,
+# benchmarks/results/2026-11-24_h200_hopper-fwd-dynamic-ab_78d922a-wip.jsonl), so causal
+# calls take three consumers from 16k keys (8k is not measured).
 LONG_KEYS = 4096
-HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2)}
+LONG_KEYS_CAUSAL = 16384
+HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1)}
 
 
-def default_config(head_dim_padded: int, seqlen_k: int) -> Config:
+def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False) -> Config:
     """The config the kernel runs for a padded head dim and (longest) key length (plain
     attention; hopper_args passes 0 keys for the variants and packed sequences)."""
-    if seqlen_k >= LONG_KEYS and head_dim_padded in HOPPER_CONFIGS_LONG:
+    long_keys = LONG_KEYS_CAUSAL if causal else LONG_KEYS
+    if seqlen_k >= long_keys and head_dim_padded in HOPPER_CONFIGS_LONG:
         return HOPPER_CONFIGS_LONG[head_dim_padded]
     return HOPPER_CONFIGS[head_dim_padded]
 
@@ -210,15 +217,32 @@ def _tile2d(bufs, i):
 
 
 @gluon.jit
+def _put_tile(slot, t):
+    """The loader warp tells the consumers which work item the Q buffer set it is about to
+    fill belongs to (read after they wait for that Q; the loader rewrites the slot only
+    after every consumer has released the buffer set)."""
+    slot.store(gl.zeros([1], gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + t)
+
+
+@gluon.jit
+def _get_tile(slot):
+    """A consumer warpgroup reads the work item of the Q it has just waited for."""
+    return gl.max(slot.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-            kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-            left_offset, CU_Q, CU_K, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
-            WINDOW: gl.constexpr, VARLEN: gl.constexpr):
+            kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+            left_offset, CU_Q, CU_K, COUNTER, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+            WINDOW: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
     """The loader warp: for each tile of this program, each consumer's Q block (once the
     consumer has read the one before in that buffer: with two Q buffers per consumer the
     next tile's Q loads while this tile runs), then the tile's K/V blocks through the ring.
     ``it`` counts K/V blocks over the whole program: stage it % STAGES, lap it // STAGES;
-    ``lap`` counts tiles: Q buffer set lap % Q_BUFS."""
+    ``lap`` counts tiles: Q buffer set lap % Q_BUFS. The program's first work item is its
+    program id; the next one the id plus the grid (static round robin) or (DYNAMIC) what an
+    atomic counter hands out next, plus the grid. When none is left, the consumers are told
+    so through the next Q buffer set's slot (item ``total``)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     SUB_M: gl.constexpr = q_bufs.type.shape[3]
@@ -228,18 +252,22 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
     total = num_m * batch_heads
     it = 0
     lap = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+    t = gl.program_id(0)
+    while t < total:
         pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
         tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
             off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
         row0 = pid_m * BLOCK_M
         qb = (lap % Q_BUFS) * CONSUMERS
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first
+        # wait on an "empty" barrier passes at once.
         for c in gl.static_range(CONSUMERS):
-            # A fresh mbarrier counts as having completed the phase before phase 0: the
-            # first wait on an "empty" barrier passes at once. (Packed sequences: rows
-            # past this sequence's end belong to the next one or are zero-filled; the
-            # consumers neither use nor store them.)
             mbarrier.wait(q_empty.index(qb + c), ((lap // Q_BUFS) & 1) ^ 1)
+        if DYNAMIC:
+            _put_tile(tile_ids.index(lap % Q_BUFS), t)
+        for c in gl.static_range(CONSUMERS):
+            # (Packed sequences: rows past this sequence's end belong to the next one or
+            # are zero-filled; the consumers neither use nor store them.)
             mbarrier.expect(q_ready.index(qb + c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 q_desc, [tb, off_h, q_start + row0 + c * SUB_M, 0], q_ready.index(qb + c),
@@ -260,6 +288,17 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
                                             v_ready.index(s), v_bufs.index(s))  # fmt: skip
             it += 1
         lap += 1
+        if DYNAMIC:
+            t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
+        else:
+            t += gl.num_programs(0)
+    if DYNAMIC:
+        qb = (lap % Q_BUFS) * CONSUMERS
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(qb + c), ((lap // Q_BUFS) & 1) ^ 1)
+        _put_tile(tile_ids.index(lap % Q_BUFS), total)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.arrive(q_ready.index(qb + c))  # no bytes: "nothing left"
 
 
 @gluon.jit
@@ -308,12 +347,13 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
 
 @gluon.jit
 def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+              tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-              VARLEN: gl.constexpr, PIN: gl.constexpr, C: gl.constexpr):
+              VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr,
+              C: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
@@ -337,9 +377,13 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     it = 0
     lap = 0
     total = num_m * batch_heads
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
+    t = gl.program_id(0)
+    if DYNAMIC:  # the loader's work items, in its order; ``total``: no more
+        mbarrier.wait(q_ready.index(C), 0)
+        t = _get_tile(tile_ids.index(0))
+    while t < total:
         qb = (lap % Q_BUFS) * CONSUMERS + C  # this tile's Q buffer
+        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
         q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
         tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
             off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
@@ -370,7 +414,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
         acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
+        if not DYNAMIC:
+            mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
         if n > lo:
             # Block lo: S, softmax.
             s_idx = it % STAGES
@@ -461,63 +506,71 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_smem)
             tma.store_wait(0)
         mbarrier.arrive(q_empty.index(qb))
+        if DYNAMIC:  # (lap counts this tile already)
+            mbarrier.wait(q_ready.index((lap % Q_BUFS) * CONSUMERS + C), (lap // Q_BUFS) & 1)
+            t = _get_tile(tile_ids.index(lap % Q_BUFS))
+        else:
+            t += gl.num_programs(0)
 
 
 @gluon.jit
 def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, PIN: gl.constexpr):
+               VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+              tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, 0)  # fmt: skip
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
+              0)  # fmt: skip
 
 
 @gluon.jit
 def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, PIN: gl.constexpr):
+               VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+              tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, 1)  # fmt: skip
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
+              1)  # fmt: skip
 
 
 @gluon.jit
 def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-               batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, PIN: gl.constexpr):
+               VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
+              tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, 2)  # fmt: skip
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
+              2)  # fmt: skip
 
 
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv_group, seqlen_q,
                      seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                      stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O, stride_os,
-                     stride_oh, total_q, head_dim,
+                     stride_oh, total_q, head_dim, COUNTER,
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      SINKS: gl.constexpr, VARLEN: gl.constexpr, PIN: gl.constexpr,
-                     Q_BUFS: gl.constexpr):
+                     Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
     launch). Launched with num_warps=4 (the first consumer); the partitions add 4 warps per
@@ -534,6 +587,9 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                                         mbarrier.MBarrierLayout())  # fmt: skip
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # tile_ids[i]: the work item of Q buffer set i (_put_tile / _get_tile)
+    tile_ids = gl.allocate_shared_memory(gl.int32, [Q_BUFS, 1],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     # kv_empty[s]: K stage s is free; kv_empty[STAGES + s]: V stage s is free.
     kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_BUFS * CONSUMERS):
@@ -549,46 +605,51 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
+                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
+                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          DYNAMIC)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
+                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                       k_ready, v_ready, kv_empty, batch_heads, heads, kv_group, seqlen_q,
-                       seqlen_k, causal_offset, left_offset, CU_Q, CU_K, CAUSAL, CONSUMERS,
-                       WINDOW, VARLEN)),
+                       k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
+                       seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, COUNTER,
+                       CAUSAL, CONSUMERS, WINDOW, VARLEN, DYNAMIC)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
+                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
+                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
                           stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN)),
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                       k_ready, v_ready, kv_empty, batch_heads, heads, kv_group, seqlen_q,
-                       seqlen_k, causal_offset, left_offset, CU_Q, CU_K, CAUSAL, CONSUMERS,
-                       WINDOW, VARLEN)),
+                       k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
+                       seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, COUNTER,
+                       CAUSAL, CONSUMERS, WINDOW, VARLEN, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -644,7 +705,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     # (the long-keys config for plain attention only: with the variants' registers three
     # consumers spill hundreds of bytes, test_variants)
     config = config or default_config(head_dim_pad(d), sk if not variants and packed is None
-                                      else 0)  # fmt: skip
+                                      else 0, causal)  # fmt: skip
     cfg = Config(*config)
     consumers, block_n = cfg.consumers, cfg.block_n
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
@@ -657,22 +718,42 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 SINKS=False, CU_Q=lse2, CU_K=lse2, O=lse2, stride_os=0, stride_oh=0,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
-                Q_BUFS=cfg.q_bufs)  # fmt: skip
+                Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
+                DYNAMIC=False)  # fmt: skip
     if variants:
         args.update(variants)
     if packed is not None:
         args.update(packed["args"])
     tiles = cdiv(sq, consumers * SUB_M) * b * h
-    # Persistent only without a band or packed sequences: the static round robin gives
-    # tiles of very unequal work to the same programs (measured, causal: 454 against 618
-    # TFLOPS at 16k, d128), and an LPT order over every head (heaviest tiles of all heads
-    # first, snake order over the programs) lost L2 locality (576 against 622; see
-    # docs/attention.md).
+    # A static round robin only without a band or packed sequences: it gives tiles of very
+    # unequal work to the same programs (measured, causal: 454 against 618 TFLOPS at 16k,
+    # d128), and an LPT order over every head (heaviest tiles of all heads first, snake
+    # order over the programs) lost L2 locality (576 against 622; docs/attention.md).
     persistent = cfg.per_sm and not (causal or args["WINDOW"] or args["VARLEN"])
+    if cfg.per_sm and cfg.dynamic and not args["VARLEN"] and (causal or args["WINDOW"]):
+        # Persistent programs that take the next tile in the head-major, heaviest-first
+        # order from an atomic counter (zeroed per call) as they finish one: the balance and
+        # L2 locality of one program per tile, plus the next tile's loads during this one.
+        # H200, causal, against one program per tile (same run as LONG_KEYS_CAUSAL): d64
+        # 4096 keys 421.6 / 389.9 TFLOPS, 1024 315.3 / 243.2; d128 16k 640.6 / 629.9, 4096
+        # 560.1 / 540.9, 1024 413.9 / 364.4; d256 16k 682.3 / 671.8, 4096 577.8 / 568.4.
+        persistent = True
+        args.update(DYNAMIC=True, COUNTER=torch.zeros(1, dtype=torch.int32,
+                                                      device=lse2.device))  # fmt: skip
     grid = (min(tiles, num_sms * cfg.per_sm) if persistent else tiles,)
     if not persistent:  # one tile per program: a second Q buffer would never be used
         args["Q_BUFS"] = 1
     return grid, args, 4
+
+
+_NO_COUNTER: dict = {}
+
+
+def _no_counter(device) -> torch.Tensor:
+    """An int32 the kernel takes as COUNTER when it does not hand tiles out (never written)."""
+    if device not in _NO_COUNTER:
+        _NO_COUNTER[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _NO_COUNTER[device]
 
 
 def _plain(p: Problem) -> bool:
