@@ -739,3 +739,14 @@ def test_cli_refuses_zero_rounds(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "flash", "--rounds", "0"])
     assert "must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_variant_tensors_are_built_once_per_case_and_device():
+    """The providers call kernel_options inside the timed function: the ALiBi slopes and the
+    sinks must not be rebuilt (and copied to the device) on every call."""
+    case = AttentionCase(1, 4, 64, 64, 32, True, "fp16", alibi=True, sinks=True)
+    a, b = case.kernel_options("cpu"), case.kernel_options("cpu")
+    assert a["alibi_slopes"] is b["alibi_slopes"] and a["sinks"] is b["sinks"]
+    assert torch.equal(a["alibi_slopes"], torch.exp2(-8.0 * torch.arange(1, 5) / 4))
+    a["softcap"] = 1.0  # a caller's edits stay its own
+    assert "softcap" not in case.kernel_options("cpu")

@@ -203,11 +203,9 @@ def _clear_foreign_rows(v_smem, rows_left):
 
 @gluon.jit
 def _tanh(x):
-    """tanh as the portable kernels compute it (one exp2): sign(x) (1 - e) / (1 + e),
-    e = 2^(-2 |x| log2(e)); the backward recomputes the scores with the same formula."""
-    e = gl.exp2(gl.abs(x) * -2.8853900817779268)
-    t = (1.0 - e) / (1.0 + e)
-    return gl.where(x < 0, -t, t)
+    """tanh as the portable kernels compute it (portable._tanh): 1 - 2 / (2^(2 x log2(e)) +
+    1); the backward recomputes the scores with the same formula."""
+    return 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)
 
 
 @gluon.jit

@@ -35,6 +35,9 @@ from diyfa import flops
 TARGETS = ("flash", "matmul", "memory")
 
 
+_KERNEL_OPTIONS: dict = {}  # (AttentionCase, device) -> its variants' keyword arguments
+
+
 @dataclass(frozen=True)
 class AttentionCase:
     """One attention shape. ``kv_heads`` < ``heads`` is GQA; causal aligns bottom-right.
@@ -84,7 +87,16 @@ class AttentionCase:
 
     def kernel_options(self, device) -> dict:
         """diyfa's keyword arguments for the variants (slopes 2^(-8 (i + 1) / heads), as
-        ALiBi's paper sets them; sinks a fixed ramp), on ``device``."""
+        ALiBi's paper sets them; sinks a fixed ramp), on ``device``. Built once per (case,
+        device): the providers call this inside the timed function, and a tensor built on
+        the CPU and copied to the GPU on every call put a host-to-device copy (which waits
+        for the stream) into every timed ALiBi and sinks call."""
+        key = (self, str(device))
+        if key not in _KERNEL_OPTIONS:
+            _KERNEL_OPTIONS[key] = self._kernel_options(device)
+        return dict(_KERNEL_OPTIONS[key])
+
+    def _kernel_options(self, device) -> dict:
         import torch
 
         opts = {}
