@@ -26,7 +26,7 @@ bench fasweep 250 --suite fa-sweep --quick --modes fwd,bwd --providers "$all" --
   --rounds 3
 bench variants 120 --suite variants --modes fwd,bwd \
   --providers "diyfa,diyfa-hopper,diyfa-hopper-det,sdpa-flash$fa4" \
-  --warmup 10 --rep 50
+  --warmup 10 --rep 50 --rounds 2
 bench seed 210 --suite seed,cross,gqa --modes fwd,bwd --providers "$all" --warmup 20 --rep 60 \
   --rounds 2
 for f in "$OUT"/fasweep.jsonl "$OUT"/seed.jsonl "$OUT"/variants.jsonl; do
