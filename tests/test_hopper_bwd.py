@@ -53,9 +53,11 @@ print(json.dumps(out))
 # ptxas's spill report of the current kernel (2026-11-23, triton 3.6, with the launch's
 # divisibility hints): none at d64; at d128 92 bytes and, with the atomic dQ, 256. With
 # window + softcap + ALiBi on: 48 bytes at d64 (atomic), 488 / 672 at d128 (softcap alone
-# 300, ALiBi alone 332: the extra (keys, queries) tile of tanh' or distances). Bounds that
-# catch a regression (a tile's worth of registers spilled is kilobytes).
-SPILL_BOUND = {(64, False): 0, (128, False): 512, (64, True): 128, (128, True): 1024}
+# 300, ALiBi alone 332: the extra (keys, queries) tile of tanh' or distances); since tanh is
+# 1 - 2 / (2^(2x log2 e) + 1) (2026-11-24), 156 bytes at d64 causal with the atomic dQ (an
+# opt-in mode: "auto" runs softcap's backward on the portable kernel). Bounds that catch a
+# regression (a tile's worth of registers spilled is kilobytes).
+SPILL_BOUND = {(64, False): 0, (128, False): 512, (64, True): 192, (128, True): 1024}
 
 
 def _spilled(ptxas: str) -> int:

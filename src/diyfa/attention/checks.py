@@ -478,13 +478,17 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
             raise ValueError(f"cache_seqlens[{i}] = {n} plus {s_new} new tokens does not fit "
                              f"the cache ({capacity} rows per sequence)")  # fmt: skip
     if block_table is not None and not fake:
+        # The pages each sequence uses, checked on the table's device with one read back
+        # (the table went to a Python list before: ~16k entries at 16k tokens in pages of
+        # 16, milliseconds per decode step against the kernel's ~0.27).
         pool = k_cache.shape[0]
-        for i, (n, pages) in enumerate(zip(lengths, block_table.tolist(), strict=True)):
-            used = pages[:-(-(n + s_new) // rows)]
-            bad = [p for p in used if not 0 <= p < pool]
-            if bad:
-                raise ValueError(f"block_table[{i}] points outside the pool of {pool} pages: "
-                                 f"{bad[:4]}")  # fmt: skip
+        need = (cache_seqlens + (s_new + rows - 1)) // rows
+        cols = torch.arange(block_table.shape[1], device=block_table.device)
+        bad = (cols[None, :] < need[:, None]) & ((block_table < 0) | (block_table >= pool))
+        if bool(bad.any()):
+            i = int(bad.any(1).nonzero()[0, 0])
+            raise ValueError(f"block_table[{i}] points outside the pool of {pool} pages: "
+                             f"{block_table[i][bad[i]][:4].tolist()}")  # fmt: skip
     check_flag("causal", causal)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")

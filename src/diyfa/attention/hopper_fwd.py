@@ -111,6 +111,7 @@ HOPPER_CONFIGS = {
 # calls take three consumers from 16k keys (8k is not measured).
 LONG_KEYS = 4096
 LONG_KEYS_CAUSAL = 16384
+SHORT_KEYS_D64 = 2048  # "auto" leaves head dims <= 64 below this many keys to the portable kernel
 HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1)}
 
 
@@ -906,11 +907,16 @@ def supports(p: Problem) -> str | None:
 def prefer(p: Problem) -> str | None:
     """Where "auto" leaves a problem this kernel can run to the portable one.
 
-    - Head dims <= 64 with fewer than 4096 keys, where the portable kernel measured as fast or
-      faster (H100, 2026-11-23, benchmarks/results/2026-11-23_h100_flash_fwd_debc629.jsonl:
-      d64 at 512 / 1024 / 2048 keys 295 / 370 / 421 TFLOPS against 336 / 393 / 422, causal
-      161 / 244 / 331 against 224 / 301 / 349; from 4096 keys on and at d128 / d256 this
-      kernel is ahead).
+    - Head dims <= 64 with fewer than 2048 keys, where the portable kernel measured as fast
+      or faster. Before the persistent programs got two Q buffers and causal calls the
+      counter scheduler (2026-11-24), that held up to 4096 keys (H100, 2026-11-23,
+      benchmarks/results/2026-11-23_h100_flash_fwd_debc629.jsonl: d64 at 512 / 1024 / 2048
+      keys 295 / 370 / 421 TFLOPS against 336 / 393 / 422, causal 161 / 244 / 331 against
+      224 / 301 / 349). Since (H200, bf16 / fp16, benchmarks/results/
+      2026-11-24_h200_flash_*_babe81a.jsonl, this kernel against the portable one): the
+      fp16 seed shape (4 x 8 heads) at 2048 keys 391 against 291; at 1024 keys 400 against
+      397 (16 x 32 heads), causal 311 against 288, but 137-154 against 175 on the small
+      seed shape and 43-46 against 50 at 512 keys (host-bound sizes).
     - Packed sequences at head dims other than 72..128: at d64 the portable kernel measured
       faster (H200, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
       benchmarks/results/2026-11-23_h200_inference_*.jsonl: 420 / 369 TFLOPS full / causal
@@ -930,8 +936,9 @@ def prefer(p: Problem) -> str | None:
     if p.head_dim_v != p.head_dim:
         return ("its value head dim other than q's passes the GPU tests but is not timed "
                 'against the portable kernel yet (backend="hopper" runs it)')  # fmt: skip
-    if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < 4096:
-        return "the portable kernel measured faster at head dims <= 64 below 4096 keys"
+    if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < SHORT_KEYS_D64:
+        return (f"the portable kernel measured as fast or faster at head dims <= 64 below "
+                f"{SHORT_KEYS_D64} keys")  # fmt: skip
     return None
 
 
