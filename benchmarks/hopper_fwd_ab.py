@@ -2,12 +2,12 @@
 importable), in one process on an sm90 GPU.
 
 Each config (``hopper_fwd.HOPPER_CONFIGS``' tuple: consumers, BLOCK_N, stages, programs per
-SM, consumer / loader registers, pin, Q buffers, LPT) first runs an odd shape (seqlen_q != seqlen_k,
-causal bottom-right with rows that see no key, GQA) against float64, by the 2x rule (its
-error at most twice PyTorch's own in the same dtype); a config that fails is reported and
-not timed. Then every shape is timed with ``triton.testing.do_bench`` (median), TFLOPS by
-the published convention (causal halved). Rows go to ``--out`` (JSON lines), a table to
-stdout.
+SM, consumer / loader registers, pin, Q buffers, dynamic) first runs an odd shape
+(seqlen_q != seqlen_k, causal bottom-right with rows that see no key, GQA) against float64,
+by the 2x rule (its error at most twice PyTorch's own in the same dtype); a config that
+fails is reported and not timed. Then every shape is timed with
+``triton.testing.do_bench`` (median), TFLOPS by the published convention (causal halved).
+Rows go to ``--out`` (JSON lines), a table to stdout.
 
 Usage (device): python3 benchmarks/hopper_fwd_ab.py --out $OUT/ab.jsonl
   [--configs "64:2,128,4,1,240,24;64:3,128,4,1,160,24"] [--dims 64,128,256] [--causal 0,1]

@@ -22,6 +22,7 @@ import torch
 import diyfa
 from diyfa.attention import dispatch
 from diyfa.attention.checks import check_inputs
+from diyfa.reference import attention_ref
 
 from .conftest import DEVICE, HAS_CUDA
 from .test_attention import _inputs, _run_and_check
@@ -283,6 +284,41 @@ def test_gpu_hopper_matrix(shape, dtype, causal, monkeypatch):
     _hopper_only(monkeypatch)
     b, h, hk, sq, sk, d = shape
     _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal)
+
+
+def _every_config():
+    from diyfa.attention import hopper_fwd as hf
+
+    return {f"d{d}-{c.consumers}c-q{c.q_bufs}": (d, c) for d, c in
+            [*hf.HOPPER_CONFIGS.items(), *hf.HOPPER_CONFIGS_LONG.items()]}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", list(_every_config()))
+def test_gpu_hopper_persistent_programs_run_many_tiles(name, causal, monkeypatch):
+    """Every config with three SMs' worth of persistent programs, so each program runs ~20
+    tiles (odd and even counts): the Q buffers' turns (two per consumer), the causal tiles
+    handed out by the counter and its "nothing left" slot, and the static round robin of
+    full attention, against float64 by the 2x rule (the GPU's own SM count leaves d64 and
+    d256 with at most one tile per program in the other tests)."""
+    from diyfa.attention import hopper_fwd as hf
+
+    d, cfg = _every_config()[name]
+    monkeypatch.setattr(hf, "kernel_limits", lambda _i: {"sm_count": 3})
+    q, k, v = (t.detach() for t in _inputs(2, 4, 2, 1000, 1111, d, torch.bfloat16,
+                                           device="cuda"))  # fmt: skip
+    p = check_inputs(q, k, v, causal=causal, softmax_scale=None, layout="bhsd",
+                     align="bottom_right")  # fmt: skip
+    grid, args, _ = hf.hopper_args(q, k, v, q, torch.empty(2, 4, 1000, device="cuda"), 0, 0.1,
+                                   causal, 3, cfg)  # fmt: skip
+    assert grid == (3,) and args["DYNAMIC"] == (causal and bool(cfg.dynamic))
+    out = hf.hopper_forward(q, k, v, p, cfg)[0].double()
+    ref = attention_ref(q.double(), k.double(), v.double(), causal=causal,
+                        compute_dtype=torch.float64)  # fmt: skip
+    pt = attention_ref(q, k, v, causal=causal, compute_dtype=torch.bfloat16).double()
+    err, pt_err = (out - ref).abs().max().item(), (pt - ref).abs().max().item()
+    assert err <= 2 * pt_err, (name, causal, err, pt_err)
 
 
 @pytest.mark.gpu

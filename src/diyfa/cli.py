@@ -244,7 +244,8 @@ def _same_measuring(run: dict, options, path) -> None:
     """Refuse to continue ``run`` with other timing or error-check options: its rows and the
     new ones share a run id and must be measured alike. Which jobs run (target, suites,
     providers, modes, --quick) may differ: what is done is skipped, the rest is measured."""
-    before = run.get("options") or {}
+    before = dict(run.get("options") or {})
+    before.setdefault("rounds", 1)  # (runs from before --rounds were timed once)
     differ = {k: (before[k], v) for k, v in vars(options).items() if k in before and before[k] != v}
     if differ:
         was = ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())

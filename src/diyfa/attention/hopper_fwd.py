@@ -206,7 +206,7 @@ def _clear_foreign_rows(v_smem, rows_left):
 def _tanh(x):
     """tanh as the portable kernels compute it (portable._tanh): 1 - 2 / (2^(2 x log2(e)) +
     1); the backward recomputes the scores with the same formula."""
-    return 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)
+    return 1.0 - 2.0 / (gl.exp2(gl.minimum(x * 2.8853900817779268, 64.0)) + 1.0)
 
 
 @gluon.jit

@@ -128,7 +128,9 @@ def _tanh(x):
     number. Near 0 its error is absolute (~1e-7), as the scores' is. (It was sign(x) (1 - e)
     / (1 + e) with e = 2^(-2 |x| log2(e)): two more instructions per score, and the softcap
     kernels are short of issue slots and exponential units.)"""
-    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+    # (the exponent stops at 64: 2 / (2^64 + 1) is below fp32's half ulp of 1, and a larger
+    # one would overflow exp2, which the interpreter's numpy warns about)
+    return 1.0 - 2.0 / (tl.math.exp2(tl.minimum(x * 2.8853900817779268, 64.0)) + 1.0)
 
 
 @triton.jit

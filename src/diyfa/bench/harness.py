@@ -64,9 +64,11 @@ class Options:
     seed: int = 0
     # Rounds > 1: after every provider of a (suite, case, mode) has been measured, each is
     # timed again in turn, rounds - 1 times, and its median_ms becomes the median of the
-    # rounds' medians (round_median_ms). Consecutive timings of one kernel moved by up to
-    # 13% on an H200 (clocks follow power and temperature, 2026-11-24): interleaved
-    # rounds spread that drift over every provider alike.
+    # rounds' medians (round_median_ms; p20_ms / p80_ms their percentiles). The group's
+    # records are written when its last round ends, and its providers' inputs (and, for
+    # the backward, graphs) stay on the GPU until then. Consecutive timings of one kernel
+    # moved by up to 13% on an H200 (clocks follow power and temperature, 2026-11-24):
+    # interleaved rounds spread that drift over every provider alike.
     rounds: int = 1
 
 
@@ -445,13 +447,17 @@ class Harness:
             rec["round_median_ms"] = [rec["median_ms"]]
         for _ in range(self.options.rounds - 1):
             for rec in timed:
+                if rec["_fn"] is None:  # a round failed: keep the rounds timed before
+                    continue
                 try:
                     rec["round_median_ms"].append(time_fn(rec["_fn"], self.options)[0])
                 except Exception as exc:  # noqa: BLE001 - keep the rounds timed so far
                     rec["round_note"] = f"a later round failed: {type(exc).__name__}: {exc}"
                     rec["_fn"] = None
         for rec in timed:
-            rec["median_ms"] = float(np.median(rec["round_median_ms"]))
+            rounds = rec["round_median_ms"]
+            rec["median_ms"] = float(np.median(rounds))
+            rec["p20_ms"], rec["p80_ms"] = (float(x) for x in np.percentile(rounds, [20, 80]))
             self._derive(rec)
 
     def _derive(self, rec: dict) -> None:
@@ -518,8 +524,9 @@ def run(plans: list[Plan], harness: Harness, *, providers: list[str] | None = No
         modes: list[str] | None = None, writer: _results.ResultsWriter | None = None,
         progress: bool = False, done: Collection[tuple] = ()) -> list[dict]:  # fmt: skip
     """Measure every job of ``plans`` whose :func:`job_key` is not in ``done`` (a resumed
-    run's finished measurements); write each record as it comes, so an interrupt loses only
-    the measurement under way; return the records. ``progress``: draw a bar on stderr
+    run's finished measurements); write each record as it comes (with Options.rounds > 1,
+    each case's records when its rounds end), so an interrupt loses only the measurement
+    (the case) under way; return the records. ``progress``: draw a bar on stderr
     (:class:`diyfa.bench.progress.Bar`)."""
     jobs = [j for j in expand(plans, providers, modes) if job_key(j) not in done]
     records: list[dict] = []
