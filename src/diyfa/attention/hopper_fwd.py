@@ -18,6 +18,11 @@ Why a second forward kernel
       P_{j-1} V_{j-1} runs (FlashAttention-3's intra-warpgroup pipelining). Consumers are
       independent warpgroups, so one's softmax also overlaps the others' matmuls.
     - Registers are reallocated between them (``setmaxnreg``): the loader keeps 24-40.
+    - Programs are persistent (about one per SM): non-causal ones walk a static round robin
+      of tiles, causal and windowed ones take the next tile from an atomic counter (the
+      loader hands its number to the consumers through a shared-memory slot), and two Q
+      buffers per consumer let the next tile's Q load while this one runs
+      (docs/attention.md, "Scheduling").
 
 Numerics are the portable kernel's (module docstring there): fp32 accumulation, base-2
 softmax with the scale folded in, P rounded to the input dtype before P @ V, base-2 LSE
@@ -572,7 +577,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                      Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
-    launch). Launched with num_warps=4 (the first consumer); the partitions add 4 warps per
+    launch), or (DYNAMIC) tile p and then those the COUNTER hands out, plus the grid
+    (`_loader`). Launched with num_warps=4 (the first consumer); the partitions add 4 warps per
     further consumer and 1 loader warp. Descriptors are 4-D over (batch, heads, seqlen, dim)
     with blocks (1, 1, rows, padded dim)."""
     dtype: gl.constexpr = q_desc.dtype
