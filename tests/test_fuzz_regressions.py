@@ -105,24 +105,30 @@ def test_kvcache_regression(case):
     run_kvcache_case(case)
 
 
+def _mm(**kw) -> MatmulCase:
+    """A matmul case: the fields given, the rest those of most rows (no batch, row-major
+    operands, default output dtype, no scales, bias or activation, kernel "auto", seed 0)."""
+    base = dict(batch=None, layout_a="row", layout_b="row", out_dtype=None, scale_a="none",
+                scale_b="none", bias=None, activation=None, kernel="auto", seed=0)
+    return MatmulCase(**{**base, **kw})
+
+
 MATMUL = [
     # Library bug, fixed: a batched product with one row per matrix (M = 1, as in batched
     # decode) and a per-row scale_a of shape (B, M) = (2, 1), which the docstring accepts,
     # was refused ("scale_a has shape (2, 1); accepted: ... (1,) or (1, 1) (or with a leading
     # batch dim)"): _check_scale squeezed the last axis first, reading (B, 1) as (M, 1).
-    pytest.param(MatmulCase(batch=2, m=1, n=3, k=50, dtype_a=F16, dtype_b=F16,
-                            layout_a="transposed", layout_b="row", out_dtype=None,
-                            scale_a="batch", scale_b="row", bias=F32, activation="gelu",
-                            precision="tf32", kernel="portable", seed=1362),
+    pytest.param(_mm(batch=2, m=1, n=3, k=50, dtype_a=F16, dtype_b=F16, layout_a="transposed",
+                     scale_a="batch", scale_b="row", bias=F32, activation="gelu",
+                     precision="tf32", kernel="portable", seed=1362),
                  id="batched-m1-scale-a-per-row"),
     # Interpreter bug, worked around in diyfa/_interpreter.py (CPU runs only): Triton 3.6's
     # interpreter turns float8_e5m2 subnormals (down to 2^-16) into wrong fp16 values before
     # a dot, so a fp32-output e5m2 product came out 2^-15 off (3.2e-5 against an exact fp32
     # baseline). The patched dot widens e5m2 bit patterns exactly (test_interpreter.py).
-    pytest.param(MatmulCase(batch=None, m=4, n=1, k=56, dtype_a=torch.float8_e5m2,
-                            dtype_b=torch.float8_e4m3fn, layout_a="row", layout_b="row",
-                            out_dtype=F32, scale_a="tensor", scale_b="tensor", bias=None,
-                            activation=None, precision="tf32", kernel="auto", seed=1939),
+    pytest.param(_mm(m=4, n=1, k=56, dtype_a=torch.float8_e5m2, dtype_b=torch.float8_e4m3fn,
+                     out_dtype=F32, scale_a="tensor", scale_b="tensor", precision="tf32",
+                     seed=1939),
                  id="fp8-e5m2-subnormals-fp32-out"),
     # Test bug, fixed (GPU run of 2026-11-23, commit ead758f: two jobs shrank to the same
     # error, 6.1e-4 > allowed 1.0e-6; the falsifying example did not come back, this is the
@@ -130,10 +136,7 @@ MATMUL = [
     # against cuBLAS with TF32 allowed, which runs K = 1 products in exact fp32, while
     # Triton's TF32 dot truncates the operands. run_matmul_case now judges that mode
     # against the truncated operands multiplied in fp32 (the documented product).
-    pytest.param(MatmulCase(batch=None, m=1, n=17, k=1, dtype_a=F32, dtype_b=F32,
-                            layout_a="row", layout_b="row", out_dtype=None, scale_a="none",
-                            scale_b="none", bias=None, activation=None, precision="tf32",
-                            kernel="auto", seed=7),
+    pytest.param(_mm(m=1, n=17, k=1, dtype_a=F32, dtype_b=F32, precision="tf32", seed=7),
                  id="fp32-tf32-k1"),
     # Library accuracy, fixed (GPU fuzz run of 2026-11-23, commit 5166671, job 2): on Hopper
     # an fp8 dot accumulates in the tensor cores' reduced precision unless the kernel adds
@@ -143,10 +146,8 @@ MATMUL = [
     # (matmul.fp8_accumulation): 32 promotes every instruction's sum, and the fuzz runs fp8
     # on a GPU that way (H200: this case fails with "fast", passes with 32); "fast" stays
     # the default (2x the speed) and is judged against cuBLAS's fast mode in test_matmul.
-    pytest.param(MatmulCase(batch=None, m=1, n=1, k=879, dtype_a=torch.float8_e4m3fn,
-                            dtype_b=torch.float8_e4m3fn, layout_a="row", layout_b="row",
-                            out_dtype=None, scale_a="tensor", scale_b="tensor", bias=None,
-                            activation=None, precision="tf32", kernel="auto", seed=1085),
+    pytest.param(_mm(m=1, n=1, k=879, dtype_a=torch.float8_e4m3fn, dtype_b=torch.float8_e4m3fn,
+                     scale_a="tensor", scale_b="tensor", precision="tf32", seed=1085),
                  id="fp8-e4m3-k879-fast-accumulation"),
     # Library bug, fixed (GPU only: the interpreter's dot is numpy's): fp32 with
     # precision="ieee" summed K products into one accumulator in a row (Triton's FMA dot),
@@ -154,29 +155,20 @@ MATMUL = [
     # 2x cuBLAS's 9.3e-6, and 2.6e-4 against 1.2e-4 for the first failing case found (488 x
     # 417 x 853, gelu, scales, bias). The portable kernel now starts a fresh partial every
     # second K tile (two-level summation; test_matmul's PTX test).
-    pytest.param(MatmulCase(batch=None, m=1, n=1, k=426, dtype_a=F32, dtype_b=F32,
-                            layout_a="row", layout_b="row", out_dtype=None, scale_a="none",
-                            scale_b="none", bias=None, activation=None, precision="ieee",
-                            kernel="auto", seed=0), id="fp32-ieee-k426-one-dot"),
-    pytest.param(MatmulCase(batch=None, m=488, n=417, k=853, dtype_a=F32, dtype_b=F32,
-                            layout_a="transposed", layout_b="row", out_dtype=None,
-                            scale_a="row1", scale_b="tensor", bias=F32, activation="gelu",
-                            precision="ieee", kernel="portable", seed=5094),
+    pytest.param(_mm(m=1, n=1, k=426, dtype_a=F32, dtype_b=F32, precision="ieee"),
+                 id="fp32-ieee-k426-one-dot"),
+    pytest.param(_mm(m=488, n=417, k=853, dtype_a=F32, dtype_b=F32, layout_a="transposed",
+                     scale_a="row1", scale_b="tensor", bias=F32, activation="gelu",
+                     precision="ieee", kernel="portable", seed=5094),
                  id="fp32-ieee-k853-epilogue"),
     # m = 1, K = 132: fp32 partials of two K tiles still left 1.4x cuBLAS's error (H200, fuzz
     # at a6d029c); a partial per tile passed on the H200 (ba0a10c), and then m = n = 1, K =
     # 3922 (below) did not: the products are now summed in fp64 (matmul._matmul_kernel).
-    pytest.param(MatmulCase(batch=None, m=1, n=756, k=132, dtype_a=F32, dtype_b=F32,
-                            layout_a="row", layout_b="row", out_dtype=None, scale_a="none",
-                            scale_b="none", bias=None, activation=None, precision="ieee",
-                            kernel="auto", seed=0),
+    pytest.param(_mm(m=1, n=756, k=132, dtype_a=F32, dtype_b=F32, precision="ieee"),
                  id="fp32-ieee-m1-k132-two-tile-partials"),
     # One dot of K = 3922 (m = n = 1): fp32 partials per K tile, summed in fp32, gave 9.4x
     # cuBLAS's error (3.17e-5 against 3.37e-6 allowed; H200, fuzz at 9de99f4).
-    pytest.param(MatmulCase(batch=None, m=1, n=1, k=3922, dtype_a=F32, dtype_b=F32,
-                            layout_a="row", layout_b="row", out_dtype=None, scale_a="none",
-                            scale_b="none", bias=None, activation=None, precision="ieee",
-                            kernel="auto", seed=0),
+    pytest.param(_mm(m=1, n=1, k=3922, dtype_a=F32, dtype_b=F32, precision="ieee"),
                  id="fp32-ieee-k3922-one-dot-fp32-partials"),
 ]
 

@@ -734,15 +734,16 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     # unequal work to the same programs (measured, causal: 454 against 618 TFLOPS at 16k,
     # d128), and an LPT order over every head (heaviest tiles of all heads first, snake
     # order over the programs) lost L2 locality (576 against 622; docs/attention.md).
-    persistent = cfg.per_sm and not (causal or args["WINDOW"] or args["VARLEN"])
-    if cfg.per_sm and cfg.dynamic and not args["VARLEN"] and (causal or args["WINDOW"]):
+    banded = causal or args["WINDOW"]
+    dynamic = bool(cfg.per_sm and cfg.dynamic and banded and not args["VARLEN"])
+    persistent = cfg.per_sm and (dynamic or not (banded or args["VARLEN"]))
+    if dynamic:
         # Persistent programs that take the next tile in the head-major, heaviest-first
         # order from an atomic counter (zeroed per call) as they finish one: the balance and
         # L2 locality of one program per tile, plus the next tile's loads during this one.
         # H200, causal, against one program per tile (same run as LONG_KEYS_CAUSAL): d64
         # 4096 keys 421.6 / 389.9 TFLOPS, 1024 315.3 / 243.2; d128 16k 640.6 / 629.9, 4096
         # 560.1 / 540.9, 1024 413.9 / 364.4; d256 16k 682.3 / 671.8, 4096 577.8 / 568.4.
-        persistent = True
         args.update(DYNAMIC=True, COUNTER=torch.zeros(1, dtype=torch.int32,
                                                       device=lse2.device))  # fmt: skip
     grid = (min(tiles, num_sms * cfg.per_sm) if persistent else tiles,)

@@ -530,31 +530,26 @@ def run(plans: list[Plan], harness: Harness, *, providers: list[str] | None = No
     (:class:`diyfa.bench.progress.Bar`)."""
     jobs = [j for j in expand(plans, providers, modes) if job_key(j) not in done]
     records: list[dict] = []
-    group: list[dict] = []  # the providers of one (suite, case, mode), with rounds
+    group: list[dict] = []  # the records of one (suite, case, mode) still to be finished
+    group_key = None
 
     def finish(recs):
         if harness.options.rounds > 1:
             harness.more_rounds(recs)
         for rec in recs:
             rec.pop("_fn", None)
-            rec.pop("_case", None)
             if writer is not None:
                 writer.write(rec)
 
     with _progress.Bar(len(jobs), "measurements", enabled=progress) as bar:
         for suite, case, provider, mode in jobs:
-            if group and (group[0]["suite"], group[0]["_case"], group[0]["mode"]) != (
-                    suite, case, mode):
+            if (suite, case, mode) != group_key or harness.options.rounds == 1:
                 finish(group)
-                group = []
+                group, group_key = [], (suite, case, mode)
             bar.show(f"{suite} {provider} {mode} {case.label()}")
             rec = harness.measure(suite, case, provider, mode)
             records.append(rec)
-            if harness.options.rounds > 1:
-                rec["_case"] = case
-                group.append(rec)
-            else:
-                finish([rec])
+            group.append(rec)
             bar.advance()
         finish(group)
     return records
