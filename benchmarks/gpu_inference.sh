@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The inference suites as one device call (nvidia-h200, about 5 minutes; give it
-# timeout_s=600): decode, paged-decode and varlen (issue 13) with diyfa ("auto"), the Hopper
+# timeout_s=600): decode, paged-decode and varlen (issue 13) with diyfa ("auto"; and
+# diyfa-nosync, max_seqlen_k given: nothing read back), the Hopper
 # family forced where it takes the problem (diyfa-hopper: its packed-sequence forward, which
 # "auto" leaves to the portable kernel until this run times the two), cuDNN and FA2 through
 # SDPA (over the contiguous cache / padded to the longest sequence), FA4 where the machine
@@ -12,7 +13,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout "${BENCH_TIMEOUT:-480}" python3 -m diyfa.cli bench flash --no-progress \
   --suite decode,paged-decode,varlen --out "$OUT/inference.jsonl" \
-  --providers "diyfa,diyfa-hopper,sdpa-cudnn,sdpa-flash,sdpa-cudnn-padded$fa4" \
+  --providers "diyfa,diyfa-nosync,diyfa-hopper,sdpa-cudnn,sdpa-flash,sdpa-cudnn-padded$fa4" \
   --warmup 10 --rep 50 > "$OUT/inference.log" 2>&1 || echo "bench: exit $?"
 tail -n 5 "$OUT/inference.log"
 timeout 60 python3 benchmarks/first_call.py --dtype bfloat16 --head-dim 128 --causal \

@@ -373,7 +373,8 @@ def test_decode_suites_and_case_arithmetic():
     assert case.min_bytes("fwd") == (2 * 16 * 16384 * 8 * 128 + 2 * 16 * 32 * 128) * 2
     assert case.flops("fwd")["exact"] == 4 * 16 * 32 * 1 * 16384 * 128
     assert case.label() == "b16 h32/8 sq1 cache16384 d128 bf16"
-    assert providers.names("decode") == ["diyfa", "sdpa-cudnn", "sdpa-flash", "sdpa-math"]
+    assert providers.names("decode") == ["diyfa", "diyfa-nosync", "fa4-cute", "sdpa-cudnn",
+                                         "sdpa-flash", "sdpa-math"]
 
 
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
@@ -384,11 +385,12 @@ def test_decode_measurement_on_the_interpreter(page_size):
 
     case = DecodeCase(2, 4, 2, 3, 70, 32, page_size, "fp16")
     plan = Plan("decode", "flash", (case,), ("fwd",))
-    recs = harness.run([plan], _harness(), providers=["diyfa", "sdpa-math"])
+    recs = harness.run([plan], _harness(), providers=["diyfa", "diyfa-nosync", "sdpa-math"])
     by = {r["provider"]: r for r in recs}
-    assert by["diyfa"]["status"] == "ok", by["diyfa"]["reason"]
-    err = by["diyfa"]["error"]
-    assert err["status"] == "ok" and err["out_max_abs"] < 2e-3
+    for name in ("diyfa", "diyfa-nosync"):
+        assert by[name]["status"] == "ok", by[name]["reason"]
+        err = by[name]["error"]
+        assert err["status"] == "ok" and err["out_max_abs"] < 2e-3
     if page_size:
         assert by["sdpa-math"]["status"] == "unsupported"
         assert "no paged cache" in by["sdpa-math"]["reason"]

@@ -226,13 +226,92 @@ def test_kvcache_bad_input_is_a_clear_error_and_writes_nothing(over, err, match)
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_max_seqlen_k_reads_nothing_back(paged, monkeypatch):
+    """``max_seqlen_k`` given: no read back (``Tensor.tolist`` / ``item`` fail here), the
+    same result bitwise as the checked call when the bound is the longest length, and the
+    2x rule when it is the cache's capacity (other split ranges)."""
+    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+     after_v) = _setup(torch.bfloat16, 1, 1)  # fmt: skip
+    kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+    args = dict(cache_seqlens=seqlens, block_table=bt, num_splits=0)
+    with torch.no_grad():
+        want = diyfa.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k_new, v_new,
+                                                  **args)  # fmt: skip
+
+        def no_read_back(*a, **kw):
+            raise AssertionError("read back to the host")
+
+        monkeypatch.setattr(torch.Tensor, "tolist", no_read_back)
+        monkeypatch.setattr(torch.Tensor, "item", no_read_back)
+        monkeypatch.setattr(torch.Tensor, "__bool__", no_read_back)
+        longest = max(LENS) + 1
+        got = diyfa.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k_new, v_new,
+                                                 max_seqlen_k=longest, **args)  # fmt: skip
+        capacity = table.shape[1] * 16 if paged else k_cache.shape[1]
+        kc2, vc2 = kc.clone(), vc.clone()
+        wide = diyfa.flash_attention_with_kvcache(q, kc2, vc2, k_new, v_new,
+                                                  max_seqlen_k=capacity, **args)  # fmt: skip
+    monkeypatch.undo()
+    assert torch.equal(got, want)
+    lengths = [n + 1 for n in LENS]
+    ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
+                     torch.float64)  # fmt: skip
+    _check("out", wide, _reference(q, after_k, after_v, lengths, True, torch.bfloat16), ref, 2,
+           torch.bfloat16)  # fmt: skip
+    if not paged:
+        assert torch.equal(kc2, after_k) and torch.equal(vc2, after_v)
+
+
+@pytest.mark.parametrize("over", [
+    lambda a: dict(cache_seqlens=torch.tensor([0, 70, 250], dtype=torch.int32, device=DEVICE)),
+    lambda a: dict(cache_seqlens=torch.tensor([0, -1, 5], dtype=torch.int32, device=DEVICE)),
+    lambda a: dict(block_table=a["block_table"].clone().index_fill_(
+        1, torch.tensor([0], device=DEVICE), 999)),
+], ids=["past-bound", "negative", "page-outside"])
+def test_kvcache_max_seqlen_k_violation_asserts_and_writes_nothing(over):
+    """The bound broken (a length past max_seqlen_k, a negative one, a used page outside
+    the pool): the device-side assert (on the CPU, a RuntimeError) comes before the append."""
+    args = _bad_call(over)
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    with pytest.raises(RuntimeError, match="outside \\[0, max_seqlen_k=201\\]"):
+        diyfa.flash_attention_with_kvcache(**args, max_seqlen_k=201)
+    assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+@pytest.mark.parametrize("value, err, match", [
+    (2.5, TypeError, "max_seqlen_k must be an int or None, got 2.5"),
+    (True, TypeError, "max_seqlen_k must be an int or None, got True"),
+    (0, ValueError, "max_seqlen_k must be in \\[1 \\(the new tokens\\), 304"),
+    (305, ValueError, "max_seqlen_k must be in .* got 305"),
+])
+def test_kvcache_bad_max_seqlen_k(value, err, match):
+    args = _bad_call(lambda a: {})
+    with pytest.raises(err, match=match):
+        diyfa.flash_attention_with_kvcache(**args, max_seqlen_k=value)
+
+
+def test_cache_status_codes():
+    """The device check's verdict per sequence: the length after the append, -1 outside
+    [s_new, limit], -2 a used page outside the pool (an unused one does not count)."""
+    from diyfa.attention.decode import cache_status
+
+    seqlens = torch.tensor([0, 17, 40, -3, 33], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[0, -1, -1], [1, 2, 9], [3, 4, 5], [0, 0, 0], [6, 7, 99]],
+                         dtype=torch.int32, device=DEVICE)  # fmt: skip
+    got = cache_status(seqlens, table, 1, 48, 10, 16).tolist()
+    assert got == [1, 18, 41, -1, -2]
+    got = cache_status(seqlens, None, 8, 47, 0, 1).tolist()
+    assert got == [8, 25, -1, -1, 41]
+
+
 _COMPILE_DECODE = """
 import torch
 from diyfa._compile import compile_for_sm90
 from diyfa.attention import decode
 
 for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
-    tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32,
+    tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32, "STATUS": torch.int32,
                "O_PART": torch.float32, "LSE_PART": torch.float32, "LSE": torch.float32,
                "SLOPES": torch.float32, "K_DESCALE": torch.float32, "V_DESCALE": torch.float32}
     if fp8:
@@ -240,8 +319,8 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
     args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
                 HEAD_DIM_V_PAD=128, CAUSAL=True,
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
-                SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4)
-    for fn in (decode._decode_split, decode._combine):
+                SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024)
+    for fn in (decode._decode_split, decode._combine, decode._cache_status):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
         compile_for_sm90(fn, values, num_warps=4, num_stages=2)
@@ -318,6 +397,44 @@ def test_gpu_kvcache(paged):
                      torch.float64)  # fmt: skip
     pt = _reference(q, after_k, after_v, lengths, True, torch.bfloat16)
     _check("out", out, pt, ref, 2, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_kvcache_cuda_graph(paged):
+    """A decode step (append + attend) captured in a CUDA graph (nothing read back during a
+    capture: the cache's capacity bounds the lengths) and replayed after the caller moves
+    cache_seqlens on: every replay equals the eager call with max_seqlen_k given, and the
+    appends land where the lengths say."""
+    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, *_) = _setup(
+        torch.bfloat16, 1, 1, h=32, hk=8, d=128, device="cuda")  # fmt: skip
+    kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+    capacity = table.shape[1] * 16 if paged else k_cache.shape[1]
+    kc0, vc0 = kc.clone(), vc.clone()
+    lens = seqlens.clone()
+    with torch.no_grad():
+        step = lambda **kw: diyfa.flash_attention_with_kvcache(  # noqa: E731
+            q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=bt, **kw)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(max_seqlen_k=capacity)  # the captured kernels, compiled outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        kc.copy_(kc0), vc.copy_(vc0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for shift in (0, 1, 5):
+            kc.copy_(kc0), vc.copy_(vc0)
+            lens.copy_(seqlens + shift)
+            graph.replay()
+            kc1, vc1 = kc0.clone(), vc0.clone()
+            want = diyfa.flash_attention_with_kvcache(q, kc1, vc1, k_new, v_new,
+                                                      cache_seqlens=seqlens + shift,
+                                                      block_table=bt, max_seqlen_k=capacity)
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), shift
+            assert torch.equal(kc, kc1) and torch.equal(vc, vc1), shift
 
 
 class _TinyLM(torch.nn.Module):

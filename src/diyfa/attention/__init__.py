@@ -233,6 +233,7 @@ def flash_attention_with_kvcache(
     sinks: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """Attention of new query tokens against a KV cache (decoding, chunked prefill). No
     gradients (inference; inputs that require them are refused).
@@ -263,9 +264,18 @@ def flash_attention_with_kvcache(
             fp16/bf16; k and v are quantised on the append (divided by the descale, clamped
             to +-448, cast).
 
+        max_seqlen_k: a bound on every sequence's cache length after the append (a serving
+            loop knows it). Given, the call never waits for the GPU: the lengths and pages
+            are checked on the device and a violation stops the stream with a device-side
+            assert (a RuntimeError on the CPU) before anything is written, instead of a
+            ValueError; the keys are split over [0, max_seqlen_k). Left None, the lengths are
+            read back (one synchronisation per call; during a CUDA-graph capture the cache's
+            capacity is the bound, as if given).
+
     Every check (shapes, dtypes, lengths against the cache, pages against the pool) runs
-    before anything is written: on an error the cache is untouched. The lengths are read to
-    the host (one device synchronisation per call).
+    before anything is written: on an error the cache is untouched. Without
+    ``max_seqlen_k`` the lengths are read to the host (one device synchronisation per call)
+    and a bad one is a ValueError.
     """
     check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
@@ -274,14 +284,14 @@ def flash_attention_with_kvcache(
                                                       block_table, causal, softmax_scale,
                                                       num_splits, wl, wr, float(softcap),
                                                       alibi_slopes, sinks, k_descale,
-                                                      v_descale)  # fmt: skip
+                                                      v_descale, max_seqlen_k)  # fmt: skip
     else:
         from diyfa.attention import decode
 
         out, lse2 = decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens,
                                              block_table, causal, softmax_scale, num_splits,
                                              window_size, softcap, alibi_slopes, sinks,
-                                             k_descale, v_descale)  # fmt: skip
+                                             k_descale, v_descale, max_seqlen_k)  # fmt: skip
     return (out, lse2 * LN2) if return_lse else out
 
 

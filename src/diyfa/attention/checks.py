@@ -397,13 +397,19 @@ def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale) -> bool:
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,
-                         softmax_scale, num_splits, fake=False,
-                         fp8: bool = False) -> tuple[float, list[int]]:
+                         softmax_scale, num_splits, fake=False, fp8: bool = False,
+                         max_seqlen_k: int | None = None) -> tuple[float, int]:
     """Check a KV-cache call before anything is written or launched; returns (the resolved
-    softmax scale, each sequence's cache length after the append). Reads cache_seqlens and
-    the used part of block_table to the host (one device synchronisation): lengths past the
-    cache and pages outside the pool are errors here, never writes out of place. ``fake``:
-    tracing (the values are unknown): every check but those, lengths returned empty.
+    softmax scale, the longest cache length after the append, or its bound). The lengths
+    and the pages each sequence uses are checked on the device by one small kernel
+    (``decode.cache_status``) and read back at once (one synchronisation): lengths past the
+    cache and pages outside the pool are ValueErrors here, never writes out of place.
+    ``max_seqlen_k`` (the caller's bound on the lengths after the append), or a CUDA-graph
+    capture (the bound is then the cache's capacity): nothing is read back; the same
+    verdict is asserted on the device (``torch._assert_async``, ahead of the append and the
+    kernels in stream order: a RuntimeError on the CPU, a device-side assert on a GPU) and
+    the bound is returned. ``fake``: tracing (the values are unknown): every check but
+    those, 0 returned.
     ``fp8``: the caches are float8_e4m3fn (checked by :func:`check_fp8_cache`); k and v,
     the new tokens, are in q's dtype and quantised on the append."""
     names = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
@@ -459,7 +465,6 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens must have one entry per sequence ({b}), got "
                          f"{cache_seqlens.shape[0]}")  # fmt: skip
-    lengths = [] if fake else cache_seqlens.tolist()
     if block_table is None:
         if k_cache.shape[0] != b:
             raise ValueError(f"a contiguous cache must be (batch={b}, max_len, kv_heads, "
@@ -473,25 +478,44 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
         if rows < 1:
             raise ValueError(f"a paged cache needs pages of >= 1 token, got page_size {rows}")
         capacity = rows * block_table.shape[1]  # rows = page_size
-    for i, n in enumerate(lengths):
-        if n < 0 or n + s_new > capacity:
-            raise ValueError(f"cache_seqlens[{i}] = {n} plus {s_new} new tokens does not fit "
-                             f"the cache ({capacity} rows per sequence)")  # fmt: skip
-    if block_table is not None and not fake:
-        # The pages each sequence uses, checked on the table's device with one read back
-        # (the table went to a Python list before: ~16k entries at 16k tokens in pages of
-        # 16, milliseconds per decode step against the kernel's ~0.27).
-        pool = k_cache.shape[0]
-        need = (cache_seqlens + (s_new + rows - 1)) // rows
-        cols = torch.arange(block_table.shape[1], device=block_table.device)
-        bad = (cols[None, :] < need[:, None]) & ((block_table < 0) | (block_table >= pool))
-        if bool(bad.any()):
-            i = int(bad.any(1).nonzero()[0, 0])
-            raise ValueError(f"block_table[{i}] points outside the pool of {pool} pages: "
-                             f"{block_table[i][bad[i]][:4].tolist()}")  # fmt: skip
+    if max_seqlen_k is not None:
+        if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
+            raise TypeError(f"max_seqlen_k must be an int or None, got {max_seqlen_k!r}")
+        if not s_new <= max_seqlen_k <= capacity:
+            raise ValueError(f"max_seqlen_k must be in [{s_new} (the new tokens), {capacity} "
+                             f"(the cache's rows per sequence)], got {max_seqlen_k}")  # fmt: skip
+    elif q.is_cuda and torch.cuda.is_current_stream_capturing():
+        max_seqlen_k = capacity  # nothing can be read back during a capture
+    max_len = 0
+    if not fake:
+        from diyfa.attention.decode import cache_status
+
+        limit = capacity if max_seqlen_k is None else max_seqlen_k
+        status = cache_status(cache_seqlens, block_table, s_new, limit, k_cache.shape[0],
+                              rows)  # fmt: skip
+        if max_seqlen_k is not None:
+            torch._assert_async(status.min() >= 0,
+                                f"flash_attention_with_kvcache: cache_seqlens + {s_new} new "
+                                f"tokens outside [0, max_seqlen_k={limit}] or a page outside "
+                                f"the pool")  # fmt: skip
+            max_len = max_seqlen_k
+        else:
+            codes = status.tolist()
+            for i, n in enumerate(codes):
+                if n == -1:
+                    raise ValueError(f"cache_seqlens[{i}] = {int(cache_seqlens[i])} plus "
+                                     f"{s_new} new tokens does not fit the cache ({capacity} "
+                                     "rows per sequence)")  # fmt: skip
+                if n == -2:
+                    pool = k_cache.shape[0]
+                    pages = block_table[i][:(int(cache_seqlens[i]) + s_new + rows - 1) // rows]
+                    outside = pages[(pages < 0) | (pages >= pool)]
+                    raise ValueError(f"block_table[{i}] points outside the pool of {pool} "
+                                     f"pages: {outside[:4].tolist()}")  # fmt: skip
+            max_len = max(codes, default=0)
     check_flag("causal", causal)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
     if num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be at most {MAX_SPLITS}, got {num_splits}")
-    return _resolved_scale(softmax_scale, d), [n + s_new for n in lengths]
+    return _resolved_scale(softmax_scale, d), max_len

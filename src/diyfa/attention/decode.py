@@ -209,6 +209,50 @@ def _combine(O_PART, LSE_PART, O, LSE, SINK_LOGITS, rows_per_split, seqlen_q, he
     tl.store(o_ptr + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+@triton.jit
+def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, max_blocks,
+                  page_size, pool, PAGED: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program per sequence b: STATUS[b] = its cache length after the append, or -1 when
+    that is outside [s_new, limit] (cache_seqlens[b] negative, or the cache too short), or -2
+    when (PAGED) one of the pages it uses is outside the pool [0, pool)."""
+    b = tl.program_id(0)
+    n = tl.load(CACHE_SEQLENS + b)
+    status = tl.where((n < 0) | (n > limit - s_new), -1, n + s_new)
+    if PAGED:
+        used = tl.minimum((tl.maximum(status, 0) + page_size - 1) // page_size, max_blocks)
+        bad = tl.zeros([BLOCK_P], dtype=tl.int32)
+        for p0 in range(0, used, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_tb + offs, mask=offs < used,
+                           other=0)  # fmt: skip
+            bad += ((page < 0) | (page >= pool)).to(tl.int32)
+        status = tl.where((status >= 0) & (tl.sum(bad, 0) > 0), -2, status)
+    tl.store(STATUS + b, status)
+
+
+def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, s_new: int,
+                 limit: int, pool: int, page_size: int) -> torch.Tensor:
+    """Each sequence's cache length after an append of ``s_new`` tokens, checked on the
+    device (int32 (batch,); -1: outside [s_new, limit], -2: a used page outside the pool):
+    one small kernel, so the checked path reads everything back at once and the unchecked
+    one (``max_seqlen_k`` given) can assert without a synchronisation."""
+    b = cache_seqlens.shape[0]
+    status = torch.empty((b,), dtype=torch.int32, device=cache_seqlens.device)
+    if b == 0:
+        return status
+    paged = block_table is not None
+    args = dict(CACHE_SEQLENS=cache_seqlens, BLOCK_TABLE=block_table if paged else cache_seqlens,
+                STATUS=status, s_new=s_new, limit=limit,
+                stride_tb=block_table.stride(0) if paged else 0,
+                max_blocks=block_table.shape[1] if paged else 0, page_size=page_size,
+                pool=pool, PAGED=paged, BLOCK_P=1024)  # fmt: skip
+    if cache_seqlens.is_cuda:
+        launch(_cache_status, (b,), args, {}, 4, 1)
+    else:  # the interpreter
+        _cache_status[(b,)](**args)
+    return status
+
+
 def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Splits so that about PROGRAMS_PER_SM programs per SM run: a long cache with few (batch,
     kv head) pairs is cut into more ranges; never ranges shorter than 4 blocks of keys."""
@@ -231,11 +275,14 @@ def quantize(x: torch.Tensor, descale: torch.Tensor, batch_index: torch.Tensor) 
 
 def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal: bool,
                       softmax_scale, num_splits: int, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
+                      alibi_slopes=None, sinks=None, k_descale=None, v_descale=None,
+                      max_seqlen_k=None):
     """``flash_attention_with_kvcache``'s work, for the eager call and the custom op alike:
     every check first (nothing is written on an error), then k/v appended in place at rows
     cache_seqlens[b].. (torch indexing, only those rows), then attention. Returns (out,
-    lse2) with lse2 base 2."""
+    lse2) with lse2 base 2. ``max_seqlen_k``: the caller's bound on the lengths after the
+    append; the checks then run on the device without a read back (see
+    ``check_kvcache_inputs``)."""
     from diyfa.attention.checks import (
         check_bias_tensors,
         check_fp8_cache,
@@ -245,11 +292,11 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     )
 
     fp8 = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
-    scale, lengths = check_kvcache_inputs(q, k_cache, v_cache, k, v,
+    scale, max_len = check_kvcache_inputs(q, k_cache, v_cache, k, v,
                                           cache_seqlens=cache_seqlens,
                                           block_table=block_table, causal=causal,
                                           softmax_scale=softmax_scale, num_splits=num_splits,
-                                          fp8=fp8)  # fmt: skip
+                                          fp8=fp8, max_seqlen_k=max_seqlen_k)  # fmt: skip
     left, right, softcap = check_variants(window_size, softcap, causal)
     check_tanh_scale(scale, softcap)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
@@ -271,7 +318,7 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
         seqlens = cache_seqlens + k.shape[1]
     return kvcache_attention(q, k_cache, v_cache, seqlens, block_table, causal=causal,
                              softmax_scale=scale, num_splits=num_splits,
-                             max_seqlen_k=max(lengths, default=0), window=(left, right),
+                             max_seqlen_k=max_len, window=(left, right),
                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                              k_descale=k_descale, v_descale=v_descale)
 
@@ -282,8 +329,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                       k_descale=None, v_descale=None):
     """(out, lse2) for checked inputs, the new keys already appended: q (batch, seqlen_q,
     heads, d); out (batch, seqlen_q, heads, v_cache's head dim); lse2 base 2, (batch, heads,
-    seqlen_q) fp32. ``max_seqlen_k`` is the longest cache_seqlens entry (read on the host by
-    the checks). ``window`` is the checked (left, right) pair (right 0 when causal)."""
+    seqlen_q) fp32. ``max_seqlen_k`` bounds every cache length (the longest one, read back by
+    the checks, or the caller's bound): the splits cut [0, max_seqlen_k). ``window`` is the
+    checked (left, right) pair (right 0 when causal)."""
     b, sq, h, d = q.shape
     hk, dv = k_cache.shape[2], v_cache.shape[3]
     group = h // hk

@@ -234,6 +234,7 @@ def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
                       k_descale: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
                       v_descale: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                      max_seqlen_k: Optional[int] = None,  # noqa: UP045 (schema parser)
                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``flash_attention_with_kvcache``: appends k/v into the caches in place (declared as
     mutated), then attends -> (out (q's shape, v_cache's head dim), lse2 (batch, heads,
@@ -243,17 +244,19 @@ def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return decode.append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                     causal, softmax_scale, num_splits,
                                     (window_left, window_right), softcap, alibi_slopes, sinks,
-                                    k_descale, v_descale)  # fmt: skip
+                                    k_descale, v_descale, max_seqlen_k)  # fmt: skip
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                             softmax_scale, num_splits, window_left, window_right, softcap,
-                            alibi_slopes, sinks, k_descale, v_descale):  # fmt: skip
+                            alibi_slopes, sinks, k_descale, v_descale,
+                            max_seqlen_k=None):  # fmt: skip
     fp8 = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                          block_table=block_table, causal=causal, softmax_scale=softmax_scale,
-                         num_splits=num_splits, fake=True, fp8=fp8)  # fmt: skip
+                         num_splits=num_splits, fake=True, fp8=fp8,
+                         max_seqlen_k=max_seqlen_k)  # fmt: skip
     check_variants((window_left, window_right), softcap, causal)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     b, sq, h, _ = q.shape

@@ -286,6 +286,29 @@ def _diyfa_decode(case, q, k_cache, v_cache, seqlens, table):
                                         block_table=table)  # fmt: skip
 
 
+@register("decode", "diyfa-nosync", layout="bshd", backward=False, check=_diyfa_check)
+def _diyfa_decode_nosync(case, q, k_cache, v_cache, seqlens, table):
+    """diyfa.flash_attention_with_kvcache with max_seqlen_k given: lengths and pages checked
+    on the device, nothing read back (how a serving loop or a CUDA graph calls it)."""
+    from diyfa.attention import flash_attention_with_kvcache
+
+    return flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                        block_table=table,
+                                        max_seqlen_k=case.cache_len)  # fmt: skip
+
+
+@register("decode", "fa4-cute", layout="bshd", backward=False, baseline=True,
+          requires=("flash_attn.cute:flash_attn_varlen_func",), check=_needs_cuda)  # fmt: skip
+def _fa4_decode(case, q, k_cache, v_cache, seqlens, table):
+    """flash_attn.cute.flash_attn_varlen_func with seqused_k (and page_table): FlashAttention-4's
+    cache path (one split: its sm90 kernel has no split-KV)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=seqlens, page_table=table,
+                                 causal=True, num_splits=1)  # fmt: skip
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _sdpa_decode_check(case) -> str | None:
     if case.page_size is not None:
         return "SDPA reads no paged cache"
