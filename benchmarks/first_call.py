@@ -10,6 +10,12 @@ sets ``DIYFA_AUTOTUNE=1`` for both runs (the warm one then reads the saved winne
     python benchmarks/first_call.py [--dtype bf16] [--head-dim 128] [--causal] [--autotune]
                                     [--no-prefetch]
 
+Python's bytecode is compiled beforehand by a process that imports torch, Triton and diyfa
+(``PYTHONPYCACHEPREFIX`` in the run's temporary folder), as pip does when it installs them:
+the GPU machine's site-packages come without it (a warm first forward there spent 0.32 s of
+0.80 in ``compile()`` of Triton's sources, 2026-11-24), which no user's installation pays.
+``--no-bytecode`` measures without it.
+
 ``--no-prefetch`` sets ``DIYFA_PREFETCH_BACKWARD=0``: the backward's kernels compile at the
 backward, after the forward's, instead of on a worker thread during the forward
 (``diyfa/attention/prefetch.py``).
@@ -30,6 +36,11 @@ import subprocess
 import sys
 import tempfile
 import time
+
+BYTECODE = (
+    "import torch, triton, triton.experimental.gluon, diyfa, diyfa.attention, "
+    "diyfa.attention.hopper_fwd, diyfa.attention.hopper_bwd, diyfa.attention.portable"
+)
 
 CHILD = r"""
 import cProfile, io, json, os, pstats, sys, time
@@ -89,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--autotune", action="store_true", help="DIYFA_AUTOTUNE=1 for both runs")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="DIYFA_PREFETCH_BACKWARD=0 for both runs")  # fmt: skip
+    ap.add_argument("--no-bytecode", action="store_true",
+                    help="no Python bytecode compiled beforehand (see the module docstring)")
     args = ap.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     records = []
@@ -106,12 +119,22 @@ def main(argv: list[str] | None = None) -> int:
                 env["TRITON_INTERPRET"] = "1"
         except ImportError:
             pass
+        if not args.no_bytecode:
+            # Python's bytecode of torch, Triton and diyfa, compiled once by a process that
+            # imports them (and compiles no kernel: its Triton and diyfa caches are thrown
+            # away), as pip does at install time.
+            env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
+            warm = dict(env, TRITON_CACHE_DIR=os.path.join(tmp, "x-triton"),
+                        DIYFA_CACHE_DIR=os.path.join(tmp, "x-diyfa"))  # fmt: skip
+            subprocess.run([sys.executable, "-c", BYTECODE], env=warm, check=True,
+                           timeout=600)  # fmt: skip
         for caches in ("cold", "warm"):
             t = time.perf_counter()
             rec = run_child(env, args.dtype, args.head_dim, args.causal)
             rec.update(caches=caches, wall_s=time.perf_counter() - t, dtype=args.dtype,
                        head_dim=args.head_dim, causal=args.causal, autotune=args.autotune,
-                       prefetch=not args.no_prefetch)  # fmt: skip
+                       prefetch=not args.no_prefetch,
+                       bytecode=not args.no_bytecode)  # fmt: skip
             records.append(rec)
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "first_call.jsonl"), "a") as f:

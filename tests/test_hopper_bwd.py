@@ -71,9 +71,9 @@ def test_hopper_bwd_compiles_and_fits(dtype):
     shared memory, and is what its
     docstring says: wgmma for S^T = K Q^T and dP^T = V dO^T (m64 x BLOCK_M), for dV += P^T dO
     and dK += dS^T Q (m64 x head dim, A from registers), for dQ (the transposed dS^T from
-    shared memory) only in the fast mode, with fp32 reductions to global memory there and
-    none in the deterministic mode; 4-D TMA loads and stores; registers moved from the
-    loader to the consumers. In a fresh process (the interpreter patches Triton)."""
+    shared memory) only in the fast mode, with TMA reduce-adds of fp32 tiles to global
+    memory there and none in the deterministic mode; 4-D TMA loads and stores; registers
+    moved from the loader to the consumers. In a fresh process (the interpreter patches Triton)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, dtype], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
@@ -90,8 +90,11 @@ def test_hopper_bwd_compiles_and_fits(dtype):
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx, where  # TMA stores
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx, where
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{l_regs};" in ptx, where
-        reductions = "red.global" in ptx or "atom.global" in ptx
+        # The fast mode's dQ leaves by TMA reduce-adds from shared memory; no per-thread
+        # reductions in either mode.
+        reductions = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
         assert reductions == r["atomic"], where
+        assert "red.global" not in ptx and "atom.global" not in ptx, where
         assert _spilled(r["ptxas"]) <= SPILL_BOUND[r["d"], bool(r["variants"])], (
             where, r["ptxas"])
         # The softcap's tanh is one more exp2 per score (64 per step in the plain kernel).

@@ -271,12 +271,44 @@ def test_kvcache_max_seqlen_k_reads_nothing_back(paged, monkeypatch):
 ], ids=["past-bound", "negative", "page-outside"])
 def test_kvcache_max_seqlen_k_violation_asserts_and_writes_nothing(over):
     """The bound broken (a length past max_seqlen_k, a negative one, a used page outside
-    the pool): the device-side assert (on the CPU, a RuntimeError) comes before the append."""
+    the pool): the assert (on the CPU, a RuntimeError) comes before the append. On a GPU it
+    is a device-side assert, which ends the process's CUDA context: see the subprocess test
+    below."""
+    if DEVICE != "cpu":
+        pytest.skip("a device-side assert would end this process's CUDA context")
     args = _bad_call(over)
     before = (args["k_cache"].clone(), args["v_cache"].clone())
     with pytest.raises(RuntimeError, match="outside \\[0, max_seqlen_k=201\\]"):
         diyfa.flash_attention_with_kvcache(**args, max_seqlen_k=201)
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+_ASSERT_ON_GPU = """
+import torch, diyfa
+q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+cache = torch.randn(2, 100, 2, 64, device="cuda", dtype=torch.bfloat16)
+lens = torch.tensor([10, 99], dtype=torch.int32, device="cuda")
+k = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.bfloat16)
+diyfa.flash_attention_with_kvcache(q, cache, cache.clone(), k, k, cache_seqlens=lens,
+                                   max_seqlen_k=50)
+torch.cuda.synchronize()
+print("no assert")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_kvcache_max_seqlen_k_violation_is_a_device_assert():
+    """On a GPU a length past max_seqlen_k stops the stream with a device-side assert (in a
+    subprocess: it ends that process's CUDA context), not a silent result."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _ASSERT_ON_GPU], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0 and "no assert" not in done.stdout, done.stdout
+    assert "device-side assert" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("value, err, match", [

@@ -82,8 +82,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -184,19 +186,15 @@ def _bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_od,
     tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
 
-@gluon.jit
-def _red_add_v2(base, offs, x):
-    """``base[offs] += x`` in fp32, two neighbouring columns per instruction (``red.global
-    .add.v2.f32``, sm90): ``x`` in a wgmma accumulator layout, whose threads hold column pairs
-    (2c, 2c + 1), which the inline assembly takes two at a time (``pack=2``). A fire-and-forget
-    reduction, no value returned (``gl.atomic_add`` issues one returning ``atom`` per element).
-    ``offs`` are int32 element offsets from the scalar pointer ``base`` (fewer registers than
-    a tensor of 64-bit pointers)."""
-    addr0 = base.to(gl.int64, bitcast=True)
-    gl.inline_asm_elementwise(
-        "{ .reg .b64 a; mad.wide.s32 a, $2, 4, $4; red.global.add.v2.f32 [a], {$6, $7}; }\n"
-        "mov.b32 $0, 0; mov.b32 $1, 0;",
-        "=r,=r,r,r,l,l,r,r", [offs, addr0, x], dtype=gl.int32, is_pure=False, pack=2)
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``global[block at coord] += src`` (a shared-memory tile) by TMA (``cp.reduce.async
+    .bulk.tensor ... .add``): issued like a TMA store (one thread, after a fence and a
+    barrier) and waited for the same way (``tma.store_wait``). Gluon 3.6 builds the op but
+    exposes no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                              tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -258,10 +256,10 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs
 
 
 @gluon.jit
-def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                  kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
-                  SLOPES, stride_slopes_b, alibi_offset,
+def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                  ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+                  seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
+                  left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: keys [n0 + 64 C, n0 + 64 C + 64) of the program's block."""
@@ -378,13 +376,15 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
                 mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
                 # In column halves of K at d128 (half the accumulator registers at a time;
                 # each half starts on a whole 128-byte swizzle block); in one piece at d64.
-                # K = 128 keys as two products of 64, one per consumer's K buffer.
-                SPLIT: gl.constexpr = 2 if HEAD_DIM > 64 else 1
+                # K = 128 keys as two products of 64, one per consumer's K buffer. Each
+                # half goes to this consumer's own fp32 buffer in shared memory and from
+                # there into the workspace by a TMA reduce-add, which runs on while the
+                # consumer goes on; its previous turn's reductions (two steps back) must
+                # have read those buffers first.
+                SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
                 HALF: gl.constexpr = HEAD_DIM // SPLIT
-                rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h_layout))
-                cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, h_layout))
-                base = (off_b.to(gl.int64) * heads + off_h) * seqlen_q_pad * HEAD_DIM
-                dq_rows = DQ + base  # the workspace is padded to whole query blocks and dims
+                tma.store_wait(0)
+                gl.thread_barrier()
                 for h in gl.static_range(SPLIT):
                     dq = gl.zeros([BLOCK_M, HALF], gl.float32, h_layout)
                     for c in gl.static_range(CONSUMERS):
@@ -392,8 +392,11 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
                         k_half = _tile2d(k_bufs, c).slice(h * HALF, HALF, dim=1)
                         dq = warpgroup_mma(ds_t, k_half, dq, use_acc=c > 0, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=(dq,))
-                    offs = rows[:, None] * HEAD_DIM + (h * HALF + cols[None, :])
-                    _red_add_v2(dq_rows, offs, dq)
+                    _tile2d(dq_bufs, C * SPLIT + h).store(dq)
+                    fence_async_shared()
+                    gl.thread_barrier()  # every thread's part is written before the issue
+                    _tma_reduce_add(dq_desc, [off_b, off_h, row0, h * HALF],
+                                    dq_bufs.index(C * SPLIT + h))  # fmt: skip
 
     # Epilogue: dK (scaled) and dV through this consumer's own K / V buffers, which nothing
     # reads any more once the other consumer's last dQ product (which reads both halves of
@@ -411,35 +414,35 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_b
 
 
 @gluon.jit
-def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                   seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
-                   SLOPES, stride_slopes_b, alibi_offset,
+def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+                   seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
+                   left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
-    _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                  kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
-                  SLOPES, stride_slopes_b, alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP,
-                  ALIBI, 0)  # fmt: skip
+    _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                  ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+                  seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
+                  left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset, CAUSAL,
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, 0)  # fmt: skip
 
 
 @gluon.jit
-def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                   kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                   seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
-                   SLOPES, stride_slopes_b, alibi_offset,
+def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+                   seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
+                   left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
-    _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs, ds_bufs,
-                  kv_ready, ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                  seqlen_q_pad, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
-                  SLOPES, stride_slopes_b, alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP,
-                  ALIBI, 1)  # fmt: skip
+    _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                  ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+                  seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
+                  left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset, CAUSAL,
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, 1)  # fmt: skip
 
 
 @gluon.jit
-def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, DQ,
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, dq_desc,
                      heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad, causal_offset,
                      qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                      alibi_offset,
@@ -456,6 +459,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     SUB_N: gl.constexpr = k_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)  # fmt: skip
@@ -463,6 +467,11 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * SUB_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * SUB_N, BLOCK_M], ds_layout)
+    # The atomic mode's fp32 dQ tiles on their way to the workspace: per consumer, the
+    # column halves its turn computes (whole blocks of the workspace's descriptor).
+    DQ_TILES: gl.constexpr = 2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC else 1
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,
+                                        dq_desc.layout)  # fmt: skip
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -478,13 +487,13 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     # (Argument tuples are written out in place: bound to a name first, their constexpr
     # members would reach the partitions as run-time values.)
     gl.warp_specialize([
-        (_bwd_consumer0, (dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs,
-                          ds_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+        (_bwd_consumer0, (dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                          ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                           seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
                           left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                           CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI)),
-        (_bwd_consumer1, (dk_desc, dv_desc, LSE, DELTA, DQ, q_bufs, do_bufs, k_bufs, v_bufs,
-                          ds_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+        (_bwd_consumer1, (dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+                          ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                           seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
                           left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                           CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI)),
@@ -506,6 +515,23 @@ def tma_ready(t4: torch.Tensor) -> bool:
                         for st, n in zip(t4.stride()[:3], t4.shape[:3], strict=True)))  # fmt: skip
 
 
+_DQ_STANDINS: dict = {}
+
+
+def _dq_desc(dq_acc: torch.Tensor, block_m: int, dpad: int, dq_atomic: bool):
+    """The TMA descriptor of the atomic mode's fp32 dQ workspace, blocks of BLOCK_M rows x
+    one column half (64 columns at d128; the whole 64 at d64); without atomic dQ, one over
+    a small stand-in of the same block shape (the kernel reads nothing through it)."""
+    cols = dpad // 2 if dpad > 64 else dpad
+    if not dq_atomic:
+        key = (dq_acc.device, block_m, cols)
+        dq_acc = _DQ_STANDINS.get(key)
+        if dq_acc is None:
+            dq_acc = _DQ_STANDINS[key] = torch.zeros((1, 1, block_m, cols),
+                                                     dtype=torch.float32, device=key[0])
+    return _desc(dq_acc, block_m, cols)
+
+
 def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
              softmax_scale: float, causal: bool, dq_atomic: bool,
              config: tuple | None = None, qk_scale: float | None = None,
@@ -521,7 +547,8 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
                 k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
                 dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
-                LSE=lse2, DELTA=delta, DQ=dq_acc, heads=h, kv_group=h // k4.shape[1],
+                LSE=lse2, DELTA=delta, dq_desc=_dq_desc(dq_acc, block_m, dpad, dq_atomic),
+                heads=h, kv_group=h // k4.shape[1],
                 seqlen_q=sq, seqlen_k=k4.shape[2], seqlen_q_pad=cdiv(sq, block_m) * block_m,
                 causal_offset=causal_offset,
                 qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
@@ -547,12 +574,13 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     q = torch.empty(2, 16, 4096, head_dim, dtype=dtype)
     kv = torch.empty(2, 4, 4096, head_dim, dtype=dtype)
     stats = torch.empty(2, 16, 4096, dtype=torch.float32)
+    dq_acc = torch.empty(2, 16, 4096, head_dim_pad(head_dim), dtype=torch.float32)
     flags = {name: True for name in variants}
     if "WINDOW" in flags:
         flags["left_offset"] = -1000
     if "ALIBI" in flags:
         flags.update(SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)
-    _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, stats, 0, 0.1, causal,
+    _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_acc, 0, 0.1, causal,
                                   dq_atomic, config, variants=flags)  # fmt: skip
     return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
 

@@ -77,6 +77,7 @@ from diyfa.device import kernel_limits
 LOG2E = 1.4426950408889634
 SUB_M = 64  # query rows per consumer warpgroup: one m64 wgmma
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_SMEM_DTYPES = {**_GL_DTYPES, torch.float32: gl.float32}  # + the backward's fp32 dQ tiles
 
 class Config(NamedTuple):
     """One launch configuration of the kernel. Shared memory: Q (q_bufs * consumers * 64 * d)
@@ -674,7 +675,7 @@ def head_dim_pad(d: int) -> int:
 
 @functools.cache
 def _smem_layout(block: tuple, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for(list(block), _SMEM_DTYPES[dtype])
 
 
 def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescriptor:
