@@ -6,6 +6,8 @@ output is first compared with the default's (the same math, max |diff| printed).
 
 Usage (device): python3 benchmarks/decode_ab.py [--out decode_ab.jsonl]
   [--variants "64,4,3,2;128,8,3,2"]   (BLOCK_N, warps, stages, programs per SM)
+  [--checked]   (without max_seqlen_k: the lengths read back every call, as before
+                 2026-11-24, when that synchronisation hid every launch choice)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from diyfa.attention import decode  # noqa: E402
 SHAPES = [(16, 32, 8, 16384, None), (64, 32, 8, 4096, None), (1, 32, 8, 131072, None),
           (128, 32, 8, 512, None), (16, 32, 32, 16384, None),
           (16, 32, 8, 16384, 16), (16, 32, 8, 16384, 256), (64, 32, 8, 4096, 16)]  # fmt: skip
-DEFAULT_VARIANTS = "64,4,3,2;64,4,4,4;128,4,3,2;128,8,3,2;64,8,4,4;32,4,4,4"
+DEFAULT_VARIANTS = "64,4,3,2;64,4,3,4;64,4,3,8;64,4,4,8;128,4,3,4;128,8,3,4;64,8,3,8"
 
 
 @contextlib.contextmanager
@@ -66,6 +68,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="decode_ab.jsonl")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--checked", action="store_true",
+                    help="read the lengths back (no max_seqlen_k): host-bound, see docs")
     a = ap.parse_args()
     from triton.testing import do_bench
 
@@ -85,8 +89,10 @@ def main() -> int:
             for var in variants:
                 name = "v" + "-".join(map(str, var))
                 try:
+                    bound = {} if a.checked else {"max_seqlen_k": n}
                     fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,
-                                           cache_seqlens=seqlens, block_table=tbl)  # fmt: skip
+                                           cache_seqlens=seqlens, block_table=tbl,
+                                           **bound)  # fmt: skip
                     with variant(*var):
                         o = fn()
                         ref = o if ref is None else ref
