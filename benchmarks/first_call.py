@@ -12,8 +12,9 @@ sets ``DIYFA_AUTOTUNE=1`` for both runs (the warm one then reads the saved winne
 
 Python's bytecode is compiled beforehand by a process that imports torch, Triton and diyfa
 (``PYTHONPYCACHEPREFIX`` in the run's temporary folder), as pip does when it installs them:
-the GPU machine's site-packages come without it (a warm first forward there spent 0.32 s of
-0.80 in ``compile()`` of Triton's sources, 2026-11-24), which no user's installation pays.
+the GPU machine runs with ``PYTHONDONTWRITEBYTECODE`` set and its site-packages come without
+it (a warm first forward there spent 0.32 s of 0.80 in ``compile()`` of Triton's sources,
+2026-11-24), which no user's installation pays.
 ``--no-bytecode`` measures without it.
 
 ``--no-prefetch`` sets ``DIYFA_PREFETCH_BACKWARD=0``: the backward's kernels compile at the
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             # imports them (and compiles no kernel: its Triton and diyfa caches are thrown
             # away), as pip does at install time.
             env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
+            env.pop("PYTHONDONTWRITEBYTECODE", None)  # set on the GPU machine
             warm = dict(env, TRITON_CACHE_DIR=os.path.join(tmp, "x-triton"),
                         DIYFA_CACHE_DIR=os.path.join(tmp, "x-diyfa"))  # fmt: skip
             subprocess.run([sys.executable, "-c", BYTECODE], env=warm, check=True,

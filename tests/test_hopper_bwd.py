@@ -234,7 +234,7 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     def fake_launch(fn, grid, args, meta, num_warps, num_stages):
         seen.update(fn=fn, grid=grid, args=args, num_warps=num_warps)
         if args["DQ_ATOMIC"]:
-            args["DQ"].fill_(2.0)
+            args["dq_desc"].base.fill_(2.0)
 
     def fake_dq(do_, q_, k_, v_, out_, lse2_, p_):
         seen["portable_dq"] = True
@@ -262,8 +262,10 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
         assert seen.get("portable_dq") and (dq == 3.0).all()
     else:
         assert "portable_dq" not in seen
-        assert args["DQ"].shape == (b, h, -(-sq // block_m) * block_m, 128)
-        assert args["seqlen_q_pad"] == args["DQ"].shape[2]
+        dqd = args["dq_desc"]  # the fp32 workspace, blocks of a column half
+        assert dqd.base.shape == (b, h, -(-sq // block_m) * block_m, 128)
+        assert dqd.base.dtype == torch.float32 and list(dqd.block_shape) == [1, 1, block_m, 64]
+        assert args["seqlen_q_pad"] == dqd.base.shape[2]
         assert dq.shape == q.shape and (dq == 0.5).all()  # 2.0 x the scale
 
 
