@@ -136,10 +136,13 @@ def test_supports_takes(kwargs):
 
 
 @pytest.mark.parametrize("env, backend, kwargs, want", [
-    (None, "auto", dict(), "hopper-kernel-dq"),
-    (None, "auto", dict(d=64, sk=4096), "portable"),
-    (None, "auto", dict(d=64, sk=4096, causal=True), "hopper-kernel-dq"),
+    (None, "auto", dict(), "hopper-atomic"),
+    (None, "auto", dict(d=64, sk=4096), "hopper-atomic"),
+    (None, "auto", dict(d=64, sk=4096, causal=True), "hopper-atomic"),
     (None, "auto", dict(d=80, deterministic=True), "hopper-kernel-dq"),
+    (None, "auto", dict(causal=True), "hopper-kernel-dq"),
+    (None, "auto", dict(d=64, sk=4096, deterministic=True), "portable"),
+    (None, "auto", dict(d=64, sk=4096, causal=True, deterministic=True), "hopper-kernel-dq"),
     ("1", "auto", dict(d=64, sk=4096), "hopper-atomic"),
     ("1", "auto", dict(deterministic=True), "hopper-kernel-dq"),
     ("0", "auto", dict(), "portable"),
@@ -155,7 +158,8 @@ def test_supports_takes(kwargs):
      "hopper-kernel-dq"),
     (None, "hopper", dict(variant=dict(sinks=torch.ones(4))), "hopper-atomic"),
     (None, "hopper", dict(variant=dict(value_dim=64)), "portable"),
-], ids=["auto-d128", "auto-d64", "auto-d64-causal", "auto-d80-det", "enabled-d64",
+], ids=["auto-d128", "auto-d64", "auto-d64-causal", "auto-d80-det", "auto-d128-causal",
+        "auto-d64-det", "auto-d64-causal-det", "enabled-d64",
         "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256",
         "auto-window", "auto-softcap", "enabled-window", "named-softcap",
         "named-det-alibi", "named-sinks", "named-value-dim"])

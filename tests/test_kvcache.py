@@ -356,6 +356,13 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
         compile_for_sm90(fn, values, num_warps=4, num_stages=2)
+    if not fp8:  # the contiguous 16-bit caches' launch (decode.WIDE), no variant
+        block_n, warps, _ = decode.WIDE
+        values = {p.name: dict(args, BLOCK_N=block_n, PAGED=False, WINDOW=False, SOFTCAP=False,
+                               ALIBI=False).get(p.name, torch.empty(16, dtype=tensors.get(
+            p.name, torch.bfloat16)) if p.name.isupper() else 17)
+                  for p in decode._decode_split.params}
+        compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=3)
 print("compiled")
 """
 

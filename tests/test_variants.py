@@ -265,8 +265,8 @@ def test_hopper_family_takes_variants(replace):
     expected = None if "softcap" in replace else "kernel-dq"
     assert hopper_bwd.auto_mode(problem) == expected
     assert hopper_bwd.auto_mode(dataclasses.replace(problem, deterministic=True)) == expected
-    d64 = dataclasses.replace(_problem(d=64), **replace)  # plain's rule: d64 non-causal
-    assert hopper_bwd.auto_mode(d64) is None
+    d64 = dataclasses.replace(_problem(d=64), **replace)  # the deterministic rule: d64
+    assert hopper_bwd.auto_mode(d64) is None  # non-causal stays portable
     assert hopper_bwd.auto_mode(dataclasses.replace(d64, causal=True)) == expected
     causal = dataclasses.replace(_problem(causal=True), window_right=0)
     assert dispatch.select(causal).name == "hopper"  # causal alone is not a window

@@ -50,14 +50,30 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step; splits are whole multiples of it
 NUM_WARPS = 4  # the split kernel's warps
 PROGRAMS_PER_SM = 2  # pick_splits' aim: about this many split programs per SM
+# (BLOCK_N, warps, programs per SM) for contiguous 16-bit caches at head dims <= 128 on a
+# GPU; the three above elsewhere (paged and fp8 caches, fp32, wider heads, the interpreter).
+# H200, bf16 d128, max_seqlen_k given, GB/s against 64-4-2 (benchmarks/decode_ab.py,
+# 2026-11-24): b64 x 4k 3,910 / 3,531, b1 x 128k 3,448 / 2,669, 32 kv heads 4,376 / 3,615,
+# b16 x 16k 3,963 / 3,967; paged caches measured best at 64-4-2 (pages of 16 at 16k 3,693
+# against 3,398).
+WIDE = (128, 8, 4)
 
 
-def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int) -> int:
+def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int,
+                  on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, programs per SM) of a decode call (see WIDE)."""
+    if WIDE and on_gpu and not paged and elem_bytes == 2 and max(d_pad, dv_pad) <= 128:
+        return WIDE
+    return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM
+
+
+def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int,
+                 block_n: int = BLOCK_N) -> int:
     """The split kernel's pipeline depth: 3, or fewer where the K and V tiles it keeps in
     flight would not fit the GPU's shared memory. Triton's pipeliner holds ``stages - 1``
     of them (plus ~20 KB of other buffers: fp32 at padded head dim 256 asked 282,688 bytes
     at 3 stages, against the H200's 232,448 (found by tests/test_fuzz.py))."""
-    tile = BLOCK_N * (d_pad + dv_pad) * elem_bytes
+    tile = block_n * (d_pad + dv_pad) * elem_bytes
     for stages in (3, 2):
         if (stages - 1) * tile + 32 * 1024 <= max_shared:
             return stages
@@ -253,12 +269,13 @@ def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, 
     return status
 
 
-def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
-    """Splits so that about PROGRAMS_PER_SM programs per SM run: a long cache with few (batch,
+def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.device,
+                block_n: int = BLOCK_N, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits so that about ``per_sm`` programs per SM run: a long cache with few (batch,
     kv head) pairs is cut into more ranges; never ranges shorter than 4 blocks of keys."""
     sms = 4 if device.type != "cuda" else kernel_limits(device.index)["sm_count"]
-    want = cdiv(PROGRAMS_PER_SM * sms, max(1, batch * kv_heads))
-    return max(1, min(want, cdiv(max_seqlen_k, 4 * BLOCK_N), 64))
+    want = cdiv(per_sm * sms, max(1, batch * kv_heads))
+    return max(1, min(want, cdiv(max_seqlen_k, 4 * block_n), 64))
 
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -340,15 +357,17 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     fp8 = k_descale is not None
     if b * h * sq == 0:
         return out, lse2
-    splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device)
-    split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), BLOCK_N) * BLOCK_N
     d_pad = max(16, next_power_of_2(d))
     dv_pad = max(16, next_power_of_2(dv))
+    paged = block_table is not None
+    block_n, warps, per_sm = launch_config(paged, d_pad, dv_pad, k_cache.element_size(),
+                                           q.is_cuda)  # fmt: skip
+    splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm)
+    split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     block_m = min(64, max(16, next_power_of_2(group * sq)))
     rows = b * h * sq
     o_part = torch.empty((splits * rows, dv_pad), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
-    paged = block_table is not None
     table = block_table if paged else cache_seqlens
     left, right = window
     qk_scale = softcap * LOG2E if softcap > 0 else softmax_scale * LOG2E
@@ -372,7 +391,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=dv_pad,
         CAUSAL=causal or right >= 0, PAGED=paged,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
-        SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     so = out.stride()
     combine_args = dict(
@@ -385,8 +404,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     if q.is_cuda:  # diyfa's launcher: Triton's per-call binding costs tens of microseconds
         stages = split_stages(d_pad, dv_pad, k_cache.element_size(),
-                              kernel_limits(q.device.index)["max_shared_mem"])  # fmt: skip
-        launch(_decode_split, split_grid, split_args, {}, NUM_WARPS, stages)
+                              kernel_limits(q.device.index)["max_shared_mem"],
+                              block_n)  # fmt: skip
+        launch(_decode_split, split_grid, split_args, {}, warps, stages)
         launch(_combine, (rows,), combine_args, {}, 4, 3)
     else:  # the interpreter
         _decode_split[split_grid](**split_args, num_warps=1)

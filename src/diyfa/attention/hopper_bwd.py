@@ -142,8 +142,16 @@ def auto_mode(p: Problem) -> str | None:
       queries x 1k keys 332 / 276 / 287: the atomic mode's +5% at 16k is not worth giving
       up bitwise reproducibility for).
 
-    So "auto" is deterministic wherever it runs the Gluon kernel: its fastest mode is.
-    Variants, from the H200 run of 2026-11-23 at 8k tokens, d128, causal, bf16
+    Since the atomic dQ leaves by TMA reduce-adds (2026-11-24; H200, 2 x 16 heads x 8192,
+    bf16, microseconds per backward, portable / atomic / kernel-dq,
+    benchmarks/results/2026-11-24_h200_bwd-breakdown_2a65026.jsonl): d128 5980 / 5446 /
+    5932, causal 3754 / 3587 / 3093; d64 3683 / 3376 / 3868, causal 2686 / 1913 / 2045. So,
+    unless ``deterministic`` (or ``torch.use_deterministic_algorithms``) asks for
+    bitwise-reproducible gradients, "auto" takes the atomic mode, as FlashAttention-2/3 and
+    cuDNN do by default, except for causal calls at head dims 72..128, where the
+    deterministic path measured faster (and the variants, not re-measured since: the rule
+    above). With ``deterministic``: the rule above (kernel-dq, or portable at d64 without
+    the causal band). Variants, from the H200 run of 2026-11-23 at 8k tokens, d128, causal, bf16
     (benchmarks/results/2026-11-23_h200_flash_variants-fa4_ead758f.jsonl; TFLOPS portable /
     kernel-dq / atomic): sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 / 265, sinks
     347 / 420 / 310 take the same rule as plain attention (timed at that one shape); softcap
@@ -158,9 +166,12 @@ def auto_mode(p: Problem) -> str | None:
         return None
     if p.softcap:
         return None
-    if head_dim_pad(p.head_dim) > 64 or p.causal:
-        return "kernel-dq"
-    return None
+    window = p.window_left >= 0 or p.window_right > 0
+    variant = window or p.alibi_slopes is not None or p.sinks is not None
+    wide = head_dim_pad(p.head_dim) > 64
+    if p.deterministic or variant or (wide and p.causal):
+        return "kernel-dq" if wide or p.causal else None
+    return "atomic"
 
 
 # --------------------------------------------------------------------------------------------
