@@ -2,8 +2,9 @@
 
 Status: runs on H200 (tests/test_hopper_bwd.py's GPU tests: the gradient matrix against
 float64, both dQ modes, bitwise determinism). "auto" runs it where it measured faster than
-the portable backward (:func:`auto_mode`: head dims 72..128, and causal at head dims <= 64,
-in its deterministic path; windows, ALiBi and sinks too, not softcap); ``backend="hopper"``
+the portable backward (:func:`auto_mode`: head dims <= 128 with the atomic dQ unless
+deterministic gradients are asked for, causal d72..128 and the variants in the
+deterministic path; windows, ALiBi and sinks too, not softcap); ``backend="hopper"``
 runs it wherever :func:`supports` allows, with the atomic dQ unless ``deterministic=True``.
 Every other call, and every problem :func:`supports` refuses, takes the portable backward.
 
@@ -36,27 +37,28 @@ What the kernel does
       BLOCK_M) buffer (two of them, alternating by step) and arrives on ``ds_ready``; the
       consumers take turns (step ``it`` is consumer ``it % 2``'s) computing the query
       block's whole dQ = dS K (K = 128 keys: dS^T as the transposed A operand, K from both
-      consumers' buffers) and adding it to an fp32 workspace with ``red.global.add.v2.f32``.
-      Buffer ``it % 2`` is written again at step ``it + 2`` only after the writer has
+      consumers' buffers), one column half at a time, each stored to the consumer's own
+      fp32 shared-memory tile and added to an fp32 workspace by a TMA reduce-add
+      (:func:`_tma_reduce_add`, FlashAttention-3's way) that runs on while the consumer
+      does; a tile is rewritten two steps later, after ``tma.store_wait``. Buffer
+      ``it % 2`` of dS^T is written again at step ``it + 2`` only after the writer has
       passed step ``it + 1``'s ``ds_ready`` wait or its own turn, both of which follow the
-      reader's product. Against one dQ per consumer with scalar atomics (the first
-      version), this halves the reductions and issues a quarter of the instructions: on an
-      H200 the d128 16k backward went from 293 to 429 TFLOPS
-      (benchmarks/results/2026-11-23_h200_bwd-breakdown_*.txt).
+      reader's product. History on an H200 (d128 16k backward): one dQ per consumer with
+      scalar atomics 293 TFLOPS, shared dS with ``red.global.add.v2.f32`` 429, TMA
+      reduce-adds 505 (benchmarks/results/2026-11-2[34]_h200_bwd-breakdown_*).
     - epilogue: dK (times the softmax scale) and dV go out through the consumer's own K / V
       buffers by TMA (which clips rows past seqlen_k and columns past the head dim).
 
 Two dQ modes (``atomic_dq``; ``backend="hopper"`` takes the atomic one unless
 ``deterministic=True``, "auto" the other, faster one where it measured so: see :func:`auto_mode`):
-    - atomic: the kernel also accumulates dQ with fp32 atomic adds into a zeroed
+    - atomic: the kernel also accumulates dQ with fp32 TMA reduce-adds into a zeroed
       (batch, heads, padded seqlen_q, padded head dim) workspace, scaled and cast into dQ by
       one elementwise op; delta = rowsum(dO * O) comes from a small Triton kernel first.
-      5 matmuls per block pair. The order of the atomic adds varies: dQ is not bitwise
-      reproducible (dK and dV are).
+      5 matmuls per block pair. The order of the additions varies: dQ is not bitwise
+      reproducible (dK and dV are). "auto"'s default where it measured faster.
     - kernel dQ (deterministic): the portable dQ kernel (which also writes delta) runs first,
-      then this kernel without dQ. Bitwise-reproducible, 7 matmuls per block pair, and yet
-      the faster one at head dims 72..128 on an H200 (the atomic adds still cost more than
-      two extra matmuls there; at d64 the two modes are within a few per cent).
+      then this kernel without dQ. Bitwise-reproducible, 7 matmuls per block pair: 9-15%
+      slower than the atomic mode on an H200, but 14% faster for causal calls at d128.
 
 Variants: the forward's sliding window (query blocks wholly outside the band skipped by
 :func:`_kv_program`, the band's edges masked), softcap (the scores recomputed through the
@@ -144,7 +146,7 @@ def auto_mode(p: Problem) -> str | None:
 
     Since the atomic dQ leaves by TMA reduce-adds (2026-11-24; H200, 2 x 16 heads x 8192,
     bf16, microseconds per backward, portable / atomic / kernel-dq,
-    benchmarks/results/2026-11-24_h200_bwd-breakdown_2a65026.jsonl): d128 5980 / 5446 /
+    benchmarks/results/2026-11-24_h200_bwd-breakdown_0676026.jsonl): d128 5980 / 5446 /
     5932, causal 3754 / 3587 / 3093; d64 3683 / 3376 / 3868, causal 2686 / 1913 / 2045. So,
     unless ``deterministic`` (or ``torch.use_deterministic_algorithms``) asks for
     bitwise-reproducible gradients, "auto" takes the atomic mode, as FlashAttention-2/3 and
