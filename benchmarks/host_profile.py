@@ -1,6 +1,8 @@
 """Where the host time of a small diyfa call goes: cProfile over repeated calls, GPU machine.
 
 Small shapes, so the GPU is idle and every microsecond is Python/launch cost.
+
+    python3 benchmarks/host_profile.py [decode]    (a word: only the calls named with it)
 """
 
 import cProfile
@@ -66,6 +68,8 @@ for name, fn in (("attention fwd", fwd), ("attention bwd", bwd), ("matmul 1024",
                  ("decode checked", decode_checked), ("decode max_seqlen_k", decode_nosync),
                  ("decode paged max_seqlen_k", decode_paged_nosync),
                  ("decode sdpa (reference)", decode_sdpa)):  # fmt: skip
+    if len(sys.argv) > 1 and sys.argv[1] not in name:  # e.g. "decode": only those calls
+        continue
     for _ in range(20):
         fn()
     torch.cuda.synchronize()

@@ -278,7 +278,7 @@ def test_kvcache_max_seqlen_k_violation_asserts_and_writes_nothing(over):
         pytest.skip("a device-side assert would end this process's CUDA context")
     args = _bad_call(over)
     before = (args["k_cache"].clone(), args["v_cache"].clone())
-    with pytest.raises(RuntimeError, match="outside \\[0, max_seqlen_k=201\\]"):
+    with pytest.raises(RuntimeError, match="outside \\[0, max_seqlen_k\\], or a page"):
         diyfa.flash_attention_with_kvcache(**args, max_seqlen_k=201)
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
 
@@ -309,6 +309,7 @@ def test_gpu_kvcache_max_seqlen_k_violation_is_a_device_assert():
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode != 0 and "no assert" not in done.stdout, done.stdout
     assert "device-side assert" in done.stderr, done.stderr[-2000:]
+    assert "outside [0, max_seqlen_k]" in done.stderr, done.stderr[-2000:]  # the message
 
 
 @pytest.mark.parametrize("value, err, match", [
@@ -347,12 +348,14 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                "O_PART": torch.float32, "LSE_PART": torch.float32, "LSE": torch.float32,
                "SLOPES": torch.float32, "K_DESCALE": torch.float32, "V_DESCALE": torch.float32}
     if fp8:
-        tensors.update(K=torch.float8_e4m3fn, V=torch.float8_e4m3fn)
+        tensors.update(K=torch.float8_e4m3fn, V=torch.float8_e4m3fn,
+                       K_CACHE=torch.float8_e4m3fn, V_CACHE=torch.float8_e4m3fn)
     args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
                 HEAD_DIM_V_PAD=128, CAUSAL=True,
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
-                SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024)
-    for fn in (decode._decode_split, decode._combine, decode._cache_status):
+                SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024,
+                ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128)
+    for fn in (decode._decode_split, decode._combine, decode._cache_status, decode._append):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
         compile_for_sm90(fn, values, num_warps=4, num_stages=2)
@@ -368,8 +371,8 @@ print("compiled")
 
 
 def test_decode_kernels_compile_for_hopper():
-    """The split-KV and combine kernels compile for sm90, every variant on, with a bf16 and
-    an fp8 cache (the interpreter does not compile)."""
+    """The split-KV, combine, check and append kernels compile for sm90, every variant on,
+    with a bf16 and an fp8 cache (the interpreter does not compile)."""
     import os
     import subprocess
     import sys

@@ -406,9 +406,9 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
     cache and pages outside the pool are ValueErrors here, never writes out of place.
     ``max_seqlen_k`` (the caller's bound on the lengths after the append), or a CUDA-graph
     capture (the bound is then the cache's capacity): nothing is read back; the same
-    verdict is asserted on the device (``torch._assert_async``, ahead of the append and the
-    kernels in stream order: a RuntimeError on the CPU, a device-side assert on a GPU) and
-    the bound is returned. ``fake``: tracing (the values are unknown): every check but
+    verdict is asserted on the device, ahead of the append and the kernels in stream order
+    (the kernel's device-side assert on a GPU, a RuntimeError on the CPU), and the bound is
+    returned. ``fake``: tracing (the values are unknown): every check but
     those, 0 returned.
     ``fp8``: the caches are float8_e4m3fn (checked by :func:`check_fp8_cache`); k and v,
     the new tokens, are in q's dtype and quantised on the append."""
@@ -492,12 +492,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
 
         limit = capacity if max_seqlen_k is None else max_seqlen_k
         status = cache_status(cache_seqlens, block_table, s_new, limit, k_cache.shape[0],
-                              rows)  # fmt: skip
+                              rows, asserted=max_seqlen_k is not None)  # fmt: skip
         if max_seqlen_k is not None:
-            torch._assert_async(status.min() >= 0,
-                                f"flash_attention_with_kvcache: cache_seqlens + {s_new} new "
-                                f"tokens outside [0, max_seqlen_k={limit}] or a page outside "
-                                f"the pool")  # fmt: skip
             max_len = max_seqlen_k
         else:
             codes = status.tolist()

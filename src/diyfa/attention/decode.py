@@ -86,7 +86,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   stride_kb, stride_ks, stride_kh, stride_kd,
                   stride_vb, stride_vs, stride_vh, stride_vd,
                   stride_tb, page_size,
-                  kv_heads, kv_group, seqlen_q, split_len, qk_scale, batch,
+                  kv_heads, kv_group, seqlen_q, split_len, qk_scale, batch, seqlen_add,
                   window_left, window_right, tanh_scale, SLOPES, stride_slopes_b,
                   K_DESCALE, V_DESCALE, stride_descale_b,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -101,7 +101,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
     split = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
-    seqlen_k = tl.load(CACHE_SEQLENS + off_b)
+    seqlen_k = tl.load(CACHE_SEQLENS + off_b) + seqlen_add  # the appended tokens count
     alibi_offset = seqlen_k - seqlen_q  # bottom-right
     causal_offset = alibi_offset + window_right  # key j <= i + causal_offset (CAUSAL)
     left_offset = alibi_offset - window_left  # key j >= i + left_offset (WINDOW)
@@ -225,12 +225,14 @@ def _combine(O_PART, LSE_PART, O, LSE, SINK_LOGITS, rows_per_split, seqlen_q, he
     tl.store(o_ptr + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(debug=True)  # its device_assert (ASSERT) is compiled in; nothing else here
 def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, max_blocks,
-                  page_size, pool, PAGED: tl.constexpr, BLOCK_P: tl.constexpr):
+                  page_size, pool, PAGED: tl.constexpr, BLOCK_P: tl.constexpr,
+                  ASSERT: tl.constexpr):
     """Program per sequence b: STATUS[b] = its cache length after the append, or -1 when
     that is outside [s_new, limit] (cache_seqlens[b] negative, or the cache too short), or -2
-    when (PAGED) one of the pages it uses is outside the pool [0, pool)."""
+    when (PAGED) one of the pages it uses is outside the pool [0, pool). ASSERT: a fault
+    also stops the stream with a device-side assert naming it (the unchecked path)."""
     b = tl.program_id(0)
     n = tl.load(CACHE_SEQLENS + b)
     status = tl.where((n < 0) | (n > limit - s_new), -1, n + s_new)
@@ -244,14 +246,20 @@ def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, m
             bad += ((page < 0) | (page >= pool)).to(tl.int32)
         status = tl.where((status >= 0) & (tl.sum(bad, 0) > 0), -2, status)
     tl.store(STATUS + b, status)
+    if ASSERT:
+        tl.device_assert(status >= 0, "flash_attention_with_kvcache: cache_seqlens + the new "
+                                      "tokens outside [0, max_seqlen_k], or a page outside the "
+                                      "pool")  # fmt: skip
 
 
 def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, s_new: int,
-                 limit: int, pool: int, page_size: int) -> torch.Tensor:
+                 limit: int, pool: int, page_size: int, asserted: bool = False) -> torch.Tensor:
     """Each sequence's cache length after an append of ``s_new`` tokens, checked on the
     device (int32 (batch,); -1: outside [s_new, limit], -2: a used page outside the pool):
     one small kernel, so the checked path reads everything back at once and the unchecked
-    one (``max_seqlen_k`` given) can assert without a synchronisation."""
+    one (``max_seqlen_k`` given) can assert without a synchronisation. ``asserted``: a fault
+    stops the stream (on a GPU, the kernel's own device-side assert, with its message; on
+    the CPU, ``torch._assert_async``, a RuntimeError)."""
     b = cache_seqlens.shape[0]
     status = torch.empty((b,), dtype=torch.int32, device=cache_seqlens.device)
     if b == 0:
@@ -261,12 +269,96 @@ def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, 
                 STATUS=status, s_new=s_new, limit=limit,
                 stride_tb=block_table.stride(0) if paged else 0,
                 max_blocks=block_table.shape[1] if paged else 0, page_size=page_size,
-                pool=pool, PAGED=paged, BLOCK_P=1024)  # fmt: skip
+                pool=pool, PAGED=paged, BLOCK_P=1024,
+                ASSERT=asserted and cache_seqlens.is_cuda)  # fmt: skip
     if cache_seqlens.is_cuda:
         launch(_cache_status, (b,), args, {}, 4, 1)
-    else:  # the interpreter
+    else:  # the interpreter (which does not raise on a device_assert)
         _cache_status[(b,)](**args)
+        if asserted:
+            torch._assert_async(status.min() >= 0, ASSERT_MESSAGE)
     return status
+
+
+ASSERT_MESSAGE = ("flash_attention_with_kvcache: cache_seqlens + the new tokens outside [0, "
+                  "max_seqlen_k], or a page outside the pool")
+
+
+@triton.jit
+def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCALE, V_DESCALE,
+            stride_nb, stride_ns, stride_nh, stride_nd, stride_wb, stride_ws, stride_wh, stride_wd,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_tb, page_size, capacity, kv_heads, stride_descale_b,
+            HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
+            FP8: tl.constexpr):
+    """Program (sequence b, new token t): k_new[b, t] and v_new[b, t] (every kv head) into
+    cache row cache_seqlens[b] + t (paged: through the block table), quantised to e4m3 with
+    the descales when FP8. Rows outside [0, capacity) are not written (the checks reject
+    them before; this keeps a write inside the cache even so)."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    pos = tl.load(CACHE_SEQLENS + b) + t
+    ok = (pos >= 0) & (pos < capacity)
+    pos = tl.where(ok, pos, 0).to(tl.int64)
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + b * stride_tb + pos // page_size).to(tl.int64)
+        k_row = page * stride_kb + (pos % page_size) * stride_ks
+        v_row = page * stride_vb + (pos % page_size) * stride_vs
+    else:
+        k_row = b * stride_kb + pos * stride_ks
+        v_row = b * stride_vb + pos * stride_vs
+    h = tl.arange(0, BLOCK_H)
+    h_ok = (h < kv_heads) & ok
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_mask = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    v_mask = h_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    k = tl.load(K_NEW + b * stride_nb + t * stride_ns + h[:, None] * stride_nh
+                + offs_d[None, :] * stride_nd, mask=k_mask)  # fmt: skip
+    v = tl.load(V_NEW + b * stride_wb + t * stride_ws + h[:, None] * stride_wh
+                + offs_dv[None, :] * stride_wd, mask=v_mask)  # fmt: skip
+    if FP8:  # divided by the (sequence's) head's descale, clamped to e4m3's range, cast
+        k_scale = tl.load(K_DESCALE + b * stride_descale_b + h, mask=h_ok, other=1.0)
+        v_scale = tl.load(V_DESCALE + b * stride_descale_b + h, mask=h_ok, other=1.0)
+        k = tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0)
+    tl.store(K_CACHE + k_row + h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+             k.to(K_CACHE.dtype.element_ty), mask=k_mask)  # fmt: skip
+    tl.store(V_CACHE + v_row + h[:, None] * stride_vh + offs_dv[None, :] * stride_vd,
+             v.to(V_CACHE.dtype.element_ty), mask=v_mask)  # fmt: skip
+
+
+def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
+           v_descale=None) -> None:
+    """Write the new tokens k, v (batch, s_new, kv_heads, d / dv) into the cache at rows
+    cache_seqlens[b] .. + s_new - 1, in place: one kernel (the checks have run)."""
+    b, s_new, hk, d = k.shape
+    dv = v.shape[3]
+    paged = block_table is not None
+    fp8 = k_descale is not None
+    capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+    sn, sw, sk, sv = k.stride(), v.stride(), k_cache.stride(), v_cache.stride()
+    args = dict(K_NEW=k, V_NEW=v, K_CACHE=k_cache, V_CACHE=v_cache,
+                CACHE_SEQLENS=cache_seqlens, BLOCK_TABLE=block_table if paged else cache_seqlens,
+                K_DESCALE=k_descale if fp8 else cache_seqlens,
+                V_DESCALE=v_descale if fp8 else cache_seqlens,
+                stride_nb=sn[0], stride_ns=sn[1], stride_nh=sn[2], stride_nd=sn[3],
+                stride_wb=sw[0], stride_ws=sw[1], stride_wh=sw[2], stride_wd=sw[3],
+                stride_kb=sk[0], stride_ks=sk[1], stride_kh=sk[2], stride_kd=sk[3],
+                stride_vb=sv[0], stride_vs=sv[1], stride_vh=sv[2], stride_vd=sv[3],
+                stride_tb=block_table.stride(0) if paged else 0,
+                page_size=k_cache.shape[1] if paged else 1, capacity=capacity, kv_heads=hk,
+                stride_descale_b=k_descale.stride(0) if fp8 and k_descale.dim() == 2 else 0,
+                HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_H=next_power_of_2(hk),
+                BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(dv), PAGED=paged,
+                FP8=fp8)  # fmt: skip
+    if b * s_new == 0:
+        return
+    if k.is_cuda:
+        launch(_append, (b, s_new), args, {}, 4, 1)
+    else:  # the interpreter
+        _append[(b, s_new)](**args)
 
 
 def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.device,
@@ -284,7 +376,8 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 def quantize(x: torch.Tensor, descale: torch.Tensor, batch_index: torch.Tensor) -> torch.Tensor:
     """New keys or values (batch, n, kv_heads, d) in fp16/bf16 as e4m3 cache rows: divided by
     their sequence's and head's descale, clamped to the e4m3 range (a cast alone would turn
-    larger values into NaN), cast."""
+    larger values into NaN), cast. In torch: what :func:`_append` writes to an fp8 cache
+    (the tests' reference)."""
     scale = descale if descale.dim() == 2 else descale[None].expand(batch_index.numel(), -1)
     return (x.float() / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(
         torch.float8_e4m3fn)  # fmt: skip
@@ -317,34 +410,22 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     left, right, softcap = check_variants(window_size, softcap, causal)
     check_tanh_scale(scale, softcap)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
-    seqlens = cache_seqlens
-    if k is not None and k.shape[1] > 0:
-        pos = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
-        rows = torch.arange(q.shape[0], device=q.device)[:, None].expand_as(pos)
-        if fp8:  # quantised on the write, with the cache's descales
-            batch = torch.arange(q.shape[0], device=q.device)
-            k, v = quantize(k, k_descale, batch), quantize(v, v_descale, batch)
-        if block_table is None:
-            k_cache[rows, pos] = k
-            v_cache[rows, pos] = v
-        else:
-            page = k_cache.shape[1]
-            pages = block_table.long()[rows, pos // page]
-            k_cache[pages, pos % page] = k
-            v_cache[pages, pos % page] = v
-        seqlens = cache_seqlens + k.shape[1]
-    return kvcache_attention(q, k_cache, v_cache, seqlens, block_table, causal=causal,
+    s_new = 0 if k is None else k.shape[1]
+    if s_new:
+        append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale, v_descale)
+    return kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal=causal,
                              softmax_scale=scale, num_splits=num_splits,
                              max_seqlen_k=max_len, window=(left, right),
                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                             k_descale=k_descale, v_descale=v_descale)
+                             k_descale=k_descale, v_descale=v_descale, seqlen_add=s_new)
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal: bool,
                       softmax_scale: float, num_splits: int, max_seqlen_k: int,
                       window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
-                      k_descale=None, v_descale=None):
-    """(out, lse2) for checked inputs, the new keys already appended: q (batch, seqlen_q,
+                      k_descale=None, v_descale=None, seqlen_add: int = 0):
+    """(out, lse2) for checked inputs, the new keys already appended (each sequence's length
+    is cache_seqlens[b] + ``seqlen_add``, the appended tokens): q (batch, seqlen_q,
     heads, d); out (batch, seqlen_q, heads, v_cache's head dim); lse2 base 2, (batch, heads,
     seqlen_q) fp32. ``max_seqlen_k`` bounds every cache length (the longest one, read back by
     the checks, or the caller's bound): the splits cut [0, max_seqlen_k). ``window`` is the
@@ -382,7 +463,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         stride_tb=block_table.stride(0) if paged else 0,
         page_size=k_cache.shape[1] if paged else 1,
         kv_heads=hk, kv_group=group, seqlen_q=sq, split_len=split_len, qk_scale=qk_scale,
-        batch=b, window_left=max(left, 0), window_right=0 if causal else max(right, 0),
+        batch=b, seqlen_add=seqlen_add, window_left=max(left, 0),
+        window_right=0 if causal else max(right, 0),
         tanh_scale=softmax_scale / softcap if softcap > 0 else 1.0,
         SLOPES=alibi_slopes if alibi else lse_part,
         stride_slopes_b=alibi_slopes.stride(0) if alibi and alibi_slopes.dim() == 2 else 0,
