@@ -479,6 +479,42 @@ def test_gpu_kvcache_cuda_graph(paged):
             assert torch.equal(kc, kc1) and torch.equal(vc, vc1), shift
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_kvcache_repeated_calls_reuse_launches(paged):
+    """Calls with one signature and max_seqlen_k reuse the first call's launches
+    (decode._Prepared) on new tensors: each result equals the full path's (the cache of
+    prepared launches cleared before it), and a misaligned query takes the full path."""
+    from diyfa.attention import decode
+
+    setups = [_setup(torch.bfloat16, 1, 1, h=32, hk=8, d=128, device="cuda", seed=s)
+              for s in range(3)]  # fmt: skip
+    outs = []
+    for reuse in (True, False):
+        decode._PREPARED.clear()
+        outs.append([])
+        for (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, *_) in setups:
+            kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+            with torch.no_grad():
+                outs[-1].append(diyfa.flash_attention_with_kvcache(
+                    q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=seqlens,
+                    block_table=bt, max_seqlen_k=290))
+            if not reuse:
+                decode._PREPARED.clear()
+        assert len(decode._PREPARED) == (1 if reuse else 0)
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, *_ = setups[0]
+    kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+    store = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    odd = store[1:].view(q.shape).copy_(q)  # 2-byte aligned: another specialisation
+    with torch.no_grad():
+        got = diyfa.flash_attention_with_kvcache(odd, kc.clone(), vc.clone(), k_new, v_new,
+                                                 cache_seqlens=seqlens, block_table=bt,
+                                                 max_seqlen_k=290)  # fmt: skip
+    assert torch.equal(got, outs[0][0])
+
+
 class _TinyLM(torch.nn.Module):
     """A two-layer, GQA (4 query / 2 kv heads, d 16) decoder with learned positions: enough
     of a Llama-style model to run prefill and decoding through the cache API."""

@@ -94,6 +94,22 @@ def test_fast_launcher_key_keeps_constexpr_values_apart():
     assert launch.key([x, y, 32, 1, 64]) != launch.key([x[1:], y, 32, 1, 64])
 
 
+def test_fast_launcher_key_agrees_with_spec_key():
+    """The launch path's inline key gives, argument by argument, what spec_key (checked
+    against Triton's own specialisation above) and the constexpr key give."""
+    from triton.runtime.jit import JITFunction
+
+    from diyfa._launcher import _constexpr_key
+
+    launch = FastLauncher(JITFunction(_copy))
+    for v in _values():
+        for kind in ("X", "BLOCK"):  # a specialised parameter, a constexpr one
+            values = [v if name == kind else 16 for name in launch.names]
+            got = launch.key(values)[launch.names.index(kind)]
+            want = (_constexpr_key if kind == "BLOCK" else spec_key)(v)
+            assert got == want, (kind, v, got, want)
+
+
 def test_fast_launcher_refuses_unmodelled_specialisation():
     # JITFunction directly: under the interpreter triton.jit returns an interpreted function.
     from triton.runtime.jit import JITFunction

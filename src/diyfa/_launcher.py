@@ -107,12 +107,23 @@ class FastLauncher:
         # constexpr parameters are compiled in by value (BLOCK_M=64 and 128 are two kernels);
         # the others by what specialisation sees of them.
         self._keyers = tuple(_constexpr_key if p.is_constexpr else spec_key for p in fn.params)
+        self._const = tuple(p.is_constexpr for p in fn.params)
         self._compiled: dict[tuple, object] = {}
         self.slow_launches = 0  # launches that went through Triton's own path
 
     def key(self, values: list) -> tuple:
-        """The specialisation key of the kernel's argument values (in parameter order)."""
-        return tuple(f(v) for f, v in zip(self._keyers, values, strict=True))
+        """The specialisation key of the kernel's argument values (in parameter order): what
+        :func:`spec_key` and :func:`_constexpr_key` give, with the two commonest cases (ints
+        and tensors) written inline: a call per argument was half the key's cost, and the
+        key runs on every launch (tests/test_launcher.py checks the two agree)."""
+        tensor = torch.Tensor
+        return tuple(
+            (type(v), v) if const
+            else (v == 1, v % 16 == 0, 0 if _I32_MIN <= v <= _I32_MAX else 2 if v >= _U64_MIN
+                  else 1) if type(v) is int  # noqa: E721 (bool is not an int here)
+            else (v.dtype, v.data_ptr() % 16 == 0) if type(v) is tensor  # noqa: E721
+            else spec_key(v)
+            for const, v in zip(self._const, values, strict=True))  # fmt: skip
 
     def __call__(self, grid: tuple, args: dict, num_warps: int, num_stages: int):
         """Launch with keyword ``args`` naming every kernel parameter, meta-parameters included;
