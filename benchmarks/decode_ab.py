@@ -29,6 +29,9 @@ from diyfa.attention import decode  # noqa: E402
 SHAPES = [(16, 32, 8, 16384, None), (64, 32, 8, 4096, None), (1, 32, 8, 131072, None),
           (128, 32, 8, 512, None), (16, 32, 32, 16384, None),
           (16, 32, 8, 16384, 16), (16, 32, 8, 16384, 256), (64, 32, 8, 4096, 16)]  # fmt: skip
+PAGED_SHAPES = [(16, 32, 8, 16384, 16), (16, 32, 8, 16384, 256), (64, 32, 8, 4096, 16),
+                (4, 32, 8, 65536, 16), (1, 32, 8, 131072, 256), (16, 32, 32, 16384, 16),
+                (128, 32, 8, 512, 16)]  # fmt: skip
 DEFAULT_VARIANTS = "64,4,3,2;64,4,3,4;64,4,3,8;64,4,4,8;128,4,3,4;128,8,3,4;64,8,3,8"
 
 
@@ -71,6 +74,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="decode_ab.jsonl")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--paged", action="store_true",
+                    help="paged caches only, at more shapes (PAGED_SHAPES)")
     ap.add_argument("--checked", action="store_true",
                     help="read the lengths back (no max_seqlen_k): host-bound, see docs")
     a = ap.parse_args()
@@ -84,7 +89,7 @@ def main() -> int:
     table = []
     with open(a.out, "w") as out:
         out.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")
-        for b, h, hk, n, page in SHAPES:
+        for b, h, hk, n, page in PAGED_SHAPES if a.paged else SHAPES:
             q, k, v, seqlens, tbl = inputs(b, h, hk, n, page)
             nbytes = 2 * b * n * hk * 128 * 2 + 2 * q.numel() * 2
             row = {"b": b, "h": h, "hk": hk, "n": n, "page": page}
