@@ -42,9 +42,11 @@ def variant(block_n, warps, stages, per_sm):
     decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM = block_n, warps, per_sm
     decode.split_stages = lambda *_: stages
     decode.WIDE = None  # every cache takes the variant
+    decode._PREPARED.clear()  # launches kept from another variant's calls would be reused
     try:
         yield
     finally:
+        decode._PREPARED.clear()
         (decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, decode.split_stages,
          decode.WIDE) = saved  # fmt: skip
 

@@ -485,7 +485,9 @@ class _Prepared:
         return out, lse2
 
 
-_PREPARED: collections.OrderedDict = collections.OrderedDict()  # signature -> _Prepared
+# signature -> _Prepared. The launch settings above (WIDE, BLOCK_N, ...) are not part of a
+# signature: whoever changes them (benchmarks/decode_ab.py) clears this.
+_PREPARED: collections.OrderedDict = collections.OrderedDict()
 PREPARED_MAX = 64  # signatures kept, least recently used dropped first
 
 
