@@ -38,17 +38,17 @@ DEFAULT_VARIANTS = "64,4,3,2;64,4,3,4;64,4,3,8;64,4,4,8;128,4,3,4;128,8,3,4;64,8
 @contextlib.contextmanager
 def variant(block_n, warps, stages, per_sm):
     saved = (decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, decode.split_stages,
-             decode.WIDE)  # fmt: skip
+             decode.WIDE, decode.PAGED_WAVES)  # fmt: skip
     decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM = block_n, warps, per_sm
     decode.split_stages = lambda *_: stages
-    decode.WIDE = None  # every cache takes the variant
+    decode.WIDE = decode.PAGED_WAVES = None  # every cache takes the variant
     decode._PREPARED.clear()  # launches kept from another variant's calls would be reused
     try:
         yield
     finally:
         decode._PREPARED.clear()
         (decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, decode.split_stages,
-         decode.WIDE) = saved  # fmt: skip
+         decode.WIDE, decode.PAGED_WAVES) = saved  # fmt: skip
 
 
 def inputs(b, h, hk, n, page, d=128, dtype=torch.bfloat16):

@@ -324,6 +324,25 @@ def test_kvcache_bad_max_seqlen_k(value, err, match):
         diyfa.flash_attention_with_kvcache(**args, max_seqlen_k=value)
 
 
+def test_pick_splits_fills_whole_waves(monkeypatch):
+    """Paged 16-bit caches (decode.PAGED_WAVES: 3 programs per SM): the fewest splits whose
+    last wave is 90% full on a 132-SM GPU, as the H200 A/B found best; the others keep the
+    programs-per-SM rule."""
+    from diyfa.attention import decode
+
+    monkeypatch.setattr(decode, "kernel_limits", lambda index: {"sm_count": 132})
+    dev = torch.device("cuda", 0)
+    want = {(16, 8, 16384): 3, (64, 8, 4096): 3, (4, 8, 65536): 12, (1, 8, 131072): 45,
+            (16, 32, 16384): 3, (128, 8, 512): 1, (128, 8, 4096): 3}  # fmt: skip
+    for (b, hk, n), splits in want.items():
+        assert decode.pick_splits(b, hk, n, dev, 64, 3, True) == splits, (b, hk, n)
+    assert decode.pick_splits(16, 8, 16384, dev, 128, 4) == 5  # cdiv(4 x 132, 128)
+    assert decode.pick_splits(1, 8, 1000, dev, 64, 3, True) == 4  # ranges of >= 4 blocks
+    assert decode.launch_config(True, 128, 128, 2, True) == (*decode.PAGED_WAVES, True)
+    assert decode.launch_config(False, 128, 128, 2, True) == (*decode.WIDE, False)
+    assert decode.launch_config(True, 128, 128, 1, True)[3] is False  # fp8: the old rule
+
+
 def test_cache_status_codes():
     """The device check's verdict per sequence: the length after the append, -1 outside
     [s_new, limit], -2 a used page outside the pool (an unused one does not count)."""

@@ -66,14 +66,27 @@ PROGRAMS_PER_SM = 2  # pick_splits' aim: about this many split programs per SM
 # b16 x 16k 3,963 / 3,967; paged caches measured best at 64-4-2 (pages of 16 at 16k 3,693
 # against 3,398).
 WIDE = (128, 8, 4)
+# Paged 16-bit caches at head dims <= 128 on a GPU: 64-key blocks, 4 warps, and the split
+# count that fills whole waves of the 3 programs an SM holds (3 stages of 64-key d128
+# tiles: ~72 KB of shared memory each). The paged A/B (decode_ab.py --paged, pages of 16
+# unless said, GB/s; 2 programs per SM against the best variant): b16 x 16k 3,849 (3
+# splits, 0.97 of a wave, the best there), b64 x 4k 2,987 / 3,710 (3 splits), b4 x 64k
+# 3,018 / 3,715, 32 kv heads 3,183 / 4,151 (3 splits), b1 x 128k (pages of 256) 2,884 /
+# 3,475; this rule picks 3 splits for those three and whole waves for the others.
+PAGED_WAVES = (64, 4, 3)
 
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int,
-                  on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, warps, programs per SM) of a decode call (see WIDE)."""
-    if WIDE and on_gpu and not paged and elem_bytes == 2 and max(d_pad, dv_pad) <= 128:
-        return WIDE
-    return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM
+                  on_gpu: bool) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE and
+    PAGED_WAVES; whole waves: :func:`pick_splits` counts the programs per SM as the ones
+    resident and fills whole waves of them)."""
+    sixteen_bit = on_gpu and elem_bytes == 2 and max(d_pad, dv_pad) <= 128
+    if WIDE and sixteen_bit and not paged:
+        return (*WIDE, False)
+    if PAGED_WAVES and sixteen_bit and paged:
+        return (*PAGED_WAVES, True)
+    return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
 
 
 def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int,
@@ -371,12 +384,27 @@ def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
 
 
 def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.device,
-                block_n: int = BLOCK_N, per_sm: int = PROGRAMS_PER_SM) -> int:
+                block_n: int = BLOCK_N, per_sm: int = PROGRAMS_PER_SM,
+                waves: bool = False) -> int:
     """Splits so that about ``per_sm`` programs per SM run: a long cache with few (batch,
-    kv head) pairs is cut into more ranges; never ranges shorter than 4 blocks of keys."""
+    kv head) pairs is cut into more ranges; never ranges shorter than 4 blocks of keys, nor
+    more than 64. ``waves``: ``per_sm`` programs fit an SM at once; the fewest splits whose
+    last wave uses 90% of the slots, else the best filled."""
     sms = 4 if device.type != "cuda" else kernel_limits(device.index)["sm_count"]
-    want = cdiv(per_sm * sms, max(1, batch * kv_heads))
-    return max(1, min(want, cdiv(max_seqlen_k, 4 * block_n), 64))
+    pairs = max(1, batch * kv_heads)
+    most = max(1, min(cdiv(max_seqlen_k, 4 * block_n), 64))
+    if not waves:
+        return max(1, min(cdiv(per_sm * sms, pairs), most))
+    slots = per_sm * sms
+    best, best_fill = 1, 0.0
+    for n in range(1, most + 1):
+        programs = pairs * n
+        fill = programs / (cdiv(programs, slots) * slots)
+        if fill >= 0.9:
+            return n
+        if fill > best_fill + 1e-9:
+            best, best_fill = n, fill
+    return best
 
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -529,9 +557,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     d_pad = max(16, next_power_of_2(d))
     dv_pad = max(16, next_power_of_2(dv))
     paged = block_table is not None
-    block_n, warps, per_sm = launch_config(paged, d_pad, dv_pad, k_cache.element_size(),
-                                           q.is_cuda)  # fmt: skip
-    splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm)
+    block_n, warps, per_sm, waves = launch_config(paged, d_pad, dv_pad, k_cache.element_size(),
+                                                  q.is_cuda)  # fmt: skip
+    splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, waves)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     block_m = min(64, max(16, next_power_of_2(group * sq)))
     rows = b * h * sq
