@@ -288,8 +288,9 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    h_layout: gl.constexpr = gl.NVMMADistributedLayout(  # a consumer's half of dQ
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM // 2, 16])
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1],
+        instr_shape=[16, HEAD_DIM // (2 if HEAD_DIM > 64 else 1), 16])
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -379,27 +380,36 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs
                                                                do_smem))
         mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
         if DQ_ATOMIC:
-            # Both consumers, every step: this one's column half of the query block's
-            # dQ = dS K (K = 128 keys: both consumers' dS^T rows and K buffers), stored to
-            # its own fp32 tile (two, alternating by step) and added to the workspace by a
-            # TMA reduce-add that runs on while the consumer goes on. (Before 2026-11-24 the
-            # consumers took turns computing the whole dQ, so every step lasted as long as
-            # the turn's: H200 numbers in docs/attention.md.)
-            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-            HALF: gl.constexpr = dq_bufs.type.shape[4]
-            tile = C * 2 + it % 2
-            tma.store_wait(1)  # this consumer's reduction from two steps back read the tile
-            gl.thread_barrier()
-            dq = gl.zeros([BLOCK_M, HALF], gl.float32, h_layout)
-            for c in gl.static_range(CONSUMERS):
-                ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
-                k_half = _tile2d(k_bufs, c).slice(C * HALF, HALF, dim=1)
-                dq = warpgroup_mma(ds_t, k_half, dq, use_acc=c > 0, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            _tile2d(dq_bufs, tile).store(dq)
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's part is written before the issue
-            _tma_reduce_add(dq_desc, [off_b, off_h, row0, C * HALF], dq_bufs.index(tile))
+            if it % 2 == C:
+                # The consumers take turns: this one multiplies the whole block's dS (both
+                # halves, K = 128 keys) by K into the query block's dQ and adds it to the
+                # workspace, while the other one goes on with the next step. Buffer it % 2
+                # is written again two steps on, after this wait's partner has passed its
+                # own turn (see the module docstring).
+                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                # In column halves of K at d128 (half the accumulator registers at a time;
+                # each half starts on a whole 128-byte swizzle block); in one piece at d64.
+                # K = 128 keys as two products of 64, one per consumer's K buffer. Each
+                # half goes to this consumer's own fp32 buffer in shared memory and from
+                # there into the workspace by a TMA reduce-add, which runs on while the
+                # consumer goes on; its previous turn's reductions (two steps back) must
+                # have read those buffers first.
+                SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
+                HALF: gl.constexpr = HEAD_DIM // SPLIT
+                tma.store_wait(0)
+                gl.thread_barrier()
+                for h in gl.static_range(SPLIT):
+                    dq = gl.zeros([BLOCK_M, HALF], gl.float32, h_layout)
+                    for c in gl.static_range(CONSUMERS):
+                        ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
+                        k_half = _tile2d(k_bufs, c).slice(h * HALF, HALF, dim=1)
+                        dq = warpgroup_mma(ds_t, k_half, dq, use_acc=c > 0, is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
+                    _tile2d(dq_bufs, C * SPLIT + h).store(dq)
+                    fence_async_shared()
+                    gl.thread_barrier()  # every thread's part is written before the issue
+                    _tma_reduce_add(dq_desc, [off_b, off_h, row0, h * HALF],
+                                    dq_bufs.index(C * SPLIT + h))  # fmt: skip
 
     # Epilogue: dK (scaled) and dV through this consumer's own K / V buffers, which nothing
     # reads any more once the other consumer's last dQ product (which reads both halves of
@@ -462,6 +472,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     SUB_N: gl.constexpr = k_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)  # fmt: skip
@@ -469,9 +480,9 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * SUB_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * SUB_N, BLOCK_M], ds_layout)
-    # The atomic mode's fp32 dQ tiles on their way to the workspace: per consumer, two
-    # (alternating by step) of its column half (a block of the workspace's descriptor).
-    DQ_TILES: gl.constexpr = 4 if DQ_ATOMIC else 1
+    # The atomic mode's fp32 dQ tiles on their way to the workspace: per consumer, the
+    # column halves its turn computes (whole blocks of the workspace's descriptor).
+    DQ_TILES: gl.constexpr = 2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC else 1
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,
                                         dq_desc.layout)  # fmt: skip
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -522,9 +533,9 @@ _DQ_STANDINS: dict = {}
 
 def _dq_desc(dq_acc: torch.Tensor, block_m: int, dpad: int, dq_atomic: bool):
     """The TMA descriptor of the atomic mode's fp32 dQ workspace, blocks of BLOCK_M rows x
-    one column half (each consumer's); without atomic dQ, one over a small stand-in of the
-    same block shape (the kernel reads nothing through it)."""
-    cols = dpad // 2
+    one column half (64 columns at d128; the whole 64 at d64); without atomic dQ, one over
+    a small stand-in of the same block shape (the kernel reads nothing through it)."""
+    cols = dpad // 2 if dpad > 64 else dpad
     if not dq_atomic:
         key = (dq_acc.device, block_m, cols)
         dq_acc = _DQ_STANDINS.get(key)
