@@ -25,6 +25,7 @@ import torch
 import diyfa
 from diyfa.attention import dispatch, hopper_bwd, portable
 
+from .conftest import DEVICE
 from .test_attention import _inputs, _run_and_check
 from .test_hopper_attention import _hopper_only, _problem
 
@@ -109,11 +110,11 @@ def test_delta_kernel(shape, layout):
     b, h, s, d = shape
     g = torch.Generator().manual_seed(0)
     full = (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
-    o = torch.randn(full, generator=g).to(torch.bfloat16)
-    do = torch.randn(full, generator=g).to(torch.bfloat16)
+    o = torch.randn(full, generator=g).to(DEVICE, torch.bfloat16)
+    do = torch.randn(full, generator=g).to(DEVICE, torch.bfloat16)
     o4, do4 = hopper_bwd.bhsd_view(o, layout), hopper_bwd.bhsd_view(do, layout)
-    got = hopper_bwd.delta(o4, do4)
-    want = (o4.double() * do4.double()).sum(-1)
+    got = hopper_bwd.delta(o4, do4).cpu()
+    want = (o4.double() * do4.double()).sum(-1).cpu()
     assert got.shape == (b, h, s) and got.dtype == torch.float32
     assert (got.double() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
 
@@ -197,7 +198,7 @@ def test_deterministic_option_reaches_the_problem():
     backward reads; a non-bool is refused."""
     from diyfa.attention.checks import check_inputs
 
-    q = torch.empty(1, 2, 8, 64)
+    q = torch.empty(1, 2, 8, 64, device=DEVICE)
 
     def problem(**kw):
         return check_inputs(q, q, q, causal=False, softmax_scale=None, layout="bhsd",
