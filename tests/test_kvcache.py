@@ -193,6 +193,9 @@ def _bad_call(over):
      "cache_seqlens\\[2\\] = 304 plus 1 new tokens does not fit the cache \\(304 rows"),
     (lambda a: dict(cache_seqlens=torch.tensor([0, -1, 5], dtype=torch.int32, device=DEVICE)),
      ValueError, "cache_seqlens\\[1\\] = -1"),
+    (lambda a: dict(cache_seqlens=torch.tensor([0, 2**31 - 1, 5], dtype=torch.int32,
+                                               device=DEVICE)),
+     ValueError, "cache_seqlens\\[1\\] = 2147483647 plus 1 new tokens does not fit"),
     (lambda a: dict(block_table=a["block_table"].clone().index_fill_(
         1, torch.tensor([0], device=DEVICE), 999)), ValueError,
      "block_table\\[0\\] points outside the pool of 62 pages: \\[999\\]"),
@@ -215,8 +218,8 @@ def _bad_call(over):
     (lambda a: dict(k_cache=a["k_cache"][:, :0], v_cache=a["v_cache"][:, :0], k=None, v=None,
                     cache_seqlens=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
      ValueError, "pages of >= 1 token, got page_size 0"),
-], ids=["int64-seqlens", "past-cache", "negative", "page-outside", "int64-table", "k-only",
-        "k-heads", "dtypes", "heads", "contiguous-batch", "splits", "requires-grad",
+], ids=["int64-seqlens", "past-cache", "negative", "int32-max", "page-outside", "int64-table",
+        "k-only", "k-heads", "dtypes", "heads", "contiguous-batch", "splits", "requires-grad",
         "strided-seqlens", "column-major-table", "too-many-splits", "page-size-0"])
 def test_kvcache_bad_input_is_a_clear_error_and_writes_nothing(over, err, match):
     args = _bad_call(over)
@@ -355,6 +358,9 @@ def test_cache_status_codes():
     assert got == [1, 18, 41, -1, -2]
     got = cache_status(seqlens, None, 8, 47, 0, 1).tolist()
     assert got == [8, 25, -1, -1, 41]
+    # lengths near int32's top: compared in int64 (n + s_new wrapped around before)
+    top = torch.tensor([2**31 - 1, 2**31 - 2], dtype=torch.int32, device=DEVICE)
+    assert cache_status(top, None, 1, 100, 0, 1).tolist() == [-1, -1]
 
 
 _COMPILE_DECODE = """
@@ -500,7 +506,7 @@ def test_gpu_kvcache_cuda_graph(paged):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_gpu_kvcache_repeated_calls_reuse_launches(paged):
+def test_gpu_kvcache_repeated_calls_reuse_launches(paged, monkeypatch):
     """Calls with one signature and max_seqlen_k reuse the first call's launches
     (decode._Prepared) on new tensors: each result equals the full path's (the cache of
     prepared launches cleared before it), and a misaligned query takes the full path."""
@@ -508,6 +514,15 @@ def test_gpu_kvcache_repeated_calls_reuse_launches(paged):
 
     setups = [_setup(torch.bfloat16, 1, 1, h=32, hk=8, d=128, device="cuda", seed=s)
               for s in range(3)]  # fmt: skip
+    reused = []  # each _Prepared call: whether it ran the kernels (else the full path)
+    call = decode._Prepared.__call__
+
+    def counted(self, *args):
+        done = call(self, *args)
+        reused.append(done is not None)
+        return done
+
+    monkeypatch.setattr(decode._Prepared, "__call__", counted)
     outs = []
     for reuse in (True, False):
         decode._PREPARED.clear()
@@ -521,6 +536,7 @@ def test_gpu_kvcache_repeated_calls_reuse_launches(paged):
             if not reuse:
                 decode._PREPARED.clear()
         assert len(decode._PREPARED) == (1 if reuse else 0)
+    assert reused == [True, True]  # the 2nd and 3rd calls of the first pass
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
     q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, *_ = setups[0]
@@ -532,6 +548,7 @@ def test_gpu_kvcache_repeated_calls_reuse_launches(paged):
                                                  cache_seqlens=seqlens, block_table=bt,
                                                  max_seqlen_k=290)  # fmt: skip
     assert torch.equal(got, outs[0][0])
+    assert reused == [True, True, False]  # the misaligned query took the full path
 
 
 class _TinyLM(torch.nn.Module):
@@ -675,7 +692,8 @@ def test_fp8_cache(per_batch, dtype, paged):
 
 def test_fp8_cache_bad_input_writes_nothing():
     """fp8 caches without descales, descales on a bf16 cache, wrong descale shapes or dtypes,
-    mixed cache dtypes, fp32 queries: clear errors, the cache untouched."""
+    descales of two shapes, mixed cache dtypes, fp32 queries: clear errors, the cache
+    untouched."""
     (q, k_cache, v_cache, k_new, v_new, seqlens, *_rest) = _setup(torch.bfloat16, 1, 1)
     kq = k_cache.to(torch.float8_e4m3fn)
     vq = v_cache.to(torch.float8_e4m3fn)
@@ -691,6 +709,8 @@ def test_fp8_cache_bad_input_writes_nothing():
          "k_descale must be a float32 tensor"),
         (dict(k_cache=kq, v_cache=v_cache, k_descale=good, v_descale=good), TypeError,
          "must both be float8_e4m3fn"),
+        (dict(k_cache=kq, v_cache=vq, k_descale=good[None].expand(q.shape[0], -1).contiguous(),
+              v_descale=good), ValueError, "must have one shape"),
     ]
     for kw, err, match in cases:
         with pytest.raises(err, match=match), torch.no_grad():

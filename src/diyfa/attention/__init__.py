@@ -105,9 +105,10 @@ def flash_attention(
             run the problem raises ValueError with the reason; so does an unknown name.
             ``diyfa.attention.dispatch.explain`` lists the families and their reasons.
         deterministic: the backward must give bitwise-reproducible gradients (no atomic
-            adds). Also on while ``torch.use_deterministic_algorithms(True)`` is. "auto"
-            is deterministic either way (its fastest backwards are); ``backend="hopper"``
-            accumulates dQ with atomics unless this is set.
+            adds). Also on while ``torch.use_deterministic_algorithms(True)`` is. Unset, the
+            Hopper backward adds dQ with TMA reduce-adds where that measured faster (dQ's
+            bits may then vary between runs; dK and dV do not), as FlashAttention and
+            cuDNN do; ``backend="hopper"`` accumulates dQ that way unless this is set.
         window_size: (left, right), FlashAttention's sliding window: query i sees key j iff
             i + sk - sq - left <= j <= i + sk - sq + right; -1 leaves a side unbounded.
             With causal=True right is 0 (a positive right is refused). Blocks outside the

@@ -391,25 +391,22 @@ def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale) -> bool:
                              f"{tuple(t.shape)}")  # fmt: skip
         if t.device != q.device or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous on {q.device}")
+    if k_descale.shape != v_descale.shape:
+        raise ValueError(f"k_descale {tuple(k_descale.shape)} and v_descale "
+                         f"{tuple(v_descale.shape)} must have one shape (both per kv head, or "
+                         "both per sequence and kv head)")  # fmt: skip
     if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
         raise ValueError("an fp8 cache needs a GPU with fp8 (compute capability >= 8.9)")
     return True
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,
-                         softmax_scale, num_splits, fake=False, fp8: bool = False,
-                         max_seqlen_k: int | None = None) -> tuple[float, int]:
-    """Check a KV-cache call before anything is written or launched; returns (the resolved
-    softmax scale, the longest cache length after the append, or its bound). The lengths
-    and the pages each sequence uses are checked on the device by one small kernel
-    (``decode.cache_status``) and read back at once (one synchronisation): lengths past the
-    cache and pages outside the pool are ValueErrors here, never writes out of place.
-    ``max_seqlen_k`` (the caller's bound on the lengths after the append), or a CUDA-graph
-    capture (the bound is then the cache's capacity): nothing is read back; the same
-    verdict is asserted on the device, ahead of the append and the kernels in stream order
-    (the kernel's device-side assert on a GPU, a RuntimeError on the CPU), and the bound is
-    returned. ``fake``: tracing (the values are unknown): every check but
-    those, 0 returned.
+                         softmax_scale, num_splits, fp8: bool = False,
+                         max_seqlen_k: int | None = None) -> float:
+    """Check a KV-cache call on the host (shapes, dtypes, devices, options, the bound
+    ``max_seqlen_k``: in [new tokens, the cache's rows per sequence]); returns the resolved
+    softmax scale. The values of ``cache_seqlens`` and ``block_table`` are checked on the
+    device afterwards by :func:`check_kvcache_lengths`, once every host check has passed.
     ``fp8``: the caches are float8_e4m3fn (checked by :func:`check_fp8_cache`); k and v,
     the new tokens, are in q's dtype and quantised on the append."""
     names = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
@@ -484,34 +481,44 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
         if not s_new <= max_seqlen_k <= capacity:
             raise ValueError(f"max_seqlen_k must be in [{s_new} (the new tokens), {capacity} "
                              f"(the cache's rows per sequence)], got {max_seqlen_k}")  # fmt: skip
-    elif q.is_cuda and torch.cuda.is_current_stream_capturing():
-        max_seqlen_k = capacity  # nothing can be read back during a capture
-    max_len = 0
-    if not fake:
-        from diyfa.attention.decode import cache_status
-
-        limit = capacity if max_seqlen_k is None else max_seqlen_k
-        status = cache_status(cache_seqlens, block_table, s_new, limit, k_cache.shape[0],
-                              rows, asserted=max_seqlen_k is not None)  # fmt: skip
-        if max_seqlen_k is not None:
-            max_len = max_seqlen_k
-        else:
-            codes = status.tolist()
-            for i, n in enumerate(codes):
-                if n == -1:
-                    raise ValueError(f"cache_seqlens[{i}] = {int(cache_seqlens[i])} plus "
-                                     f"{s_new} new tokens does not fit the cache ({capacity} "
-                                     "rows per sequence)")  # fmt: skip
-                if n == -2:
-                    pool = k_cache.shape[0]
-                    pages = block_table[i][:(int(cache_seqlens[i]) + s_new + rows - 1) // rows]
-                    outside = pages[(pages < 0) | (pages >= pool)]
-                    raise ValueError(f"block_table[{i}] points outside the pool of {pool} "
-                                     f"pages: {outside[:4].tolist()}")  # fmt: skip
-            max_len = max(codes, default=0)
     check_flag("causal", causal)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
     if num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be at most {MAX_SPLITS}, got {num_splits}")
-    return _resolved_scale(softmax_scale, d), max_len
+    return _resolved_scale(softmax_scale, d)
+
+
+def check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new: int,
+                          max_seqlen_k: int | None) -> int:
+    """The device half of a KV-cache call's checks, after every host check
+    (:func:`check_kvcache_inputs`) and before anything is written: each sequence's length
+    after the append of ``s_new`` tokens against the cache, and the pages it uses against
+    the pool, by one small kernel (``decode.cache_status``). Returns the longest length, or
+    its bound. Without ``max_seqlen_k`` the verdicts are read back (one synchronisation) and
+    a fault is a ValueError. With it, or during a CUDA-graph capture (where the bound is the
+    cache's capacity), nothing is read back: a fault stops the stream ahead of the append
+    and the kernels (the kernel's device-side assert on a GPU, a RuntimeError on the CPU)."""
+    from diyfa.attention.decode import cache_status
+
+    rows = k_cache.shape[1]
+    capacity = rows if block_table is None else rows * block_table.shape[1]
+    if max_seqlen_k is None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        max_seqlen_k = capacity  # nothing can be read back during a capture
+    limit = capacity if max_seqlen_k is None else max_seqlen_k
+    status = cache_status(cache_seqlens, block_table, s_new, limit, k_cache.shape[0], rows,
+                          asserted=max_seqlen_k is not None)  # fmt: skip
+    if max_seqlen_k is not None:
+        return max_seqlen_k
+    codes = status.tolist()
+    for i, n in enumerate(codes):
+        if n == -1:
+            raise ValueError(f"cache_seqlens[{i}] = {int(cache_seqlens[i])} plus {s_new} new "
+                             f"tokens does not fit the cache ({capacity} rows per sequence)")
+        if n == -2:
+            pool = k_cache.shape[0]
+            pages = block_table[i][:(int(cache_seqlens[i]) + s_new + rows - 1) // rows]
+            outside = pages[(pages < 0) | (pages >= pool)]
+            raise ValueError(f"block_table[{i}] points outside the pool of {pool} pages: "
+                             f"{outside[:4].tolist()}")  # fmt: skip
+    return max(codes, default=0)

@@ -35,6 +35,7 @@ folded in, P rounded to the input dtype before P @ V (fp32 inputs: IEEE dots).
 from __future__ import annotations
 
 import collections
+import threading
 
 import torch
 import triton
@@ -256,7 +257,7 @@ def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, m
     when (PAGED) one of the pages it uses is outside the pool [0, pool). ASSERT: a fault
     also stops the stream with a device-side assert naming it (the unchecked path)."""
     b = tl.program_id(0)
-    n = tl.load(CACHE_SEQLENS + b)
+    n = tl.load(CACHE_SEQLENS + b).to(tl.int64)  # n + s_new never overflows (int32 max + 1)
     status = tl.where((n < 0) | (n > limit - s_new), -1, n + s_new)
     if PAGED:
         used = tl.minimum((tl.maximum(status, 0) + page_size - 1) // page_size, max_blocks)
@@ -267,7 +268,7 @@ def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, m
                            other=0)  # fmt: skip
             bad += ((page < 0) | (page >= pool)).to(tl.int32)
         status = tl.where((status >= 0) & (tl.sum(bad, 0) > 0), -2, status)
-    tl.store(STATUS + b, status)
+    tl.store(STATUS + b, status.to(tl.int32))  # -2, -1 or a length <= limit
     if ASSERT:
         tl.device_assert(status >= 0, "flash_attention_with_kvcache: cache_seqlens + the new "
                                       "tokens outside [0, max_seqlen_k], or a page outside the "
@@ -319,7 +320,7 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
     the descales when FP8. Rows outside [0, capacity) are not written (the checks reject
     them before; this keeps a write inside the cache even so)."""
     b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1)
+    t = tl.program_id(1).to(tl.int64)
     pos = tl.load(CACHE_SEQLENS + b) + t
     ok = (pos >= 0) & (pos < capacity)
     pos = tl.where(ok, pos, 0).to(tl.int64)
@@ -330,7 +331,7 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
     else:
         k_row = b * stride_kb + pos * stride_ks
         v_row = b * stride_vb + pos * stride_vs
-    h = tl.arange(0, BLOCK_H)
+    h = tl.arange(0, BLOCK_H).to(tl.int64)  # h * stride may pass 2^31 (head-major caches)
     h_ok = (h < kv_heads) & ok
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -343,8 +344,11 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
     if FP8:  # divided by the (sequence's) head's descale, clamped to e4m3's range, cast
         k_scale = tl.load(K_DESCALE + b * stride_descale_b + h, mask=h_ok, other=1.0)
         v_scale = tl.load(V_DESCALE + b * stride_descale_b + h, mask=h_ok, other=1.0)
-        k = tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0)
+        # IEEE division (a plain / is approximate on the GPU) and NaN kept, as quantize()
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0,
+                     propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0,
+                     propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     tl.store(K_CACHE + k_row + h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
              k.to(K_CACHE.dtype.element_ty), mask=k_mask)  # fmt: skip
     tl.store(V_CACHE + v_row + h[:, None] * stride_vh + offs_dv[None, :] * stride_vd,
@@ -429,25 +433,28 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     cache_seqlens[b].. (torch indexing, only those rows), then attention. Returns (out,
     lse2) with lse2 base 2. ``max_seqlen_k``: the caller's bound on the lengths after the
     append; the checks then run on the device without a read back (see
-    ``check_kvcache_inputs``)."""
+    ``check_kvcache_lengths``)."""
     from diyfa.attention.checks import (
         check_bias_tensors,
         check_fp8_cache,
         check_kvcache_inputs,
+        check_kvcache_lengths,
         check_tanh_scale,
         check_variants,
     )
 
     fp8 = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
-    scale, max_len = check_kvcache_inputs(q, k_cache, v_cache, k, v,
-                                          cache_seqlens=cache_seqlens,
-                                          block_table=block_table, causal=causal,
-                                          softmax_scale=softmax_scale, num_splits=num_splits,
-                                          fp8=fp8, max_seqlen_k=max_seqlen_k)  # fmt: skip
+    scale = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                 block_table=block_table, causal=causal,
+                                 softmax_scale=softmax_scale, num_splits=num_splits, fp8=fp8,
+                                 max_seqlen_k=max_seqlen_k)  # fmt: skip
     left, right, softcap = check_variants(window_size, softcap, causal)
     check_tanh_scale(scale, softcap)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     s_new = 0 if k is None else k.shape[1]
+    # Every host check has passed: the lengths and pages on the device, last.
+    max_len = check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new,
+                                    max_seqlen_k)  # fmt: skip
     if s_new:
         append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale, v_descale)
     return kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal=causal,
@@ -500,6 +507,7 @@ class _Prepared:
                        K_DESCALE=lse_part if k_descale is None else k_descale,
                        V_DESCALE=lse_part if v_descale is None else v_descale)  # fmt: skip
         runs = []
+        device = torch.cuda.current_device()  # where FastLauncher launched them
         for kernel, grid, launcher, template, slots, aligned in self.launches:
             values = template.copy()
             for i, name in slots:
@@ -509,13 +517,14 @@ class _Prepared:
                 return None
             runs.append((kernel, grid, values))
         for kernel, grid, values in runs:
-            run_compiled(kernel, grid, dev.index, values)
+            run_compiled(kernel, grid, device, values)
         return out, lse2
 
 
 # signature -> _Prepared. The launch settings above (WIDE, BLOCK_N, ...) are not part of a
 # signature: whoever changes them (benchmarks/decode_ab.py) clears this.
 _PREPARED: collections.OrderedDict = collections.OrderedDict()
+_PREPARED_LOCK = threading.Lock()
 PREPARED_MAX = 64  # signatures kept, least recently used dropped first
 
 
@@ -540,10 +549,12 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         sig = (q.shape, q.stride(), q.dtype, _sig(k_cache), _sig(v_cache), _sig(block_table),
                causal, softmax_scale, num_splits, max_seqlen_k, window, softcap,
                _sig(alibi_slopes), _sig(sinks), _sig(k_descale), _sig(v_descale), seqlen_add,
-               q.device.index, compile_knobs())  # fmt: skip
-        prepared = _PREPARED.get(sig)
+               q.device.index, torch.cuda.current_device(), compile_knobs())  # fmt: skip
+        with _PREPARED_LOCK:
+            prepared = _PREPARED.get(sig)
+            if prepared is not None:
+                _PREPARED.move_to_end(sig)
         if prepared is not None:
-            _PREPARED.move_to_end(sig)
             done = prepared(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes,
                             sinks, k_descale, v_descale)  # fmt: skip
             if done is not None:
@@ -607,12 +618,14 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         split_kernel = launch(_decode_split, split_grid, split_args, {}, warps, stages)
         combine_kernel = launch(_combine, (rows,), combine_args, {}, 4, 3)
         if sig is not None:
-            if len(_PREPARED) >= PREPARED_MAX:
-                _PREPARED.popitem(last=False)
-            _PREPARED[sig] = _Prepared(
-                [(split_kernel, split_grid, _decode_split, split_args),
-                 (combine_kernel, (rows,), _combine, combine_args)],
-                out.shape, lse2.shape, o_part.shape, lse_part.shape)  # fmt: skip
+            prepared = _Prepared([(split_kernel, split_grid, _decode_split, split_args),
+                                  (combine_kernel, (rows,), _combine, combine_args)],
+                                 out.shape, lse2.shape, o_part.shape,
+                                 lse_part.shape)  # fmt: skip
+            with _PREPARED_LOCK:
+                if sig not in _PREPARED and len(_PREPARED) >= PREPARED_MAX:
+                    _PREPARED.popitem(last=False)
+                _PREPARED[sig] = prepared
     else:  # the interpreter
         _decode_split[split_grid](**split_args, num_warps=1)
         _combine[(rows,)](**combine_args)

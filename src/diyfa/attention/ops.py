@@ -255,8 +255,7 @@ def _attention_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
     fp8 = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                          block_table=block_table, causal=causal, softmax_scale=softmax_scale,
-                         num_splits=num_splits, fake=True, fp8=fp8,
-                         max_seqlen_k=max_seqlen_k)  # fmt: skip
+                         num_splits=num_splits, fp8=fp8, max_seqlen_k=max_seqlen_k)  # fmt: skip
     check_variants((window_left, window_right), softcap, causal)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     b, sq, h, _ = q.shape
