@@ -344,6 +344,9 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(True, 128, 128, 2, True) == (*decode.PAGED_WAVES, True)
     assert decode.launch_config(False, 128, 128, 2, True) == (*decode.WIDE, False)
     assert decode.launch_config(True, 128, 128, 1, True)[3] is False  # fp8: the old rule
+    # 8 new tokens x a group of 4 = 32 rows a program: 2 resident per SM (registers)
+    assert decode.launch_config(True, 128, 128, 2, True, block_m=32)[2] == 2
+    assert decode.pick_splits(16, 8, 16384, dev, 64, 2, True) == 2  # 256 of 264 slots
 
 
 def test_cache_status_codes():

@@ -77,16 +77,20 @@ WIDE = (128, 8, 4)
 PAGED_WAVES = (64, 4, 3)
 
 
-def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int,
-                  on_gpu: bool) -> tuple[int, int, int, bool]:
+def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
+                  block_m: int = 16) -> tuple[int, int, int, bool]:
     """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE and
     PAGED_WAVES; whole waves: :func:`pick_splits` counts the programs per SM as the ones
-    resident and fills whole waves of them)."""
+    resident and fills whole waves of them). ``block_m``: the query rows of a program
+    (the GQA group x new tokens, padded); paged programs of more than 16 rows hold more
+    registers (ptxas, sm90, bf16 d128: 161 at 16 rows, 203 at 32, 187 at 64; 4 warps), so 2
+    of them fit an SM, not 3."""
     sixteen_bit = on_gpu and elem_bytes == 2 and max(d_pad, dv_pad) <= 128
     if WIDE and sixteen_bit and not paged:
         return (*WIDE, False)
     if PAGED_WAVES and sixteen_bit and paged:
-        return (*PAGED_WAVES, True)
+        block_n, warps, per_sm = PAGED_WAVES
+        return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
 
 
@@ -568,11 +572,11 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     d_pad = max(16, next_power_of_2(d))
     dv_pad = max(16, next_power_of_2(dv))
     paged = block_table is not None
+    block_m = min(64, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad, dv_pad, k_cache.element_size(),
-                                                  q.is_cuda)  # fmt: skip
+                                                  q.is_cuda, block_m)  # fmt: skip
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, waves)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
-    block_m = min(64, max(16, next_power_of_2(group * sq)))
     rows = b * h * sq
     o_part = torch.empty((splits * rows, dv_pad), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
