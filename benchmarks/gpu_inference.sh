@@ -12,7 +12,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout "${BENCH_TIMEOUT:-480}" python3 -m diyfa.cli bench flash --no-progress \
-  --suite decode,paged-decode,varlen --out "$OUT/inference.jsonl" \
+  --suite decode,paged-decode,varlen,varlen-equal --out "$OUT/inference.jsonl" \
   --providers "diyfa,diyfa-nosync,diyfa-hopper,sdpa-cudnn,sdpa-flash,sdpa-cudnn-padded$fa4" \
   --warmup 10 --rep 50 > "$OUT/inference.log" 2>&1 || echo "bench: exit $?"
 tail -n 5 "$OUT/inference.log"

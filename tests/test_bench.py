@@ -752,3 +752,18 @@ def test_variant_tensors_are_built_once_per_case_and_device():
     assert torch.equal(a["alibi_slopes"], torch.exp2(-8.0 * torch.arange(1, 5) / 4))
     a["softcap"] = 1.0  # a caller's edits stay its own
     assert "softcap" not in case.kernel_options("cpu")
+
+
+def test_varlen_equal_suite_matches_the_varlen_mix():
+    """varlen-equal: per varlen case, an equal-length batch with the same tokens, heads,
+    head dim and causality, and within 1% of its FLOPs (the yardstick of issue 13's
+    varlen >= 0.95x target)."""
+    equal = suites.SUITES["varlen-equal"]("flash", False)
+    mix = suites.SUITES["varlen"]("flash", False)
+    assert equal.providers == ("diyfa",) and len(equal.cases) == len(mix.cases)
+    for e, m in zip(equal.cases, mix.cases, strict=True):
+        assert e.batch * e.seqlen_q == sum(m.lengths)
+        assert (e.heads, e.hk, e.head_dim, e.causal) == (m.heads, m.kv_heads, m.head_dim,
+                                                         m.causal)  # fmt: skip
+        fe, fm = e.flops("fwd")["exact"], m.flops("fwd")["exact"]
+        assert abs(fe - fm) <= 0.01 * fm, (e.label(), fe, fm)

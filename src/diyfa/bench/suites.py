@@ -20,6 +20,8 @@ Suites
     paged-decode  the same through a paged cache (page sizes 16 and 256, shuffled pages)
     varlen      64k tokens of packed sequences (lengths log-uniform in 128..8192), d 64/128,
                 causal and not, fwd and bwd; the padded cuDNN provider is the baseline
+    varlen-equal  the same tokens as equal-length batches (sequences of the mix's
+                FLOP-weighted mean length: the same FLOPs), diyfa only: varlen's yardstick
     variants    8k tokens, d 128, causal: plain, a 1024-key window (exact FLOPs), softcap 30,
                 ALiBi, sinks; fwd and bwd (issue 14's cost of each option)
     smoke       tiny shapes for the CPU interpreter (tests, a machine without a GPU)
@@ -409,6 +411,24 @@ def _varlen(target: str, quick: bool) -> Plan | None:
     return Plan("varlen", target, tuple(cases), ("fwd", "bwd"))
 
 
+def _varlen_equal(target: str, quick: bool) -> Plan | None:
+    """The varlen suite's work as equal-length batches (issue 13: varlen >= 0.95x their
+    TFLOPS): the same 64k tokens, heads and head dims, in sequences of the mix's FLOP-weighted
+    mean length L = sum(l^2) / sum(l) (the same attention FLOPs as the mix), L rounded to a
+    multiple of 128 and the batch to the tokens / L."""
+    if target != "flash":
+        return None
+    lengths = varlen_lengths(65536, 128, 8192)
+    mean = sum(n * n for n in lengths) / sum(lengths)
+    seq = max(128, int(round(mean / 128)) * 128)
+    batch = max(1, round(sum(lengths) / seq))
+    dims = (128,) if quick else (64, 128)
+    cases = [AttentionCase(batch, 2048 // d, seq, seq, d, causal,
+                           kv_heads=2048 // d if d == 64 else 4)
+             for d in dims for causal in (False, True)]  # fmt: skip
+    return Plan("varlen-equal", target, tuple(cases), ("fwd", "bwd"), ("diyfa",))
+
+
 def _smoke(target: str, quick: bool) -> Plan | None:
     if target == "flash":
         cases = [AttentionCase(1, 2, 64, 64, 32, False, "fp16"),
@@ -434,6 +454,7 @@ SUITES: dict[str, Callable[[str, bool], Plan | None]] = {
     "decode": _decode,
     "paged-decode": _paged_decode,
     "varlen": _varlen,
+    "varlen-equal": _varlen_equal,
     "smoke": _smoke,
 }
 DEFAULT_SUITES = {
