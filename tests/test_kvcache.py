@@ -630,16 +630,22 @@ def test_greedy_generation_through_the_paged_cache_matches_sdpa():
     assert torch.equal(out, ref), (out, ref)
 
 
+def _quantize(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """The reference of an fp8 cache's rows: (batch, n, kv_heads, d) in fp16/bf16 divided by
+    their sequence's and head's descale ((kv_heads,) or (batch, kv_heads)), clamped to the
+    e4m3 range (a cast alone would turn larger values into NaN), cast."""
+    scale = descale if descale.dim() == 2 else descale[None].expand(x.shape[0], -1)
+    return (x.float() / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("per_batch, dtype", [(False, torch.bfloat16), (True, torch.float16)],
                          ids=["per-head-bf16", "per-batch-head-fp16"])
 def test_fp8_cache(per_batch, dtype, paged):
     """An e4m3 cache with per-kv-head descales: the append quantises the new rows (divided by
-    the descale, clamped, cast: exactly what ``decode.quantize`` gives), and attention over
+    the descale, clamped, cast: exactly what ``_quantize`` gives), and attention over
     the cache equals attention over its dequantised values (float64 reference) by the 2x
     rule, PyTorch in the query dtype as the yardstick; a 3-token append with 3 splits."""
-    from diyfa.attention import decode
-
     (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
      after_v) = _setup(dtype, 3, 3)  # fmt: skip
     b, hk = q.shape[0], k_cache.shape[2]
@@ -647,7 +653,6 @@ def test_fp8_cache(per_batch, dtype, paged):
     shape = (b, hk) if per_batch else (hk,)
     k_desc = (0.02 + torch.rand(shape, generator=g) * 0.02).to(DEVICE)
     v_desc = (0.02 + torch.rand(shape, generator=g) * 0.02).to(DEVICE)
-    batch = torch.arange(b, device=DEVICE)
     kc_src, vc_src = (k_pages, v_pages) if paged else (k_cache, v_cache)
     # Quantise the existing cache as a serving stack would have when writing it.
     full_k = k_desc if per_batch else k_desc[None].expand(b, -1)
@@ -661,13 +666,13 @@ def test_fp8_cache(per_batch, dtype, paged):
         vq = (v_pages.float() / full_v[owner.to(DEVICE)][:, None, :, None]).clamp(
             -448, 448).to(torch.float8_e4m3fn)  # fmt: skip
     else:
-        kq, vq = decode.quantize(kc_src, k_desc, batch), decode.quantize(vc_src, v_desc, batch)
+        kq, vq = _quantize(kc_src, k_desc), _quantize(vc_src, v_desc)
     with torch.no_grad():
         out = diyfa.flash_attention_with_kvcache(
             q, kq, vq, k_new, v_new, cache_seqlens=seqlens, block_table=table if paged else None,
             num_splits=3, k_descale=k_desc, v_descale=v_desc)  # fmt: skip
     # The appended rows are the quantised new tokens.
-    new_k, new_v = decode.quantize(k_new, k_desc, batch), decode.quantize(v_new, v_desc, batch)
+    new_k, new_v = _quantize(k_new, k_desc), _quantize(v_new, v_desc)
     for i, n in enumerate(LENS):
         for j in range(3):
             pos = n + j

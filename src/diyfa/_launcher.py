@@ -106,7 +106,6 @@ class FastLauncher:
         self.names = tuple(p.name for p in fn.params)
         # constexpr parameters are compiled in by value (BLOCK_M=64 and 128 are two kernels);
         # the others by what specialisation sees of them.
-        self._keyers = tuple(_constexpr_key if p.is_constexpr else spec_key for p in fn.params)
         self._const = tuple(p.is_constexpr for p in fn.params)
         self._compiled: dict[tuple, object] = {}
         self.slow_launches = 0  # launches that went through Triton's own path

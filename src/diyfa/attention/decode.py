@@ -252,6 +252,12 @@ def _combine(O_PART, LSE_PART, O, LSE, SINK_LOGITS, rows_per_split, seqlen_q, he
     tl.store(o_ptr + offs_d * stride_od, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+# The unchecked call's fault, as the status kernel's device-side assert (and the CPU's
+# RuntimeError) states it.
+ASSERT_MESSAGE = tl.constexpr("flash_attention_with_kvcache: cache_seqlens + the new tokens "
+                              "outside [0, max_seqlen_k], or a page outside the pool")
+
+
 @triton.jit(debug=True)  # its device_assert (ASSERT) is compiled in; nothing else here
 def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, max_blocks,
                   page_size, pool, PAGED: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -274,9 +280,7 @@ def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, m
         status = tl.where((status >= 0) & (tl.sum(bad, 0) > 0), -2, status)
     tl.store(STATUS + b, status.to(tl.int32))  # -2, -1 or a length <= limit
     if ASSERT:
-        tl.device_assert(status >= 0, "flash_attention_with_kvcache: cache_seqlens + the new "
-                                      "tokens outside [0, max_seqlen_k], or a page outside the "
-                                      "pool")  # fmt: skip
+        tl.device_assert(status >= 0, ASSERT_MESSAGE)
 
 
 def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, s_new: int,
@@ -303,12 +307,8 @@ def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, 
     else:  # the interpreter (which does not raise on a device_assert)
         _cache_status[(b,)](**args)
         if asserted:
-            torch._assert_async(status.min() >= 0, ASSERT_MESSAGE)
+            torch._assert_async(status.min() >= 0, ASSERT_MESSAGE.value)
     return status
-
-
-ASSERT_MESSAGE = ("flash_attention_with_kvcache: cache_seqlens + the new tokens outside [0, "
-                  "max_seqlen_k], or a page outside the pool")
 
 
 @triton.jit
@@ -348,7 +348,8 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
     if FP8:  # divided by the (sequence's) head's descale, clamped to e4m3's range, cast
         k_scale = tl.load(K_DESCALE + b * stride_descale_b + h, mask=h_ok, other=1.0)
         v_scale = tl.load(V_DESCALE + b * stride_descale_b + h, mask=h_ok, other=1.0)
-        # IEEE division (a plain / is approximate on the GPU) and NaN kept, as quantize()
+        # IEEE division (a plain / is approximate on the GPU) and NaN kept, as torch's
+        # (x.float() / descale).clamp(-448, 448).to(float8_e4m3fn) does
         k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0,
                      propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
         v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0,
@@ -415,26 +416,13 @@ def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.devi
     return best
 
 
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-
-
-def quantize(x: torch.Tensor, descale: torch.Tensor, batch_index: torch.Tensor) -> torch.Tensor:
-    """New keys or values (batch, n, kv_heads, d) in fp16/bf16 as e4m3 cache rows: divided by
-    their sequence's and head's descale, clamped to the e4m3 range (a cast alone would turn
-    larger values into NaN), cast. In torch: what :func:`_append` writes to an fp8 cache
-    (the tests' reference)."""
-    scale = descale if descale.dim() == 2 else descale[None].expand(batch_index.numel(), -1)
-    return (x.float() / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(
-        torch.float8_e4m3fn)  # fmt: skip
-
-
 def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal: bool,
                       softmax_scale, num_splits: int, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None, sinks=None, k_descale=None, v_descale=None,
                       max_seqlen_k=None):
     """``flash_attention_with_kvcache``'s work, for the eager call and the custom op alike:
     every check first (nothing is written on an error), then k/v appended in place at rows
-    cache_seqlens[b].. (torch indexing, only those rows), then attention. Returns (out,
+    cache_seqlens[b].. (:func:`append`, only those rows), then attention. Returns (out,
     lse2) with lse2 base 2. ``max_seqlen_k``: the caller's bound on the lengths after the
     append; the checks then run on the device without a read back (see
     ``check_kvcache_lengths``)."""
