@@ -241,14 +241,15 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
         if args["DQ_ATOMIC"]:
             args["dq_desc"].base.fill_(2.0)
 
-    def fake_dq(do_, q_, k_, v_, out_, lse2_, p_):
+    def fake_dq(do_, q_, k_, v_, out_, lse2_, dq_, delta_, p_):  # the portable dQ kernel
         seen["portable_dq"] = True
-        return torch.full_like(q_, 3.0), torch.zeros_like(lse2_)
+        dq_.fill_(3.0)
+        delta_.zero_()
 
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
-    monkeypatch.setattr(portable, "backward_dq", fake_dq)
+    monkeypatch.setattr(portable, "_dq_launch", fake_dq)
     if not deterministic:
-        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4: torch.zeros(b, h, sq))
+        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res: res.zero_())
     dq, dk, dv = hopper_bwd.hopper_backward(do, q, k, v, out, lse2, problem)
     block_m = hopper_bwd.BWD_CONFIGS[128][0]
     args = seen["args"]
@@ -288,7 +289,7 @@ def test_host_path_passes_the_variants(monkeypatch):
                                   alibi_slopes=slopes, sinks=torch.zeros(h))  # fmt: skip
     seen = {}
     monkeypatch.setattr(hopper_bwd, "launch", lambda fn, grid, args, *a: seen.update(args))
-    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4: torch.zeros(b, h, sq))
+    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res: res.zero_())
     hopper_bwd.hopper_backward(torch.randn_like(q), q, k, k.clone(), torch.randn_like(q),
                                torch.randn(b, h, sq), problem)  # fmt: skip
     assert seen["CAUSAL"] and seen["WINDOW"] and seen["SOFTCAP"] and seen["ALIBI"]

@@ -511,21 +511,23 @@ def test_gpu_kvcache_cuda_graph(paged):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_gpu_kvcache_repeated_calls_reuse_launches(paged, monkeypatch):
     """Calls with one signature and max_seqlen_k reuse the first call's launches
-    (decode._Prepared) on new tensors: each result equals the full path's (the cache of
+    (_launcher.Replay) on new tensors: each result equals the full path's (the cache of
     prepared launches cleared before it), and a misaligned query takes the full path."""
     from diyfa.attention import decode
 
     setups = [_setup(torch.bfloat16, 1, 1, h=32, hk=8, d=128, device="cuda", seed=s)
               for s in range(3)]  # fmt: skip
-    reused = []  # each _Prepared call: whether it ran the kernels (else the full path)
-    call = decode._Prepared.__call__
+    from diyfa import _launcher
 
-    def counted(self, *args):
-        done = call(self, *args)
-        reused.append(done is not None)
+    reused = []  # each Replay.run: whether it ran the kernels (else the full path)
+    run = _launcher.Replay.run
+
+    def counted(self, roles):
+        done = run(self, roles)
+        reused.append(done)
         return done
 
-    monkeypatch.setattr(decode._Prepared, "__call__", counted)
+    monkeypatch.setattr(_launcher.Replay, "run", counted)
     outs = []
     for reuse in (True, False):
         decode._PREPARED.clear()
@@ -544,6 +546,11 @@ def test_gpu_kvcache_repeated_calls_reuse_launches(paged, monkeypatch):
         assert torch.equal(a, b)
     q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, *_ = setups[0]
     kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+    with torch.no_grad():  # an entry for the signature (the second pass left none)
+        diyfa.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k_new, v_new,
+                                           cache_seqlens=seqlens, block_table=bt,
+                                           max_seqlen_k=290)  # fmt: skip
+    assert len(decode._PREPARED) == 1 and reused == [True, True]
     store = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
     odd = store[1:].view(q.shape).copy_(q)  # 2-byte aligned: another specialisation
     with torch.no_grad():

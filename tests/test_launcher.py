@@ -164,3 +164,89 @@ def test_host_cdiv_and_next_power_of_2_match_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 16, 64, 128):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def _copy_jit():
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(_copy)  # (triton.jit gives an interpreted function on the CPU)
+
+
+def _recorded(monkeypatch):
+    """Replay without a GPU: device 0, compiled kernels replaced by a recorder of the values
+    each launch would get."""
+    from diyfa import _launcher
+
+    ran = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launcher, "run_compiled",
+                        lambda kernel, grid, device, values: ran.append((kernel, grid, values)))
+    return ran
+
+
+def test_replay_puts_each_role_where_the_recording_had_it(monkeypatch):
+    """Tensors, views of them (a transposed base: the same address) and descriptors over
+    views are matched to roles by address; each replay gets the new call's tensors there,
+    descriptors rebased with the recorded shape, strides and block; constants stay."""
+    from diyfa._launcher import Replay
+
+    ran = _recorded(monkeypatch)
+    _COPY = _copy_jit()
+    lay = gl.NVMMASharedLayout.get_default_for([32, 32], gl.float16)
+
+    def call():
+        x = torch.zeros(64, 64, dtype=torch.float16)
+        y = torch.zeros(64, 64, dtype=torch.float16)
+        return x, y
+
+    const = torch.zeros(16)
+    x, y = call()
+    desc = GluonDescriptor.from_tensor(x[:, :32], [32, 32], lay)  # a view of x
+    args = dict(X=y.t(), Y=const, n=7, stride=3, BLOCK=32)  # Y: a constant
+    launches = [(_COPY, "k1", (2,), args),
+                (_COPY, "k2", (3, 1), dict(args, X=desc.base, Y=x))]
+    replay = Replay.record(launches, dict(x=x, y=y), constants=(const,))
+    assert replay is not None
+    del x, y, desc
+    x2, y2 = call()
+    assert replay.run(dict(x=x2, y=y2))
+    (k1, g1, v1), (k2, g2, v2) = ran
+    assert (k1, g1, k2, g2) == ("k1", (2,), "k2", (3, 1))
+    assert v1[0] is y2 and v1[1] is const and v1[2:] == [7, 3, 32]
+    assert v2[0] is x2 and v2[1] is x2
+
+    # a descriptor slot: rebased on the new tensor, its geometry kept
+    ran.clear()
+    x, y = call()
+    desc = GluonDescriptor.from_tensor(x[:, :32], [32, 32], lay)
+    replay = Replay.record([(_COPY, "k", (1,), dict(args, X=desc))], dict(x=x, y=y),
+                           constants=(const,))  # fmt: skip
+    x2, y2 = call()
+    assert replay.run(dict(x=x2, y=y2))
+    new = ran[0][2][0]
+    assert type(new) is GluonDescriptor and new is not desc and new.base is x2
+    assert (new.shape, new.strides, new.block_shape, new.layout) == (
+        desc.shape, desc.strides, desc.block_shape, desc.layout)
+    assert replay.launches[0][3][0] is None  # the recording keeps no tensor of its call
+
+
+def test_replay_refuses_what_it_cannot_tell_apart(monkeypatch):
+    """Nothing is recorded for a tensor outside the roles or two roles at one address; a
+    replay whose tensor has another 16-byte alignment, or that runs inside compile_only,
+    launches nothing."""
+    from diyfa._launcher import Replay, compile_only
+
+    ran = _recorded(monkeypatch)
+    _COPY = _copy_jit()
+    x, y, other = (torch.zeros(64, dtype=torch.float16) for _ in range(3))
+    args = dict(X=x, Y=y, n=7, stride=1, BLOCK=32)
+    assert Replay.record([(_COPY, "k", (1,), args)], dict(x=x)) is None  # y unknown
+    assert Replay.record([(_COPY, "k", (1,), args)], dict(x=x, y=y, z=x)) is None
+    replay = Replay.record([(_COPY, "k", (1,), args)], dict(x=x, y=y))
+    store = torch.zeros(65, dtype=torch.float16)
+    assert not replay.run(dict(x=store[1:], y=other))  # 2-byte aligned: another kernel
+    with compile_only():
+        assert not replay.run(dict(x=other, y=x))
+    assert ran == []
+    assert replay.run(dict(x=other, y=x))
+    assert ran[0][2][:2] == [other, x]

@@ -217,3 +217,139 @@ def launch(fn, grid: tuple, args: dict, meta: dict, num_warps: int, num_stages: 
     """Launch ``fn`` (a ``@triton.jit`` function) with ``args`` plus the config's ``meta``
     through its process-wide :class:`FastLauncher`; returns the compiled kernel that ran."""
     return launcher_for(fn)(grid, {**args, **meta}, num_warps, num_stages)
+
+
+class Replay:
+    """One call's launches, kept to run again for the next call with the same signature.
+
+    A call's host work (checking, building dozens of arguments, specialisation keys) is
+    most of a small problem's time. A family that knows two calls agree on everything but
+    their tensors' addresses (same shapes, strides, dtypes, options: its cache key) records
+    the first call's launches and replays them: the next call allocates its outputs as
+    usual and :meth:`run` puts its tensors where the first call's were and calls the
+    compiled kernels, nothing else.
+
+    ``Replay.record(launches, roles, constants)``: ``launches`` are (fn, compiled kernel,
+    grid, args) of the launches just run, in order; ``roles`` names the call's tensors
+    (inputs, outputs, workspaces: {"q": q, "out": out, ...}). Every tensor argument must
+    start where one role's tensor does (it is that tensor or a view of it: the kernels take
+    the address, with the strides as separate arguments that the signature fixes), and a
+    host TMA descriptor's base likewise (the descriptor's shape, strides and block are kept,
+    its base replaced); or be one of ``constants`` (kept by reference). Anything else, or
+    two roles at one address (q passed as k too: the slots could not be told apart), and
+    nothing is recorded (None).
+
+    :meth:`run` returns False (and launches nothing) when the call must take the full path:
+    a tensor whose 16-byte alignment differs from the recorded one's (another
+    specialisation), a launch hook installed, other compile settings, another current device,
+    inside :func:`compile_only`.
+    """
+
+    __slots__ = ("launches", "device", "knobs")
+
+    def __init__(self, launches, device, knobs):
+        self.launches = launches
+        self.device = device
+        self.knobs = knobs
+
+    @classmethod
+    def record(cls, launches, roles: dict, constants=()) -> Replay | None:
+        by_ptr = {t.data_ptr(): name for name, t in roles.items()}
+        if len(by_ptr) != len(roles):
+            return None
+        kept = {id(c) for c in constants}
+        recorded = []
+        for fn, kernel, grid, args in launches:
+            launcher = launcher_for(fn)
+            template = [args[name] for name in launcher.names]
+            slots = []  # (index, role, descriptor template or None, 16-byte aligned)
+            for i, value in enumerate(template):
+                if isinstance(value, torch.Tensor):
+                    base, desc = value, None
+                elif type(value) in (TensorDescriptor, GluonDescriptor):
+                    base, desc = value.base, value
+                else:
+                    continue
+                if id(base) in kept:
+                    continue
+                role = by_ptr.get(base.data_ptr())
+                if role is None:
+                    return None
+                if desc is not None:
+                    desc = object.__new__(type(value))
+                    desc.__dict__.update(value.__dict__)
+                    desc.base = None  # no reference to this call's tensors is kept
+                slots.append((i, role, desc, base.data_ptr() % 16 == 0))
+                template[i] = None
+            recorded.append((kernel, grid, launcher, template, tuple(slots)))
+        return cls(recorded, torch.cuda.current_device(), compile_knobs())
+
+    def run(self, roles: dict) -> bool:
+        """Launch the recorded kernels with ``roles``' tensors (the recording's names)."""
+        if (compiling_only() or torch.cuda.current_device() != self.device
+                or compile_knobs() != self.knobs):  # fmt: skip
+            return False
+        runs = []
+        for kernel, grid, launcher, template, slots in self.launches:
+            if not launcher.lean_ok():
+                return False
+            values = template.copy()
+            for i, role, desc, aligned in slots:
+                t = roles[role]
+                if (t.data_ptr() % 16 == 0) != aligned:
+                    return False
+                if desc is not None:
+                    copy = object.__new__(type(desc))
+                    copy.__dict__.update(desc.__dict__)
+                    copy.base = t
+                    t = copy
+                values[i] = t
+            runs.append((kernel, grid, values))
+        for kernel, grid, values in runs:
+            run_compiled(kernel, grid, self.device, values)
+        return True
+
+
+_replay_caches: list = []  # every ReplayCache, for forget_replays
+
+
+class ReplayCache:
+    """Signature -> value (a :class:`Replay`, or a tuple holding one), least recently used
+    dropped past ``size``; thread-safe. ``forget_replays()`` empties every one (when what a
+    launch would choose changes: pinned configs, launch settings under test)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._items: dict = {}
+        self._lock = threading.Lock()
+        _replay_caches.append(self)
+
+    def get(self, key):
+        with self._lock:
+            value = self._items.pop(key, None)
+            if value is not None:
+                self._items[key] = value  # most recently used last
+            return value
+
+    def put(self, key, value) -> None:
+        if value is None:
+            return
+        with self._lock:
+            self._items.pop(key, None)
+            if len(self._items) >= self.size:
+                del self._items[next(iter(self._items))]
+            self._items[key] = value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def forget_replays() -> None:
+    """Empty every :class:`ReplayCache`: the next call of each signature takes the full path
+    (and records again)."""
+    for cache in _replay_caches:
+        cache.clear()

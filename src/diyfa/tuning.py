@@ -35,7 +35,7 @@ from pathlib import Path
 
 import triton
 
-from diyfa._launcher import next_power_of_2
+from diyfa._launcher import forget_replays, next_power_of_2
 from diyfa.device import interpreter_enabled
 
 # Config = (BLOCK_M, BLOCK_N, num_warps, num_stages).
@@ -161,6 +161,7 @@ def pinned(kernel: str, *, BLOCK_M: int, BLOCK_N: int, num_warps: int = 4, num_s
     old = _pinned.get(kernel)
     _pinned[kernel] = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps,
                            num_stages=num_stages)  # fmt: skip
+    forget_replays()  # launches recorded with another config
     try:
         yield
     finally:
@@ -168,6 +169,7 @@ def pinned(kernel: str, *, BLOCK_M: int, BLOCK_N: int, num_warps: int = 4, num_s
             _pinned.pop(kernel, None)
         else:
             _pinned[kernel] = old
+        forget_replays()
 
 
 def _as_dict(cfg: tuple) -> dict:

@@ -34,21 +34,19 @@ folded in, P rounded to the input dtype before P @ V (fp32 inputs: IEEE dots).
 
 from __future__ import annotations
 
-import collections
-import threading
-
 import torch
 import triton
 import triton.language as tl
 
 from diyfa import _interpreter
 from diyfa._launcher import (
+    Replay,
+    ReplayCache,
     cdiv,
     compile_knobs,
+    compiling_only,
     launch,
-    launcher_for,
     next_power_of_2,
-    run_compiled,
 )
 from diyfa.attention.portable import _tanh
 from diyfa.device import interpreter_enabled, kernel_limits
@@ -461,63 +459,10 @@ def _sig(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
-class _Prepared:
-    """The two launches of a decode call, kept for the next call with the same signature
-    (shapes, strides, dtypes, options, bound: everything but the tensors' addresses): that
-    call allocates its outputs and workspaces, puts its tensors in their argument slots and
-    runs the compiled kernels, with none of the argument building and specialisation keys
-    (most of a decode step's host time). A tensor whose 16-byte alignment differs from the
-    first call's, or a launch hook, sends the call down the full path."""
-
-    def __init__(self, launches: list, out_shape, lse_shape, o_part_shape, lse_part_shape):
-        self.shapes = out_shape, lse_shape, o_part_shape, lse_part_shape
-        self.launches = []
-        for kernel, grid, fn, args in launches:
-            launcher = launcher_for(fn)
-            values = [args[name] for name in launcher.names]
-            slots = [(i, name) for i, name in enumerate(launcher.names)
-                     if isinstance(values[i], torch.Tensor)]  # fmt: skip
-            for i, _ in slots:
-                values[i] = None  # no reference to this call's tensors is kept
-            self.launches.append((kernel, grid, launcher, values, slots, tuple(
-                args[name].data_ptr() % 16 == 0 for _, name in slots)))
-
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks,
-                 k_descale, v_descale):
-        """(out, lse2), or None when this call must take the full path."""
-        out_shape, lse_shape, o_part_shape, lse_part_shape = self.shapes
-        dev = q.device
-        out = torch.empty(out_shape, dtype=q.dtype, device=dev)
-        lse2 = torch.empty(lse_shape, dtype=torch.float32, device=dev)
-        o_part = torch.empty(o_part_shape, dtype=torch.float32, device=dev)
-        lse_part = torch.empty(lse_part_shape, dtype=torch.float32, device=dev)
-        tensors = dict(Q=q, K=k_cache, V=v_cache, CACHE_SEQLENS=cache_seqlens,
-                       BLOCK_TABLE=cache_seqlens if block_table is None else block_table,
-                       O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
-                       SLOPES=lse_part if slopes is None else slopes,
-                       SINK_LOGITS=lse_part if sinks is None else sinks,
-                       K_DESCALE=lse_part if k_descale is None else k_descale,
-                       V_DESCALE=lse_part if v_descale is None else v_descale)  # fmt: skip
-        runs = []
-        device = torch.cuda.current_device()  # where FastLauncher launched them
-        for kernel, grid, launcher, template, slots, aligned in self.launches:
-            values = template.copy()
-            for i, name in slots:
-                values[i] = tensors[name]
-            if (not launcher.lean_ok() or aligned != tuple(
-                    values[i].data_ptr() % 16 == 0 for i, _ in slots)):  # fmt: skip
-                return None
-            runs.append((kernel, grid, values))
-        for kernel, grid, values in runs:
-            run_compiled(kernel, grid, device, values)
-        return out, lse2
-
-
-# signature -> _Prepared. The launch settings above (WIDE, BLOCK_N, ...) are not part of a
-# signature: whoever changes them (benchmarks/decode_ab.py) clears this.
-_PREPARED: collections.OrderedDict = collections.OrderedDict()
-_PREPARED_LOCK = threading.Lock()
-PREPARED_MAX = 64  # signatures kept, least recently used dropped first
+# signature -> the launches of a call (_launcher.Replay) with the shapes of its outputs and
+# workspaces. The launch settings above (WIDE, BLOCK_N, ...) are not part of a signature:
+# whoever changes them (benchmarks/decode_ab.py) clears this (``_PREPARED.clear()``).
+_PREPARED = ReplayCache()
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal: bool,
@@ -542,15 +487,17 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                causal, softmax_scale, num_splits, max_seqlen_k, window, softcap,
                _sig(alibi_slopes), _sig(sinks), _sig(k_descale), _sig(v_descale), seqlen_add,
                q.device.index, torch.cuda.current_device(), compile_knobs())  # fmt: skip
-        with _PREPARED_LOCK:
-            prepared = _PREPARED.get(sig)
-            if prepared is not None:
-                _PREPARED.move_to_end(sig)
+        prepared = _PREPARED.get(sig)
         if prepared is not None:
-            done = prepared(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes,
-                            sinks, k_descale, v_descale)  # fmt: skip
-            if done is not None:
-                return done
+            replay, (out_shape, o_part_shape) = prepared
+            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+            lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+            o_part = torch.empty(o_part_shape, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(o_part_shape[0], dtype=torch.float32, device=q.device)
+            roles = _roles(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes,
+                           sinks, k_descale, v_descale, o_part, lse_part, out, lse2)  # fmt: skip
+            if replay.run(roles):
+                return out, lse2
     group = h // hk
     out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -609,16 +556,25 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                               block_n)  # fmt: skip
         split_kernel = launch(_decode_split, split_grid, split_args, {}, warps, stages)
         combine_kernel = launch(_combine, (rows,), combine_args, {}, 4, 3)
-        if sig is not None:
-            prepared = _Prepared([(split_kernel, split_grid, _decode_split, split_args),
-                                  (combine_kernel, (rows,), _combine, combine_args)],
-                                 out.shape, lse2.shape, o_part.shape,
-                                 lse_part.shape)  # fmt: skip
-            with _PREPARED_LOCK:
-                if sig not in _PREPARED and len(_PREPARED) >= PREPARED_MAX:
-                    _PREPARED.popitem(last=False)
-                _PREPARED[sig] = prepared
+        if sig is not None and not compiling_only():
+            replay = Replay.record([(_decode_split, split_kernel, split_grid, split_args),
+                                    (_combine, combine_kernel, (rows,), combine_args)],
+                                   _roles(q, k_cache, v_cache, cache_seqlens, block_table,
+                                          alibi_slopes, sinks, k_descale, v_descale, o_part,
+                                          lse_part, out, lse2))  # fmt: skip
+            if replay is not None:
+                _PREPARED.put(sig, (replay, (out.shape, o_part.shape)))
     else:  # the interpreter
         _decode_split[split_grid](**split_args, num_warps=1)
         _combine[(rows,)](**combine_args)
     return out, lse2
+
+
+def _roles(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, k_descale,
+           v_descale, o_part, lse_part, out, lse2) -> dict:
+    """A decode call's tensors by name, for its Replay (the absent ones left out: the kernels
+    get a workspace in their place, which the recording finds by its address)."""
+    roles = dict(q=q, k_cache=k_cache, v_cache=v_cache, seqlens=cache_seqlens, o_part=o_part,
+                 lse_part=lse_part, out=out, lse=lse2, table=block_table, slopes=slopes,
+                 sinks=sinks, k_descale=k_descale, v_descale=v_descale)  # fmt: skip
+    return {name: t for name, t in roles.items() if t is not None}

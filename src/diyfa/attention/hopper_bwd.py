@@ -96,7 +96,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from diyfa._launcher import cdiv, launch, next_power_of_2
+from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch, next_power_of_2
 from diyfa.attention import portable
 from diyfa.attention.hopper_fwd import (
     LOG2E,
@@ -598,11 +598,15 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
 
 
-def delta(out4: torch.Tensor, do4: torch.Tensor) -> torch.Tensor:
+def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
+          res: torch.Tensor | None = None) -> torch.Tensor:
     """rowsum(dO * O) in fp32, (batch, heads, seqlen_q), for (batch, heads, seqlen, dim)
-    views of any strides (one Triton kernel; runs in the interpreter too)."""
+    views of any strides (one Triton kernel; runs in the interpreter too), into ``res``
+    (contiguous) when given. ``launched``: a list that gets the GPU launch's (fn, kernel,
+    grid, args), for a Replay."""
     b, h, sq, d = out4.shape
-    res = torch.empty((b, h, sq), dtype=torch.float32, device=out4.device)
+    if res is None:
+        res = torch.empty((b, h, sq), dtype=torch.float32, device=out4.device)
     if res.numel() == 0:
         return res
     block = 64
@@ -613,7 +617,9 @@ def delta(out4: torch.Tensor, do4: torch.Tensor) -> torch.Tensor:
                 HEAD_DIM_PAD=max(16, next_power_of_2(d)), BLOCK=block)  # fmt: skip
     grid = (b * h, cdiv(sq, block))
     if out4.is_cuda:
-        launch(_bwd_delta, grid, args, {}, 4, 1)
+        kernel = launch(_bwd_delta, grid, args, {}, 4, 1)
+        if launched is not None:
+            launched.append((_bwd_delta, kernel, grid, args))
     else:  # the interpreter
         _bwd_delta[grid](**args)
     return res
@@ -637,27 +643,51 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         do4 = bhsd_view(do, p.layout)
     # empty_like keeps a dense input's strides (which TMA took for k and v) and makes a
     # non-dense one's gradient contiguous: both meet TMA's rules at these head dims.
-    dk4, dv4, dq4 = bhsd_view(dk, p.layout), bhsd_view(dv, p.layout), bhsd_view(dq, p.layout)
     dpad = head_dim_pad(p.head_dim)
     block_m = (config or BWD_CONFIGS[dpad])[0]
+    stats = torch.empty_like(lse2)  # delta = rowsum(dO * O)
+    if atomic_dq:  # the fp32 dQ workspace the kernel's TMA reduce-adds go to
+        dq_acc = torch.zeros((p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad),
+                             dtype=torch.float32, device=q.device)  # fmt: skip
+    else:  # (the kernel reads nothing through it)
+        dq_acc = stats
+    key = None if config is not None else portable.replay_key(
+        "hopper-bwd", q, p, do.stride(), do.dtype, atomic_dq)  # fmt: skip
+    roles = None
+    if key is not None:
+        roles = dict(q=q, k=k, v=v, out=out, lse=lse2, do=do, delta=stats, dk=dk, dv=dv)
+        roles["dq_acc" if atomic_dq else "dq"] = dq_acc if atomic_dq else dq
+        replay = _REPLAYS.get(key)
+        if replay is not None and replay.run(roles):
+            return _finish(dq, dq_acc, p) if atomic_dq else dq, dk, dv
+    launched = []
     if not atomic_dq:
         # The portable dQ kernel (a fixed order per row; it also writes delta), then this
         # kernel for dK and dV only.
-        dq, stats = portable.backward_dq(do, q, k, v, out, lse2, p)
-        dq_acc = stats
+        launched.append(portable._dq_launch(do, q, k, v, out, lse2, dq, stats, p))
     else:
-        stats = delta(o4, do4)
-        dq_acc = torch.zeros((p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad),
-                             dtype=torch.float32, device=q.device)  # fmt: skip
+        delta(o4, do4, launched, res=stats)
     # The forward's band, scales and flags (plain attention: no flag; sinks: the LSE has them).
     upper, qk_scale, causal, variants = variant_args(p)
+    dk4, dv4 = bhsd_view(dk, p.layout), bhsd_view(dv, p.layout)
     grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
                                      p.softmax_scale, causal, atomic_dq, config, qk_scale,
                                      variants)  # fmt: skip
-    launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
-    if atomic_dq:
-        torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale, out=dq4)
-    return dq, dk, dv
+    kernel = launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
+    launched.append((_attn_bwd_hopper, kernel, grid, args))
+    if roles is not None and not compiling_only() and None not in launched:
+        _REPLAYS.put(key, Replay.record(launched, roles, tuple(_DQ_STANDINS.values())))
+    return _finish(dq, dq_acc, p) if atomic_dq else dq, dk, dv
+
+
+_REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
+
+
+def _finish(dq: torch.Tensor, dq_acc: torch.Tensor, p: Problem) -> torch.Tensor:
+    """dQ from the atomic mode's fp32 workspace: scaled, cast, written into ``dq``."""
+    torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale,
+              out=bhsd_view(dq, p.layout))  # fmt: skip
+    return dq
 
 
 # --------------------------------------------------------------------------------------------

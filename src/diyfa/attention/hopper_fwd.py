@@ -68,9 +68,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-from diyfa._launcher import cdiv, launch
+from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch
 from diyfa.attention.dispatch import Family
-from diyfa.attention.portable import empty_lse
+from diyfa.attention.portable import empty_lse, replay_key
 from diyfa.attention.problem import Problem
 from diyfa.device import kernel_limits
 
@@ -844,13 +844,35 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
+    key = replay_key("hopper-fwd", q, p) if config is None else None
+    roles = None
+    if key is not None:
+        roles = dict(q=q, k=k, v=v, out=out, lse=lse2)
+        kept = _REPLAYS.get(key)
+        if kept is not None:
+            replay, counter = kept
+            if counter:  # the tile counter of causal calls, zeroed per call
+                roles["counter"] = torch.zeros(1, dtype=torch.int32, device=q.device)
+            if replay.run(roles):
+                return out, lse2
     upper, qk_scale, causal, variants = variant_args(p)  # (plain attention: no flag)
     grid, args, num_warps = hopper_args(
         bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout),
         bhsd_view(out, p.layout), lse2, upper, qk_scale, causal,
         kernel_limits(q.device.index)["sm_count"], config, variants)  # fmt: skip
-    launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
+    kernel = launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
+    if roles is not None and not compiling_only():
+        constants = ()
+        if args["DYNAMIC"]:
+            roles["counter"] = args["COUNTER"]
+        else:
+            constants = (args["COUNTER"],)  # never written: one per device
+        replay = Replay.record([(_attn_fwd_hopper, kernel, grid, args)], roles, constants)
+        _REPLAYS.put(key, None if replay is None else (replay, args["DYNAMIC"]))
     return out, lse2
+
+
+_REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
 
 
 def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
