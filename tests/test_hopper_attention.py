@@ -231,10 +231,14 @@ def test_descriptors_address_the_bhsd_view():
     grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132,
                                     cfg._replace(dynamic=0))  # fmt: skip
     assert grid == (tiles,) and not args2["DYNAMIC"] and args2["Q_BUFS"] == 1  # per tile
-    pack = dict(batch=3, seqlen_q=700, seqlen_k=500, args=dict(VARLEN=True))
+    # packed sequences: one program per tile that holds query rows (none for the empty one)
+    cu_host = ((0, 700, 700, 1000), (0, 500, 600, 1100))
+    pack = dict(batch=3, seqlen_q=700, seqlen_k=500, cu_host=cu_host, args=dict(VARLEN=True))
     grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132, None, None,
                                     pack)  # fmt: skip
-    assert grid == (tiles,) and not args2["DYNAMIC"]  # packed sequences: one program per tile
+    items = -(-700 // (consumers * 64)) + -(-300 // (consumers * 64))
+    assert args2["num_items"] == items and args2["TILES"].numel() == 2 * items
+    assert grid == (items * q4.shape[1],) and not args2["DYNAMIC"]
     grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, False, 132)
     assert grid == ((min(tiles, 132 * per_sm) if per_sm else tiles),)
     assert args2["Q_BUFS"] == cfg.q_bufs == 2  # persistent: the next tile's Q loads early
@@ -392,3 +396,19 @@ def test_gpu_auto_routes_by_support():
     p = check_inputs(q32, k32, v32, causal=False, softmax_scale=None, layout="bhsd",
                      align="bottom_right")  # fmt: skip
     assert dispatch.select(p).name == "portable"
+
+
+def test_packed_tile_table_lists_tiles_with_rows_heaviest_first():
+    """The packed forward's work list: (sequence, query tile) for every tile holding query
+    rows, by the keys it visits (causal: bottom-right per sequence), most first; a sequence
+    without query rows has none, one without keys keeps its tiles (their rows are written)."""
+    from diyfa.attention.hopper_fwd import tile_table
+
+    cu_q, cu_k = (0, 0, 130, 386, 391, 401), (0, 10, 140, 1140, 1145, 1145)
+    table, n = tile_table(cu_q, cu_k, 128, True, "cpu")
+    assert n == 6 and table.dtype == torch.int32
+    # keys per tile: seq 1 (130 q / 130 k): 128, 130; seq 2 (256 / 1000): 872, 1000;
+    # seq 3 (5 / 5): 5; seq 4 (10 q, no keys): 0
+    assert table.view(-1, 2).tolist() == [[2, 1], [2, 0], [1, 1], [1, 0], [3, 0], [4, 0]]
+    table, n = tile_table(cu_q, cu_k, 128, False, "cpu")
+    assert table.view(-1, 2).tolist() == [[2, 0], [2, 1], [1, 0], [1, 1], [3, 0], [4, 0]]

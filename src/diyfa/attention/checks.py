@@ -262,10 +262,11 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
-                      fake: bool = False) -> int:
+                      fake: bool = False) -> tuple[int, tuple | None]:
     """Check one cumulative-lengths tensor against its packed tensor's rows; returns the
-    number of sequences. Reads the (small) tensor to the host: a device sync (``fake``:
-    tracing, the values are unknown: everything but them is checked)."""
+    number of sequences and the values read. Reads the (small) tensor to the host: a device
+    sync (``fake``: tracing, the values are unknown (None): everything but them is
+    checked)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -281,7 +282,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
     if fake:
-        return cu.shape[0] - 1
+        return cu.shape[0] - 1, None
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name} must start at 0 and end at the packed rows ({total}), got "
@@ -292,7 +293,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
     if lengths and max(lengths) > max_seqlen:
         raise ValueError(f"{max_name}={max_seqlen} is less than the longest sequence in "
                          f"{name} ({max(lengths)})")  # fmt: skip
-    return len(values) - 1
+    return len(values) - 1, tuple(values)
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -318,10 +319,10 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                        deterministic=deterministic, window_size=window_size,
                        softcap=softcap, fake=fake, dropout_p=dropout_p,
                        dropout_seed=dropout_seed)  # fmt: skip
-    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                              "max_seqlen_q", q.device, fake)  # fmt: skip
-    batch_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
-                                "max_seqlen_k", q.device, fake)  # fmt: skip
+    batch, cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
+                                     "max_seqlen_q", q.device, fake)  # fmt: skip
+    batch_k, cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
+                                      "max_seqlen_k", q.device, fake)  # fmt: skip
     if batch != batch_k:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {batch} and {batch_k}")  # fmt: skip
@@ -334,7 +335,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         one, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, q_strides=packed(q),
         k_strides=packed(k), v_strides=packed(v), cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, total_q=q.shape[0], alibi_slopes=alibi_slopes,
-        sinks=sinks)  # fmt: skip
+        sinks=sinks, cu_host=None if cu_q is None else (cu_q, cu_k))  # fmt: skip
 
 
 def _show(value) -> str:

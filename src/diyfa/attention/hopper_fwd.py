@@ -134,10 +134,16 @@ def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False) ->
 # Device code
 # --------------------------------------------------------------------------------------------
 @gluon.jit
-def _tile(t, num_m, heads, kv_group, CAUSAL: gl.constexpr):
+def _tile(t, num_m, heads, kv_group, TILES, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """(query tile, batch, head, kv head) of work item ``t``. Tiles of one (batch, head) are
     consecutive, so programs running at once share its K/V in L2; causal: the heaviest
-    tiles (last rows) of each head come first."""
+    tiles (last rows) of each head come first. Packed sequences (VARLEN): ``num_m`` tiles
+    per head, listed by the host in ``TILES`` as (sequence, query tile) pairs, heaviest
+    first (``tile_table``): no program for the tiles past a sequence's end."""
+    if VARLEN:
+        item = t % num_m
+        off_h = t // num_m
+        return gl.load(TILES + 2 * item + 1), gl.load(TILES + 2 * item), off_h, off_h // kv_group
     pid_m = t % num_m
     if CAUSAL:
         pid_m = num_m - 1 - pid_m
@@ -238,7 +244,8 @@ def _get_tile(slot):
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
             kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-            left_offset, CU_Q, CU_K, COUNTER, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+            left_offset, CU_Q, CU_K, TILES, num_items, COUNTER, CAUSAL: gl.constexpr,
+            CONSUMERS: gl.constexpr,
             WINDOW: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
     """The loader warp: for each tile of this program, each consumer's Q block (once the
     consumer has read the one before in that buffer: with two Q buffers per consumer the
@@ -255,11 +262,14 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
     Q_BUFS: gl.constexpr = q_bufs.type.shape[0] // CONSUMERS
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     total = num_m * batch_heads
+    if VARLEN:  # the host's list of tiles per head (tile_table)
+        num_m = num_items
+        total = num_items * heads
     it = 0
     lap = 0
     t = gl.program_id(0)
     while t < total:
-        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
+        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, TILES, CAUSAL, VARLEN)
         tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
             off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
         row0 = pid_m * BLOCK_M
@@ -354,7 +364,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
 def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
               VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr,
@@ -382,13 +392,16 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     it = 0
     lap = 0
     total = num_m * batch_heads
+    if VARLEN:  # the host's list of tiles per head (tile_table)
+        num_m = num_items
+        total = num_items * heads
     t = gl.program_id(0)
     if DYNAMIC:  # the loader's work items, in its order; ``total``: no more
         mbarrier.wait(q_ready.index(C), 0)
         t = _get_tile(tile_ids.index(0))
     while t < total:
         qb = (lap % Q_BUFS) * CONSUMERS + C  # this tile's Q buffer
-        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, CAUSAL)
+        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, TILES, CAUSAL, VARLEN)
         q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
         tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
             off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
@@ -522,14 +535,15 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
 def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q,
+               head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
                VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q, head_dim,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
               0)  # fmt: skip
 
@@ -538,14 +552,15 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q,
+               head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
                VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q, head_dim,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
               1)  # fmt: skip
 
@@ -554,14 +569,15 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q,
+               head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
                VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, O, stride_os, stride_oh, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q, head_dim,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
               2)  # fmt: skip
 
@@ -569,7 +585,8 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv_group, seqlen_q,
                      seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                     stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O, stride_os,
+                     stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O,
+                     stride_os,
                      stride_oh, total_q, head_dim, COUNTER,
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -613,27 +630,31 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
+                          num_items, O,
                           stride_os, stride_oh, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
                           DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
+                          num_items, O,
                           stride_os, stride_oh, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
                           DYNAMIC)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
+                          num_items, O,
                           stride_os, stride_oh, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
-                       seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, COUNTER,
+                       seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
+                       num_items, COUNTER,
                        CAUSAL, CONSUMERS, WINDOW, VARLEN, DYNAMIC)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])  # fmt: skip
     else:
@@ -641,20 +662,23 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
+                          num_items, O,
                           stride_os, stride_oh, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
                           DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, O,
+                          stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
+                          num_items, O,
                           stride_os, stride_oh, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
-                       seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, COUNTER,
+                       seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
+                       num_items, COUNTER,
                        CAUSAL, CONSUMERS, WINDOW, VARLEN, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
@@ -722,15 +746,19 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
                 left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
-                SINKS=False, CU_Q=lse2, CU_K=lse2, O=lse2, stride_os=0, stride_oh=0,
+                SINKS=False, CU_Q=lse2, CU_K=lse2, TILES=lse2, num_items=0, O=lse2,
+                stride_os=0, stride_oh=0,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False)  # fmt: skip
     if variants:
         args.update(variants)
+    tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
         args.update(packed["args"])
-    tiles = cdiv(sq, consumers * SUB_M) * b * h
+        table, items = tile_table(*packed["cu_host"], consumers * SUB_M, causal, lse2.device)
+        args.update(TILES=table, num_items=items)
+        tiles = items * h
     # A static round robin only without a band or packed sequences: it gives tiles of very
     # unequal work to the same programs (measured, causal: 454 against 618 TFLOPS at 16k,
     # d128), and an LPT order over every head (heaviest tiles of all heads first, snake
@@ -751,6 +779,26 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     if not persistent:  # one tile per program: a second Q buffer would never be used
         args["Q_BUFS"] = 1
     return grid, args, 4
+
+
+def tile_table(cu_q, cu_k, block_m: int, causal: bool, device) -> tuple[torch.Tensor, int]:
+    """Packed sequences' query tiles as the kernel takes them (``TILES``): int32 (sequence,
+    tile) pairs for every tile that holds a query row, the heaviest first (the most keys to
+    visit; ties in sequence order), and their count. Launching these and no more leaves out
+    the programs a (longest sequence x batch) grid spends on tiles past each sequence's end
+    (most of them with lengths as uneven as a packed batch's), and the order starts the long
+    tiles first, which finishes a causal batch sooner."""
+    work = []
+    for b in range(len(cu_q) - 1):
+        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        for m in range(cdiv(sq, block_m)):
+            keys = sk
+            if causal:
+                keys = min(sk, max(0, min((m + 1) * block_m, sq) + sk - sq))
+            work.append((-keys, b, m))
+    work.sort()
+    pairs = [x for _, b, m in work for x in (b, m)]
+    return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
 
 
 _NO_COUNTER: dict = {}
@@ -821,7 +869,8 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
         q, lse = q[:1], lse[0]
         cu = torch.zeros(5, dtype=torch.int32)
         out = torch.empty(4096, 16, head_dim, dtype=dtype)
-        pack = dict(batch=4, seqlen_q=2000, seqlen_k=2000,
+        bounds = (0, 1000, 2000, 3000, 4096)
+        pack = dict(batch=4, seqlen_q=1096, seqlen_k=1096, cu_host=(bounds, bounds),
                     args=dict(CU_Q=cu, CU_K=cu, O=out, stride_os=out.stride(0),
                               stride_oh=out.stride(1), total_q=4096, VARLEN=True))  # fmt: skip
     v = q if value_dim is None else torch.empty(2, 16, 4096, value_dim, dtype=dtype)
@@ -890,7 +939,8 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     def view(t):  # (total, heads, d) -> (1, heads, total, d)
         return t.unsqueeze(0).transpose(1, 2)
 
-    packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+    cu_host = p.cu_host or (tuple(p.cu_seqlens_q.tolist()), tuple(p.cu_seqlens_k.tolist()))
+    packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=cu_host,
                   args=dict(CU_Q=p.cu_seqlens_q, CU_K=p.cu_seqlens_k, O=out,
                             stride_os=out.stride(0), stride_oh=out.stride(1),
                             total_q=p.total_q, VARLEN=True))  # fmt: skip
