@@ -231,14 +231,16 @@ def test_descriptors_address_the_bhsd_view():
     grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132,
                                     cfg._replace(dynamic=0))  # fmt: skip
     assert grid == (tiles,) and not args2["DYNAMIC"] and args2["Q_BUFS"] == 1  # per tile
-    # packed sequences: one program per tile that holds query rows (none for the empty one)
+    # packed sequences: a work list of the tiles that hold query rows (none for the empty
+    # sequence), handed out by the counter like causal tiles
     cu_host = ((0, 700, 700, 1000), (0, 500, 600, 1100))
     pack = dict(batch=3, seqlen_q=700, seqlen_k=500, cu_host=cu_host, args=dict(VARLEN=True))
-    grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132, None, None,
-                                    pack)  # fmt: skip
-    items = -(-700 // (consumers * 64)) + -(-300 // (consumers * 64))
-    assert args2["num_items"] == items and args2["TILES"].numel() == 2 * items
-    assert grid == (items * q4.shape[1],) and not args2["DYNAMIC"]
+    for causal in (True, False):
+        grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, causal, 132, None,
+                                        None, pack)  # fmt: skip
+        items = -(-700 // (consumers * 64)) + -(-300 // (consumers * 64))
+        assert args2["num_items"] == items and args2["TILES"].numel() == 2 * items
+        assert grid == (min(items * q4.shape[1], 132 * per_sm),) and args2["DYNAMIC"]
     grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, False, 132)
     assert grid == ((min(tiles, 132 * per_sm) if per_sm else tiles),)
     assert args2["Q_BUFS"] == cfg.q_bufs == 2  # persistent: the next tile's Q loads early

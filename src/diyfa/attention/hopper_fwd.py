@@ -763,8 +763,10 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     # unequal work to the same programs (measured, causal: 454 against 618 TFLOPS at 16k,
     # d128), and an LPT order over every head (heaviest tiles of all heads first, snake
     # order over the programs) lost L2 locality (576 against 622; docs/attention.md).
+    # Packed sequences too: their work list (tile_table) is heaviest first, and its tiles
+    # are as uneven as the sequences' lengths.
     banded = causal or args["WINDOW"]
-    dynamic = bool(cfg.per_sm and cfg.dynamic and banded and not args["VARLEN"])
+    dynamic = bool(cfg.per_sm and cfg.dynamic and (banded or args["VARLEN"]))
     persistent = cfg.per_sm and (dynamic or not (banded or args["VARLEN"]))
     if dynamic:
         # Persistent programs that take the next tile in the head-major, heaviest-first
