@@ -1,5 +1,6 @@
 """fp8 attention forward's speed (issue 18), side by side in one process on a CUDA GPU:
-diyfa on float8_e4m3fn q, k, v with per-tensor descales (bf16 out), diyfa on bf16 ("auto":
+diyfa on float8_e4m3fn q, k, v with per-tensor descales (bf16 out) through the portable
+kernel ("auto") and, on sm90, the Hopper kernel (backend="hopper"), diyfa on bf16 ("auto":
 the Hopper kernel on sm90), and cuDNN bf16 through SDPA. TFLOPS by the published convention
 (causal halved), ``triton.testing.do_bench`` medians. Every fp8 output is first checked
 against float64 attention of the dequantised values (its error printed next to bf16's).
@@ -36,9 +37,12 @@ def measure(b, h, s, d, causal, warmup, rep) -> dict:
     (q8, qs), (k8, ks), (v8, vs) = (quantise(t.float(), per_head=False)
                                     for t in (q, k, v))  # fmt: skip
 
-    def fp8():
+    def fp8(backend="portable"):
         return diyfa.flash_attention(q8, k8, v8, causal=causal, q_descale=qs,
-                                     k_descale=ks, v_descale=vs)  # fmt: skip
+                                     k_descale=ks, v_descale=vs, backend=backend)  # fmt: skip
+
+    def fp8_hopper():
+        return fp8("hopper")
 
     def bf16():
         return diyfa.flash_attention(q, k, v, causal=causal)
@@ -49,17 +53,23 @@ def measure(b, h, s, d, causal, warmup, rep) -> dict:
                 q, k, v, is_causal=causal)  # fmt: skip
 
     row = {"b": b, "h": h, "s": s, "d": d, "causal": causal}
+    hopper = torch.cuda.get_device_capability()[0] == 9
     if s <= 4096 and h * b <= 64:  # the float64 check (a few GB) on the smaller ones
         sl = slice(0, 1)
         qd, kd, vd = (x[sl].double() * sc.double() for x, sc in
                       ((q8, qs), (k8, ks), (v8, vs)))  # fmt: skip
         ref = attention_ref(qd, kd, vd, causal=causal, compute_dtype=torch.float64)
         row["fp8_err"] = (fp8()[sl].double() - ref).abs().max().item()
+        if hopper:
+            row["fp8_hopper_err"] = (fp8_hopper()[sl].double() - ref).abs().max().item()
         bref = diyfa.flash_attention(*(x.to(torch.bfloat16) for x in (qd, kd, vd)),
                                      causal=causal)  # fmt: skip
         row["bf16_err_same_values"] = (bref.double() - ref).abs().max().item()
         del qd, kd, vd, ref, bref
-    for name, fn in (("diyfa-fp8", fp8), ("diyfa-bf16", bf16), ("cudnn-bf16", cudnn)):
+    fns = [("diyfa-fp8", fp8), ("diyfa-bf16", bf16), ("cudnn-bf16", cudnn)]
+    if hopper:
+        fns.insert(1, ("diyfa-fp8-hopper", fp8_hopper))
+    for name, fn in fns:
         ms = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
         flops = attention_flops(b, h, s, s, d, causal=causal, convention="published")
         row[name] = round(flops / (ms * 1e-3) / 1e12, 1)
@@ -80,7 +90,8 @@ def main() -> int:
         for b, h, s, d in SHAPES:
             for causal in (False, True):
                 row = measure(b, h, s, d, causal, a.warmup, a.rep)
-                row["fp8/bf16"] = round(row["diyfa-fp8"] / row["diyfa-bf16"], 2)
+                best = max(row["diyfa-fp8"], row.get("diyfa-fp8-hopper", 0.0))
+                row["fp8/bf16"] = round(best / row["diyfa-bf16"], 2)
                 out.write(json.dumps({**env, **row}) + "\n")
                 rows.append(row)
                 print(row, flush=True)
@@ -88,7 +99,8 @@ def main() -> int:
     print(f"\nfp8 forward, TFLOPS ({env['gpu']}, torch {env['torch']}, triton {env['triton']})")
     for r in rows:
         print(f"b{r['b']} h{r['h']} s{r['s']} d{r['d']}{' causal' if r['causal'] else '':7s} "
-              f"fp8 {r['diyfa-fp8']:6.1f}  bf16 {r['diyfa-bf16']:6.1f}  "
+              f"fp8 {r['diyfa-fp8']:6.1f}  fp8 hopper {r.get('diyfa-fp8-hopper', 0.0):6.1f}  "
+              f"bf16 {r['diyfa-bf16']:6.1f}  "
               f"cuDNN {r['cudnn-bf16']:6.1f}"
               f"  fp8/bf16 {r['fp8/bf16']}")  # fmt: skip
     return 0

@@ -81,7 +81,7 @@ def _emulate(q, k, v, *, causal, scale, layout, window, softcap):
 
 
 def _case(b, h, hk, sq, sk, d, *, causal=False, layout="bhsd", per_head=False, window=None,
-          softcap=0.0, seed=0):  # fmt: skip
+          softcap=0.0, seed=0, backend="auto"):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
 
     def make(heads, s):
@@ -105,7 +105,7 @@ def _case(b, h, hk, sq, sk, d, *, causal=False, layout="bhsd", per_head=False, w
               window_size=window if window is not None else (-1, -1))  # fmt: skip
     with torch.no_grad():
         out, lse = diyfa.flash_attention(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs,
-                                         return_lse=True, **kw)  # fmt: skip
+                                         return_lse=True, backend=backend, **kw)  # fmt: skip
     qd = _dequant(q8, _expand_q(qs, h, hk), layout)
     kd, vd = _dequant(k8, ks, layout), _dequant(v8, vs, layout)
     ref, ref_lse = attention_ref(qd, kd, vd, causal=causal, layout=layout, softcap=softcap,
@@ -316,3 +316,45 @@ def test_fp8_forward_compiles_for_hopper():
     for line in done.stdout.splitlines():
         _, shared, wgmma, e4m3 = line.split()
         assert int(wgmma) > 0 and int(e4m3) > 0 and int(shared) <= 232448, line
+
+
+HOPPER_SHAPES = [  # head dims the Hopper forward takes; odd lengths, GQA, seqlen_q != seqlen_k
+    (2, 4, 2, 70, 70, 64), (1, 2, 2, 97, 45, 128), (1, 1, 1, 40, 64, 256),
+    (2, 8, 2, 1000, 1531, 128), (1, 4, 4, 517, 300, 96), (1, 2, 1, 1, 777, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", HOPPER_SHAPES, ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))
+def test_gpu_fp8_hopper_forward_against_float64(shape, causal, per_head):
+    """The fp8 forward of the Hopper family (backend="hopper": e4m3 wgmma, V^T, P through
+    shared memory) by the same rules as the portable one: output within 2x the emulated
+    recipe's error, LSE within the fp8 score bound."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper family needs an sm90 GPU")
+    out, _, ref, _, emu = _case(*shape, causal=causal, per_head=per_head, backend="hopper",
+                                layout="bshd" if per_head else "bhsd")  # fmt: skip
+    _check(out, ref, emu)
+
+
+def test_fp8_hopper_dispatch():
+    """fp8 problems the Hopper forward takes: plain attention (causal or not, GQA) at its head
+    dims; "auto" leaves them to the portable kernel until timed; variants are refused with
+    the reason."""
+    import dataclasses
+
+    from diyfa.attention import dispatch, hopper_fwd
+    from diyfa.attention.checks import check_inputs
+
+    q = torch.zeros(1, 4, 64, 128, device=DEVICE).to(E4M3)
+    one = torch.ones(1, device=DEVICE)
+    p = check_inputs(q, q, q, causal=True, softmax_scale=None, layout="bhsd",
+                     align="bottom_right", q_descale=one, k_descale=one,
+                     v_descale=one)  # fmt: skip
+    p = dataclasses.replace(p, capability=(9, 0), aligned16=True)
+    assert hopper_fwd.supports(p) is None
+    assert "not timed" in hopper_fwd.prefer(p)
+    assert dict(dispatch.explain(p))["hopper"] is not None  # "auto": the portable kernel
+    assert "no window" in hopper_fwd.supports(dataclasses.replace(p, softcap=5.0))

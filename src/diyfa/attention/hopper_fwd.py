@@ -77,7 +77,8 @@ from diyfa.device import kernel_limits
 LOG2E = 1.4426950408889634
 SUB_M = 64  # query rows per consumer warpgroup: one m64 wgmma
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-_SMEM_DTYPES = {**_GL_DTYPES, torch.float32: gl.float32}  # + the backward's fp32 dQ tiles
+_SMEM_DTYPES = {**_GL_DTYPES, torch.float32: gl.float32,  # + the backward's fp32 dQ tiles
+                torch.float8_e4m3fn: gl.float8e4nv}  # fp8 q, k, v (hopper_forward)
 
 class Config(NamedTuple):
     """One launch configuration of the kernel. Shared memory: Q (q_bufs * consumers * 64 * d)
@@ -228,6 +229,32 @@ def _tile2d(bufs, i):
 
 
 @gluon.jit
+def _p_operand(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """P as P @ V's A operand: in registers, in the operands' dtype; fp8: times 2^8 first, so
+    its small values stay clear of e4m3's underflow (the output takes the 2^-8 back), and
+    through shared memory (Triton 3.6 cannot keep an 8-bit register operand alive across an
+    asynchronous wgmma: "Unexpected bitwidth in WGMMAWaitGroupOp"). The caller has waited
+    for the P @ V that read ``p_smem`` before."""
+    if FP8:
+        p_smem.store((p * 256.0).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp of the warpgroup has written its rows
+        return p_smem
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _v_operand(v_bufs, i, FP8: gl.constexpr):
+    """Stage ``i`` of the V ring as P @ V's (BLOCK_N, dim) operand: fp8 holds V^T blocks
+    (fp8 wgmma takes only K-major operands), read transposed."""
+    if FP8:
+        return _tile2d(v_bufs, i).permute((1, 0))
+    else:
+        return _tile2d(v_bufs, i)
+
+
+@gluon.jit
 def _put_tile(slot, t):
     """The loader warp tells the consumers which work item the Q buffer set it is about to
     fill belongs to (read after they wait for that Q; the loader rewrites the slot only
@@ -246,7 +273,8 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
             kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
             left_offset, CU_Q, CU_K, TILES, num_items, COUNTER, CAUSAL: gl.constexpr,
             CONSUMERS: gl.constexpr,
-            WINDOW: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
+            WINDOW: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
+            DYNAMIC: gl.constexpr):
     """The loader warp: for each tile of this program, each consumer's Q block (once the
     consumer has read the one before in that buffer: with two Q buffers per consumer the
     next tile's Q loads while this tile runs), then the tile's K/V blocks through the ring.
@@ -299,8 +327,12 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
                                             k_ready.index(s), k_bufs.index(s))  # fmt: skip
             mbarrier.wait(kv_empty.index(STAGES + s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
-                                            v_ready.index(s), v_bufs.index(s))  # fmt: skip
+            if FP8:  # V^T: (batch, kv heads, dim, seqlen) blocks of (dim, BLOCK_N)
+                tma.async_copy_global_to_shared(v_desc, [tb, off_hk, 0, k_start + j * BLOCK_N],
+                                                v_ready.index(s), v_bufs.index(s))  # fmt: skip
+            else:
+                tma.async_copy_global_to_shared(v_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
+                                                v_ready.index(s), v_bufs.index(s))  # fmt: skip
             it += 1
         lap += 1
         if DYNAMIC:
@@ -364,25 +396,38 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
 def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
+              DESCALE, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-              VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr,
+              VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr,
               C: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
-    HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[4]  # the value / output head dim (padded)
+    # the value / output head dim (padded); fp8 V blocks are V^T's, (dim, BLOCK_N)
+    HEAD_DIM_V: gl.constexpr = v_bufs.type.shape[3] if FP8 else v_bufs.type.shape[4]
     SUB_M: gl.constexpr = q_bufs.type.shape[3]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = CONSUMERS * SUB_M
     dtype: gl.constexpr = k_bufs.dtype
+    MMA_K: gl.constexpr = 32 if FP8 else 16  # wgmma's K per instruction: 32 bytes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM_V, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM_V, MMA_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=4 if FP8 else 2)  # fmt: skip
+    # fp8: Q K^T promoted into fp32 every 32 products, P V once per block (the tensor cores
+    # add fp8 products in reduced precision: docs/attention.md, "fp8 attention forward").
+    QK_IMPRECISE: gl.constexpr = 32 if FP8 else 0
+    PV_IMPRECISE: gl.constexpr = BLOCK_N if FP8 else 0
+    # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
+    P_M: gl.constexpr = SUB_M if FP8 else 16
+    P_N: gl.constexpr = BLOCK_N if FP8 else 32
+    p_smem = gl.allocate_shared_memory(dtype, [P_M, P_N],
+                                       gl.NVMMASharedLayout.get_default_for([P_M, P_N], dtype))
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     Q_BUFS: gl.constexpr = q_bufs.type.shape[0] // CONSUMERS
@@ -431,6 +476,12 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         slope2 = 0.0
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
+        qk_scale_t = qk_scale
+        v_descale = 1.0
+        if FP8:  # the (batch, kv head)'s descales: Q's times K's, then V's (checks.py)
+            ds = off_b * (heads // kv_group) + off_hk
+            qk_scale_t = qk_scale * gl.load(DESCALE + ds)
+            v_descale = gl.load(DESCALE + batch_heads // kv_group + ds)
         acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
         if not DYNAMIC:
             mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
@@ -440,14 +491,15 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             mbarrier.wait(k_ready.index(s_idx), (it // STAGES) & 1)
             k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
             s_tok = warpgroup_mma(q_smem, k_t, gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
-                                  use_acc=False, is_async=True)  # fmt: skip
+                                  use_acc=False, is_async=True,
+                                  max_num_imprecise_acc=QK_IMPRECISE)  # fmt: skip
             s, _qs, _kt = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_t))
             mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
             p, m_i, l_i, alpha = _softmax_step(
                 s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
-                qk_scale, tanh_scale, slope2, alibi_offset,
+                qk_scale_t, tanh_scale, slope2, alibi_offset,
                 (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
             for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
                 g = it + j - lo
@@ -456,19 +508,21 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.wait(k_ready.index(s_idx), (g // STAGES) & 1)
                 mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
                 k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
-                v_smem = _tile2d(v_bufs, prev)
+                v_smem = _v_operand(v_bufs, prev, FP8)
                 if VARLEN:
                     _clear_foreign_rows(v_smem, seqlen_k_t - (j - 1) * BLOCK_N)
                 s_tok = warpgroup_mma(q_smem, k_t,
                                       gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
-                                      use_acc=False, is_async=True)  # fmt: skip
-                acc_tok = warpgroup_mma(p16, v_smem, acc, is_async=True)
+                                      use_acc=False, is_async=True,
+                                      max_num_imprecise_acc=QK_IMPRECISE)  # fmt: skip
+                acc_tok = warpgroup_mma(p16, v_smem, acc, is_async=True,
+                                        max_num_imprecise_acc=PV_IMPRECISE)
                 s, _qs, _kt = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_t))
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
                 p, m_i, l_i, alpha = _softmax_step(
                     s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
-                    qk_scale, tanh_scale, slope2, alibi_offset,
+                    qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
                 if PIN:
                     # ptxas schedules the wait for P_{j-1} V_{j-1} as early as it can, which
@@ -478,14 +532,15 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     pin.store(l_i)
                 acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(kv_empty.index(STAGES + prev))  # nor V_{j-1}
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
                 acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             g = it + n - 1 - lo
             mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
-            v_smem = _tile2d(v_bufs, g % STAGES)
+            v_smem = _v_operand(v_bufs, g % STAGES, FP8)
             if VARLEN:
                 _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
-            acc_tok = warpgroup_mma(p16, v_smem, acc, is_async=True)
+            acc_tok = warpgroup_mma(p16, v_smem, acc, is_async=True,
+                                    max_num_imprecise_acc=PV_IMPRECISE)
             acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
             mbarrier.arrive(kv_empty.index(STAGES + g % STAGES))
             it += n - lo
@@ -511,7 +566,17 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         else:
             off_bh = off_b.to(gl.int64) * heads + off_h
             gl.store(LSE + off_bh * seqlen_q_t + offs_m, lse2, mask=offs_m < seqlen_q_t)
-            if HEAD_DIM_V == HEAD_DIM:
+            if FP8:
+                # bf16 O by a masked store (Q's fp8 buffer is half its size), with V's
+                # descale and P's 2^-8
+                rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
+                cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+                o_ptrs = (O + off_b.to(gl.int64) * stride_ob + rows.to(gl.int64)[:, None]
+                          * stride_os + off_h * stride_oh + cols[None, :])  # fmt: skip
+                o_scale = v_descale * 0.00390625
+                gl.store(o_ptrs, (acc * (o_scale / l_o)[:, None]).to(O.dtype.element_ty),
+                         mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
+            elif HEAD_DIM_V == HEAD_DIM:
                 q_smem.store((acc / l_o[:, None]).to(dtype))
                 fence_async_shared()
                 tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0],
@@ -535,16 +600,18 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
 def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
+               DESCALE, total_q,
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
+              DESCALE, total_q, head_dim,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               0)  # fmt: skip
 
 
@@ -552,16 +619,18 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
+               DESCALE, total_q,
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
+              DESCALE, total_q, head_dim,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               1)  # fmt: skip
 
 
@@ -569,16 +638,18 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
+               DESCALE, total_q,
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_os, stride_oh, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN, DYNAMIC,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
+              DESCALE, total_q, head_dim,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               2)  # fmt: skip
 
 
@@ -586,12 +657,12 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv_group, seqlen_q,
                      seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                      stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O,
-                     stride_os,
-                     stride_oh, total_q, head_dim, COUNTER,
+                     stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim, COUNTER,
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                     SINKS: gl.constexpr, VARLEN: gl.constexpr, PIN: gl.constexpr,
+                     SINKS: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
+                     PIN: gl.constexpr,
                      Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
@@ -632,30 +703,30 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, O,
-                          stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, O,
-                          stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, O,
-                          stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
                        num_items, COUNTER,
-                       CAUSAL, CONSUMERS, WINDOW, VARLEN, DYNAMIC)),
+                       CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
@@ -664,22 +735,22 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, O,
-                          stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, O,
-                          stride_os, stride_oh, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, PIN,
+                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
                        num_items, COUNTER,
-                       CAUSAL, CONSUMERS, WINDOW, VARLEN, DYNAMIC)),
+                       CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -721,13 +792,14 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
                 num_sms: int, config: tuple | None = None, variants: dict | None = None,
-                packed: dict | None = None):
+                packed: dict | None = None, fp8: dict | None = None):
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views.
     ``causal_offset`` is the band's upper offset (key j visible from query i iff j <= i +
     causal_offset, with ``causal``: causal or a right window); ``variants`` the kernel's
     variant arguments (:func:`variant_args`), none by default; ``packed`` (packed sequences:
     the views are batch-of-one) their count, longest lengths and kernel arguments
-    (:func:`hopper_forward`)."""
+    (:func:`hopper_forward`); ``fp8`` (fp8 q, k, v): V^T and the descales
+    (:func:`_fp8_operands`), the bf16 output ``o4`` then stored by the consumers."""
     b, h, sq, d = q4.shape
     sk = k4.shape[2]
     if packed is not None:
@@ -747,12 +819,17 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 SINKS=False, CU_Q=lse2, CU_K=lse2, TILES=lse2, num_items=0, O=lse2,
-                stride_os=0, stride_oh=0,
+                stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=False,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False)  # fmt: skip
     if variants:
         args.update(variants)
+    if fp8 is not None:
+        so = o4.stride()
+        args.update(v_desc=_desc(fp8["vt"], head_dim_pad(o4.shape[3]), block_n),
+                    DESCALE=fp8["descale"], FP8=True, O=o4, stride_ob=so[0], stride_oh=so[1],
+                    stride_os=so[2])  # fmt: skip
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
         args.update(packed["args"])
@@ -813,6 +890,21 @@ def _no_counter(device) -> torch.Tensor:
     return _NO_COUNTER[device]
 
 
+def _fp8_operands(v: torch.Tensor, p: Problem) -> dict:
+    """What the fp8 forward needs besides q, k, v: V^T, (batch, kv heads, dim, seqlen_k) e4m3
+    (its rows padded to 16 bytes for TMA), since fp8 wgmma takes only K-major operands and
+    P @ V's K is the keys; and the descales as one fp32 (2, batch, kv heads) tensor, q's times
+    k's then v's (per-tensor ones broadcast)."""
+    b, hk, sk, d = p.batch, p.kv_heads, p.seqlen_k, p.head_dim
+    vt = torch.empty((b, hk, d, cdiv(sk, 16) * 16), dtype=v.dtype, device=v.device)[..., :sk]
+    vt.copy_(bhsd_view(v, p.layout).transpose(2, 3))
+    dq_, dk_, dv_ = p.descales
+    descale = torch.empty((2, b, hk), dtype=torch.float32, device=v.device)
+    descale[0].copy_((dq_ * dk_).expand(b, hk))
+    descale[1].copy_(dv_.expand(b, hk))
+    return dict(vt=vt, descale=descale)
+
+
 def _plain(p: Problem) -> bool:
     """No window (causal alone is not one), softcap, ALiBi or sinks."""
     return (p.window_left < 0 and (p.window_right < 0 or p.causal) and p.softcap == 0
@@ -851,12 +943,13 @@ def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
 def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                        causal: bool = False, config: tuple | None = None,
                        variants: tuple[str, ...] = (), packed: bool = False,
-                       value_dim: int | None = None):
+                       value_dim: int | None = None, fp8: bool = False):
     """Compile the kernel for sm90a without a GPU (Triton bundles ptxas), as ``hopper_args``
     sets it up for a (2, 16, 4096, head_dim) problem; returns Triton's ``CompiledKernel``
     (``.asm["ptx"]``, ``.metadata``); ``variants`` names the flags to set (WINDOW, SOFTCAP,
     ALIBI, SINKS); ``packed``: the packed-sequence kernel (VARLEN, 4 sequences);
-    ``value_dim``: v and the output with that head dim (default head_dim). Run it in
+    ``value_dim``: v and the output with that head dim (default head_dim); ``fp8``: e4m3
+    q, k, v (V^T blocks, descales, a bf16 output; ``dtype`` is ignored). Run it in
     a process that has not run kernels under the interpreter (which leaves Triton's language
     module patched)."""
     from diyfa._compile import compile_for_sm90
@@ -876,7 +969,14 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                     args=dict(CU_Q=cu, CU_K=cu, O=out, stride_os=out.stride(0),
                               stride_oh=out.stride(1), total_q=4096, VARLEN=True))  # fmt: skip
     v = q if value_dim is None else torch.empty(2, 16, 4096, value_dim, dtype=dtype)
-    _, args, num_warps = hopper_args(q, q, v, v, lse, 0, 0.1, causal, 132, config, flags, pack)
+    o, fp8_args = v, None
+    if fp8:
+        q = v = torch.empty(2, 16, 4096, head_dim, dtype=torch.float8_e4m3fn)
+        o = torch.empty(2, 16, 4096, head_dim, dtype=torch.bfloat16)
+        fp8_args = dict(vt=torch.empty(2, 16, head_dim, 4096, dtype=torch.float8_e4m3fn),
+                        descale=torch.empty(2, 2, 16))  # fmt: skip
+    _, args, num_warps = hopper_args(q, q, v, o, lse, 0, 0.1, causal, 132, config, flags, pack,
+                                     fp8_args)  # fmt: skip
     return compile_for_sm90(_attn_fwd_hopper, args, num_warps)
 
 
@@ -889,7 +989,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
     shape = (p.batch, p.heads, p.seqlen_q, p.head_dim_v)
     if p.layout == "bshd":
         shape = (p.batch, p.seqlen_q, p.heads, p.head_dim_v)
-    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(shape, dtype=p.out_dtype, device=q.device)
     lse2 = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
     if p.seqlen_k == 0:  # nothing to attend to (but the sinks, which join the LSE)
         return out.zero_(), empty_lse(lse2, p)
@@ -907,10 +1007,11 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
             if replay.run(roles):
                 return out, lse2
     upper, qk_scale, causal, variants = variant_args(p)  # (plain attention: no flag)
+    fp8 = None if p.descales is None else _fp8_operands(v, p)
     grid, args, num_warps = hopper_args(
         bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout),
         bhsd_view(out, p.layout), lse2, upper, qk_scale, causal,
-        kernel_limits(q.device.index)["sm_count"], config, variants)  # fmt: skip
+        kernel_limits(q.device.index)["sm_count"], config, variants, None, fp8)  # fmt: skip
     kernel = launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
     if roles is not None and not compiling_only():
         constants = ()
@@ -963,7 +1064,12 @@ def supports(p: Problem) -> str | None:
     if p.capability is None or p.capability[0] != 9:
         got = "no CUDA device" if p.capability is None else f"sm{p.capability[0]}{p.capability[1]}"
         return f"it needs a Hopper GPU (sm90), got {got}"
-    if p.dtype not in _GL_DTYPES:
+    if p.descales is not None:  # fp8 q, k, v
+        if not _plain(p):
+            return "its fp8 forward takes no window, softcap, ALiBi or sinks"
+        if p.head_dim_v != p.head_dim:
+            return "its fp8 forward takes no value head dim other than q's"
+    elif p.dtype not in _GL_DTYPES:
         return f"it takes fp16 or bf16, not {str(p.dtype).removeprefix('torch.')}"
     if p.head_dim % 8 or not 64 <= p.head_dim <= 256:
         return f"it takes head dims 64..256 that are multiples of 8, not {p.head_dim}"
@@ -1015,6 +1121,9 @@ def prefer(p: Problem) -> str | None:
         return ("packed sequences run on it at head dims 72..128 only: the portable kernel "
                 "measured faster at d64, d256 is not timed "
                 '(backend="hopper" runs them)')  # fmt: skip
+    if p.descales is not None:
+        return ("its fp8 forward is not timed against the portable one yet "
+                '(backend="hopper" runs it)')  # fmt: skip
     if p.head_dim_v != p.head_dim:
         return ("its value head dim other than q's passes the GPU tests but is not timed "
                 'against the portable kernel yet (backend="hopper" runs it)')  # fmt: skip
