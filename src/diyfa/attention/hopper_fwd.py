@@ -229,6 +229,18 @@ def _tile2d(bufs, i):
 
 
 @gluon.jit
+def _mma(a, b, acc, use_acc: gl.constexpr, IMPRECISE: gl.constexpr):
+    """An asynchronous warpgroup_mma; IMPRECISE > 0: fp8 sums promoted into the fp32
+    accumulator every IMPRECISE products (``max_num_imprecise_acc``), 0: the default (16-bit
+    operands: fp32 sums; fp8: the tensor cores' own reduced-precision sums)."""
+    if IMPRECISE > 0:
+        return warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True,
+                             max_num_imprecise_acc=IMPRECISE)  # fmt: skip
+    else:
+        return warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
+
+
+@gluon.jit
 def _p_operand(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
     """P as P @ V's A operand: in registers, in the operands' dtype; fp8: times 2^8 first, so
     its small values stay clear of e4m3's underflow (the output takes the 2^-8 back), and
@@ -419,10 +431,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                                                        instr_shape=[16, HEAD_DIM_V, MMA_K])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                  k_width=4 if FP8 else 2)  # fmt: skip
-    # fp8: Q K^T promoted into fp32 every 32 products, P V once per block (the tensor cores
-    # add fp8 products in reduced precision: docs/attention.md, "fp8 attention forward").
-    QK_IMPRECISE: gl.constexpr = 32 if FP8 else 0
-    PV_IMPRECISE: gl.constexpr = BLOCK_N if FP8 else 0
+    # fp8 (FP8 > 0, the mode of FP8_PROMOTION): Q K^T promoted into fp32 every 32 products
+    # and / or P V once per block, or left to the tensor cores' reduced-precision fp8 sums
+    # (docs/attention.md, "fp8 attention forward"); 0: the default.
+    QK_IMPRECISE: gl.constexpr = 32 if FP8 == 1 or FP8 == 3 else 0
+    PV_IMPRECISE: gl.constexpr = BLOCK_N if FP8 == 1 or FP8 == 2 else 0
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -490,9 +503,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             s_idx = it % STAGES
             mbarrier.wait(k_ready.index(s_idx), (it // STAGES) & 1)
             k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
-            s_tok = warpgroup_mma(q_smem, k_t, gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
-                                  use_acc=False, is_async=True,
-                                  max_num_imprecise_acc=QK_IMPRECISE)  # fmt: skip
+            s_tok = _mma(q_smem, k_t, gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout), False,
+                         QK_IMPRECISE)  # fmt: skip
             s, _qs, _kt = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_t))
             mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
             p, m_i, l_i, alpha = _softmax_step(
@@ -511,12 +523,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 v_smem = _v_operand(v_bufs, prev, FP8)
                 if VARLEN:
                     _clear_foreign_rows(v_smem, seqlen_k_t - (j - 1) * BLOCK_N)
-                s_tok = warpgroup_mma(q_smem, k_t,
-                                      gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
-                                      use_acc=False, is_async=True,
-                                      max_num_imprecise_acc=QK_IMPRECISE)  # fmt: skip
-                acc_tok = warpgroup_mma(p16, v_smem, acc, is_async=True,
-                                        max_num_imprecise_acc=PV_IMPRECISE)
+                s_tok = _mma(q_smem, k_t, gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
+                             False, QK_IMPRECISE)  # fmt: skip
+                acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
                 s, _qs, _kt = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_t))
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
@@ -539,8 +548,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             v_smem = _v_operand(v_bufs, g % STAGES, FP8)
             if VARLEN:
                 _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
-            acc_tok = warpgroup_mma(p16, v_smem, acc, is_async=True,
-                                    max_num_imprecise_acc=PV_IMPRECISE)
+            acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
             acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
             mbarrier.arrive(kv_empty.index(STAGES + g % STAGES))
             it += n - lo
@@ -819,7 +827,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 SINKS=False, CU_Q=lse2, CU_K=lse2, TILES=lse2, num_items=0, O=lse2,
-                stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=False,
+                stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=0,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False)  # fmt: skip
@@ -828,8 +836,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     if fp8 is not None:
         so = o4.stride()
         args.update(v_desc=_desc(fp8["vt"], head_dim_pad(o4.shape[3]), block_n),
-                    DESCALE=fp8["descale"], FP8=True, O=o4, stride_ob=so[0], stride_oh=so[1],
-                    stride_os=so[2])  # fmt: skip
+                    DESCALE=fp8["descale"], FP8=FP8_PROMOTION, O=o4, stride_ob=so[0],
+                    stride_oh=so[1], stride_os=so[2])  # fmt: skip
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
         args.update(packed["args"])
@@ -888,6 +896,13 @@ def _no_counter(device) -> torch.Tensor:
     if device not in _NO_COUNTER:
         _NO_COUNTER[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return _NO_COUNTER[device]
+
+
+# The fp8 forward's sums (the kernel's FP8 constant, > 0 for fp8 operands): 1 promotes Q K^T's
+# into fp32 every 32 products and P V's once per key block (the portable kernel's recipe),
+# 2 only P V's, 3 only Q K^T's, 4 neither (the tensor cores' reduced-precision fp8 sums
+# throughout). benchmarks/fp8_hopper_ab.py times and checks each.
+FP8_PROMOTION = 1
 
 
 def _fp8_operands(v: torch.Tensor, p: Problem) -> dict:
