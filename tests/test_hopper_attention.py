@@ -35,8 +35,9 @@ out = []
 for d in (64, 128, 256):
     for causal in (False, True):
         # the config for short keys and, where it differs, for long ones
-        for cfg in dict.fromkeys([hf.default_config(d, 1024), hf.default_config(d, 1 << 20)]):
-            fp8 = sys.argv[1] == "float8_e4m3fn"
+        fp8 = sys.argv[1] == "float8_e4m3fn"  # (fp8 runs the short-keys config only)
+        cfgs = [hf.default_config(d, 1024)] + ([] if fp8 else [hf.default_config(d, 1 << 20)])
+        for cfg in dict.fromkeys(cfgs):
             k = hf.compile_for_hopper(d, getattr(torch, sys.argv[1]), causal, config=cfg, fp8=fp8)
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(k.asm["ptx"])
@@ -90,9 +91,8 @@ def test_hopper_kernel_compiles_and_fits(dtype):
 def test_hopper_fp8_kernel_compiles_and_fits():
     """The fp8 forward (e4m3 q, k, v; V^T blocks; P through shared memory) compiles for sm90a
     at each padded head dim, causal or not, with both products on fp8 wgmma (k32) and its
-    shared memory within a block's 227 KB. ptxas's spills are bounded as measured (the
-    promotions of the fp8 sums into fp32 take registers: 0-32 bytes at d64/d128 with two
-    consumers, ~1.6 KB at d256, ~0.5 KB with three consumers), so that more shows up here."""
+    shared memory within a block's 227 KB. Spills are bounded as measured (the promotion of
+    Q K^T's fp8 sums into fp32 takes registers: 0-44 bytes), so that more shows up here."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, "float8_e4m3fn"], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
@@ -105,8 +105,7 @@ def test_hopper_fp8_kernel_compiles_and_fits():
         assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3" in ptx, where
         assert f"wgmma.mma_async.sync.aligned.m64n{r['d']}k32.f32.e4m3.e4m3" in ptx, where
         spilled = int(r["ptxas"].split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
-        bound = 1700 if r["d"] == 256 else (600 if consumers == 3 else 32)
-        assert spilled <= bound, (where, r["ptxas"])
+        assert spilled <= 48, (where, r["ptxas"])
 
 
 _SASS_ORDER = r"""

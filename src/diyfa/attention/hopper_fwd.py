@@ -814,8 +814,10 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     # (the long-keys config for plain attention only: with the variants' registers three
     # consumers spill hundreds of bytes, test_variants)
+    # (fp8: two consumers at d64 too; at 160 registers each, three spilled and measured 143
+    # against 391 TFLOPS, b4 h32 4096 d64, fp8_hopper_ab)
     config = config or default_config(head_dim_pad(d), sk if not variants and packed is None
-                                      else 0, causal)  # fmt: skip
+                                      and fp8 is None else 0, causal)  # fmt: skip
     cfg = Config(*config)
     consumers, block_n = cfg.consumers, cfg.block_n
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
@@ -901,8 +903,14 @@ def _no_counter(device) -> torch.Tensor:
 # The fp8 forward's sums (the kernel's FP8 constant, > 0 for fp8 operands): 1 promotes Q K^T's
 # into fp32 every 32 products and P V's once per key block (the portable kernel's recipe),
 # 2 only P V's, 3 only Q K^T's, 4 neither (the tensor cores' reduced-precision fp8 sums
-# throughout). benchmarks/fp8_hopper_ab.py times and checks each.
-FP8_PROMOTION = 1
+# throughout). benchmarks/fp8_hopper_ab.py times and checks each: on an H200 (2026-11-24,
+# outlier channels, benchmarks/results/2026-11-24_h200_fp8-hopper-ab_ce432f3.jsonl) P V's
+# promotion changed no error (largest output error 6.2e-2 with or without it at d128) and
+# cost up to 44% (d256: 291 against 523 TFLOPS); Q K^T's cut the LSE error 4-10x (1.2e-2
+# against 4.7e-2 at d128) for 3-26% of the speed (d128 16k: 535 against 755). 3 is the
+# default: the scores keep the accuracy the tests hold the fp8 kernels to (tests/
+# test_fp8_attention.py's LSE bound); 4 is FlashAttention-3's choice, the fastest.
+FP8_PROMOTION = 3
 
 
 def _fp8_operands(v: torch.Tensor, p: Problem) -> dict:
@@ -1136,9 +1144,6 @@ def prefer(p: Problem) -> str | None:
         return ("packed sequences run on it at head dims 72..128 only: the portable kernel "
                 "measured faster at d64, d256 is not timed "
                 '(backend="hopper" runs them)')  # fmt: skip
-    if p.descales is not None:
-        return ("its fp8 forward is not timed against the portable one yet "
-                '(backend="hopper" runs it)')  # fmt: skip
     if p.head_dim_v != p.head_dim:
         return ("its value head dim other than q's passes the GPU tests but is not timed "
                 'against the portable kernel yet (backend="hopper" runs it)')  # fmt: skip
