@@ -376,3 +376,23 @@ def test_tma_ready_refuses_broadcast_and_odd_strides():
     assert hopper_bwd.tma_ready(base.expand(1, 2, 8, 64))  # size-1 axis: its stride is unused
     assert not hopper_bwd.tma_ready(torch.empty(1, 2, 8, 65, dtype=torch.bfloat16)[..., :64])
     assert not hopper_bwd.tma_ready(base.transpose(2, 3))
+
+
+def test_auto_mode_by_head_dim_band_and_keys(monkeypatch):
+    """What "auto" runs for the backward: the atomic dQ at head dims 72..128 without the
+    causal band and at d64 with it; at d64 without it, the atomic dQ from ATOMIC_D64_KEYS keys
+    and the portable backward below (equal GPU time, lighter host path); the deterministic
+    path for causal d72..128 and when asked for."""
+    monkeypatch.delenv("DIYFA_HOPPER_BWD", raising=False)
+    keys = hopper_bwd.ATOMIC_D64_KEYS
+
+    def mode(d, causal, sk, **kw):
+        p = dataclasses.replace(_problem(b=4, h=8, hk=8, sq=sk, sk=sk, d=d, scale=0.125),
+                                causal=causal, **kw)  # fmt: skip
+        return hopper_bwd.auto_mode(p)
+
+    assert mode(64, False, keys // 2) is None and mode(64, False, keys) == "atomic"
+    assert mode(64, True, keys // 2) == "atomic"
+    assert mode(128, False, keys // 2) == "atomic" and mode(128, True, keys) == "kernel-dq"
+    assert mode(128, False, keys, deterministic=True) == "kernel-dq"
+    assert mode(64, False, keys, deterministic=True) is None

@@ -173,7 +173,18 @@ def auto_mode(p: Problem) -> str | None:
     wide = head_dim_pad(p.head_dim) > 64
     if p.deterministic or variant or (wide and p.causal):
         return "kernel-dq" if wide or p.causal else None
+    if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS:
+        return None
     return "atomic"
+
+
+# Head dims <= 64 without the causal band take the atomic mode from this many keys; below,
+# the portable backward. Its kernels' GPU time equals the atomic mode's there (b4 h8 d64, bf16,
+# warm L2, benchmarks/results/2026-11-24_h200_bwd-breakdown-seed-shapes_395a03b.txt: 69 / 73
+# us at 1024 keys, 253 / 252 at 2048; 951 / 912 at 4096) with two launches against four
+# launches and two torch ops, and the benchmark timed the seed shape at 2048 keys at 329
+# TFLOPS on the portable backward (babe81a) against 230 on the atomic one (89c61fd).
+ATOMIC_D64_KEYS = 4096
 
 
 # --------------------------------------------------------------------------------------------
