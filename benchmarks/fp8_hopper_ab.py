@@ -3,7 +3,8 @@ process on an sm90 GPU.
 
 Modes: 1 promotes Q K^T's fp8 sums into fp32 every 32 products and P V's once per key block
 (the portable kernel's recipe), 2 only P V's, 3 only Q K^T's, 4 neither (the tensor cores'
-reduced-precision sums throughout). For each shape: TFLOPS (``triton.testing.do_bench``
+reduced-precision sums throughout), 5 Q K^T as two halves of the head dim added in fp32.
+For each shape: TFLOPS (``triton.testing.do_bench``
 median, causal halved) of each mode next to diyfa's bf16 forward, and each mode's largest
 output error and LSE error against float64 attention of the dequantised inputs, on random
 normal data with outlier channels (q's first d/16 channels x20, as LLM activations have).
@@ -29,10 +30,10 @@ from diyfa.flops import attention_flops  # noqa: E402
 from diyfa.reference import attention_ref  # noqa: E402
 
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64), (4, 8, 4096, 256)]
-MODES = (1, 2, 3, 4)
+MODES = (1, 2, 3, 4, 5)
 
 
-def measure(b, h, s, d, causal, rep) -> dict:
+def measure(b, h, s, d, causal, rep, modes=MODES) -> dict:
     """One shape: bf16 TFLOPS, then each mode's TFLOPS and errors."""
     from triton.testing import do_bench
 
@@ -58,14 +59,15 @@ def measure(b, h, s, d, causal, rep) -> dict:
         return diyfa.flash_attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
                                      v_descale=vs, backend="hopper", return_lse=True)  # fmt: skip
 
-    for mode in MODES:
+    before = hopper_fwd.FP8_PROMOTION
+    for mode in modes:
         hopper_fwd.FP8_PROMOTION = mode
         out, lse = fp8()
         row[f"err{mode}"] = (out[sl, :, rows].double() - ref).abs().max().item()
         row[f"lse_err{mode}"] = (lse[sl, :, rows].double() - ref_lse).abs().max().item()
         ms = do_bench(fp8, rep=rep, return_mode="median")
         row[f"mode{mode}"] = round(flops / (ms * 1e-3) / 1e12, 1)
-    hopper_fwd.FP8_PROMOTION = 1
+    hopper_fwd.FP8_PROMOTION = before
     return row
 
 
@@ -73,14 +75,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8_hopper_ab.jsonl")
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--modes", default=",".join(map(str, MODES)))
     a = ap.parse_args()
+    modes = tuple(int(m) for m in a.modes.split(","))
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip
     rows = []
     with open(a.out, "w") as f:
         for b, h, s, d in SHAPES:
             for causal in (False, True):
-                row = measure(b, h, s, d, causal, a.rep)
+                row = measure(b, h, s, d, causal, a.rep, modes)
                 rows.append(row)
                 f.write(json.dumps({**env, **row}) + "\n")
                 print(json.dumps(row), flush=True)
@@ -89,7 +93,7 @@ def main() -> int:
           f"({env['gpu']}, triton {env['triton']})")
     for r in rows:
         cells = "  ".join(f"{m}: {r[f'mode{m}']:5.1f} {r[f'err{m}']:.1e} {r[f'lse_err{m}']:.1e}"
-                          for m in MODES)  # fmt: skip
+                          for m in modes)  # fmt: skip
         print(f"b{r['b']} h{r['h']} s{r['s']} d{r['d']}{' causal' if r['causal'] else '':7s} "
               f"bf16 {r['bf16']:5.1f}  {cells}")
     return 0

@@ -54,6 +54,7 @@ same LSE. Everything else runs on the portable family.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -226,6 +227,37 @@ def _tanh(x):
 def _tile2d(bufs, i):
     """Stage ``i`` of a ring of (1, 1, rows, dim) TMA blocks, as a (rows, dim) operand."""
     return bufs.index(i).reshape([bufs.type.shape[3], bufs.type.shape[4]])
+
+
+@gluon.jit
+def _issue_s(q_smem, k_t, zero, D: gl.constexpr, IMPRECISE: gl.constexpr,
+             HALVES: gl.constexpr):
+    """Issue S = Q K^T (asynchronous); returns two tokens. HALVES: two products over the
+    halves of the head dim into separate accumulators, added in fp32 by :func:`_wait_s` (the
+    fp8 tensor cores' reduced-precision sums then run over half the products, and nothing
+    reads a product's registers before its wait); else one product (the second token is the
+    first). ``zero``: S's zeros; D: the (padded) head dim."""
+    if HALVES:
+        t0 = warpgroup_mma(q_smem.slice(0, D // 2, dim=1), k_t.slice(0, D // 2, dim=0), zero,
+                           use_acc=False, is_async=True)  # fmt: skip
+        t1 = warpgroup_mma(q_smem.slice(D // 2, D // 2, dim=1), k_t.slice(D // 2, D // 2, dim=0),
+                           zero, use_acc=False, is_async=True)  # fmt: skip
+        return t0, t1
+    else:
+        t = _mma(q_smem, k_t, zero, False, IMPRECISE)
+        return t, t
+
+
+@gluon.jit
+def _wait_s(t0, t1, q_smem, k_t, PENDING: gl.constexpr, HALVES: gl.constexpr):
+    """Wait until at most PENDING asynchronous products are outstanding (S's are then done);
+    S, the halves added."""
+    if HALVES:
+        s0, s1, _q, _k = warpgroup_mma_wait(PENDING, deps=(t0, t1, q_smem, k_t))
+        return s0 + s1
+    else:
+        s, _q, _k = warpgroup_mma_wait(PENDING, deps=(t0, q_smem, k_t))
+        return s
 
 
 @gluon.jit
@@ -436,6 +468,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # (docs/attention.md, "fp8 attention forward"); 0: the default.
     QK_IMPRECISE: gl.constexpr = 32 if FP8 == 1 or FP8 == 3 else 0
     PV_IMPRECISE: gl.constexpr = BLOCK_N if FP8 == 1 or FP8 == 2 else 0
+    QK_HALVES: gl.constexpr = FP8 == 5  # S as two asynchronous halves of the head dim
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -503,9 +536,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             s_idx = it % STAGES
             mbarrier.wait(k_ready.index(s_idx), (it // STAGES) & 1)
             k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
-            s_tok = _mma(q_smem, k_t, gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout), False,
-                         QK_IMPRECISE)  # fmt: skip
-            s, _qs, _kt = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_t))
+            s_tok, s_tok2 = _issue_s(q_smem, k_t,
+                                     gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
+                                     HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
+            s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
             mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
             p, m_i, l_i, alpha = _softmax_step(
                 s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
@@ -523,10 +557,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 v_smem = _v_operand(v_bufs, prev, FP8)
                 if VARLEN:
                     _clear_foreign_rows(v_smem, seqlen_k_t - (j - 1) * BLOCK_N)
-                s_tok = _mma(q_smem, k_t, gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
-                             False, QK_IMPRECISE)  # fmt: skip
+                s_tok, s_tok2 = _issue_s(q_smem, k_t,
+                                         gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
+                                         HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
                 acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
-                s, _qs, _kt = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_t))
+                s = _wait_s(s_tok, s_tok2, q_smem, k_t, 1, QK_HALVES)
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
                 p, m_i, l_i, alpha = _softmax_step(
@@ -903,14 +938,17 @@ def _no_counter(device) -> torch.Tensor:
 # The fp8 forward's sums (the kernel's FP8 constant, > 0 for fp8 operands): 1 promotes Q K^T's
 # into fp32 every 32 products and P V's once per key block (the portable kernel's recipe),
 # 2 only P V's, 3 only Q K^T's, 4 neither (the tensor cores' reduced-precision fp8 sums
-# throughout). benchmarks/fp8_hopper_ab.py times and checks each: on an H200 (2026-11-24,
-# outlier channels, benchmarks/results/2026-11-24_h200_fp8-hopper-ab_ce432f3.jsonl) P V's
-# promotion changed no error (largest output error 6.2e-2 with or without it at d128) and
-# cost up to 44% (d256: 291 against 523 TFLOPS); Q K^T's cut the LSE error 4-10x (1.2e-2
-# against 4.7e-2 at d128) for 3-26% of the speed (d128 16k: 535 against 755). 3 is the
-# default: the scores keep the accuracy the tests hold the fp8 kernels to (tests/
-# test_fp8_attention.py's LSE bound); 4 is FlashAttention-3's choice, the fastest.
-FP8_PROMOTION = 3
+# throughout), 5 Q K^T as two products over the halves of the head dim added in fp32 after
+# their wait (no promotion inside either, none for P V). The environment variable
+# DIYFA_FP8_ATTN_SUMS sets it at import. benchmarks/fp8_hopper_ab.py times and checks each.
+# On an H200 (2026-11-24, outlier channels,
+# benchmarks/results/2026-11-24_h200_fp8-hopper-ab_ce432f3.jsonl): P V's promotion changed
+# no error (largest output error 6.2e-2 with or without it at d128) and cost up to 44%
+# (d256: 291 against 523 TFLOPS); Q K^T's cut the LSE error 4-10x (1.2e-2 against 4.7e-2 at
+# d128) for 3-26% of the speed (d128 16k: 535 against 755). 3 is the default: the scores
+# keep the accuracy the tests hold the fp8 kernels to (tests/test_fp8_attention.py's LSE
+# bound); 4 is FlashAttention-3's choice, the fastest.
+FP8_PROMOTION = int(os.environ.get("DIYFA_FP8_ATTN_SUMS", "3"))
 
 
 def _fp8_operands(v: torch.Tensor, p: Problem) -> dict:
