@@ -360,3 +360,18 @@ def test_fp8_hopper_dispatch():
     capped = dataclasses.replace(p, softcap=5.0)
     assert "no window" in hopper_fwd.supports(capped)
     assert dispatch.select(capped).name == "portable"
+
+
+def test_fp8_sums_setting_from_the_environment(monkeypatch):
+    """DIYFA_FP8_ATTN_SUMS picks the Hopper fp8 forward's sums (1..5, default 5); anything
+    else is a clear error naming the variable and the accepted values."""
+    from diyfa.attention import hopper_fwd
+
+    monkeypatch.delenv("DIYFA_FP8_ATTN_SUMS", raising=False)
+    assert hopper_fwd._fp8_sums_from_env() == 5
+    monkeypatch.setenv("DIYFA_FP8_ATTN_SUMS", "3")
+    assert hopper_fwd._fp8_sums_from_env() == 3
+    for bad in ("0", "6", "fast", ""):
+        monkeypatch.setenv("DIYFA_FP8_ATTN_SUMS", bad)
+        with pytest.raises(ValueError, match="DIYFA_FP8_ATTN_SUMS must be one of 1, 2, 3, 4, 5"):
+            hopper_fwd._fp8_sums_from_env()
