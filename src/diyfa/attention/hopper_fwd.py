@@ -43,12 +43,13 @@ Scope (``supports``): sm90, fp16/bf16, head dims 64..256 that are multiples of 8
 as 64, 128 or 256: TMA zero-fills the columns past the head dim and clips them on store),
 positive softmax_scale, TMA's alignment rules; sliding windows, softcap, ALiBi and
 attention sinks (compile-time flags, the portable kernels' formulas), a value head dim below
-q's, and packed sequences without variants (``VARLEN``: batch-of-one views, rows offset by
-cu_seqlens, O by a masked store):
-compile-checked, not yet run on a GPU, so "auto" leaves them to the portable kernels
-(``prefer``). The backward is the Gluon one (hopper_bwd.py) where it measured faster (head
-dims 72..128, and causal at head dims <= 64), else the portable kernel's, which reads the
-same LSE. Everything else runs on the portable family.
+q's, packed sequences without variants (``VARLEN``: a host-made list of the tiles that hold
+rows, rows offset by cu_seqlens, O by a masked store), and fp8 (e4m3) q, k, v with descales
+for plain attention (``FP8``: V transposed on the host, P through shared memory, the fp8
+sums as ``FP8_PROMOTION`` says). "auto" takes what ``prefer`` does not pass over (its
+docstring has the measurements). The backward is the Gluon one (hopper_bwd.py) where it
+measured faster (``hopper_bwd.auto_mode``), else the portable kernel's, which reads the same
+LSE. Everything else runs on the portable family.
 """
 
 from __future__ import annotations
