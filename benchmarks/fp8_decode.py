@@ -6,6 +6,9 @@ read, with the fp8 output's largest error against float64 attention over the deq
 cache next to the bf16 output's against the bf16 cache's.
 
 Usage (device): python3 benchmarks/fp8_decode.py [--out fp8_decode.jsonl]
+  [--launches "256,8,4/128,4,3;128,8,4/64,4,3"]   (fp8 launches to compare, each
+  decode.WIDE_FP8 / decode.PAGED_WAVES_FP8: BLOCK_N, warps, programs per SM; the first is
+  the one the table's fp8/bf16 ratio uses)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
+from diyfa.attention import decode  # noqa: E402
 from diyfa.reference import attention_ref  # noqa: E402
 
 # (batch, q heads, kv heads, cached tokens, page size or None), d 128
@@ -28,7 +32,7 @@ SHAPES = [(16, 32, 8, 16384, None), (64, 32, 8, 4096, None), (1, 32, 8, 131072, 
 E4M3 = torch.float8_e4m3fn
 
 
-def measure(b, h, hk, n, page, rep, d=128) -> dict:
+def measure(b, h, hk, n, page, rep, launches, d=128) -> dict:
     from triton.testing import do_bench
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -74,10 +78,19 @@ def measure(b, h, hk, n, page, rep, d=128) -> dict:
 
         row["fp8_err"] = (fp8()[:1].double() - first(k8, v8, (ks, vs))).abs().max().item()
         row["bf16_err"] = (bf16()[:1].double() - first(kb, vb)).abs().max().item()
-        for name, fn, elem in (("bf16", bf16, 2), ("fp8", fp8, 1)):
-            ms = do_bench(fn, rep=rep, return_mode="median")
-            row[f"{name}_tok_s"] = round(b / (ms * 1e-3))
-            row[f"{name}_gbps"] = round(2 * b * n * hk * d * elem / (ms * 1e-3) / 1e9)
+        ms = do_bench(bf16, rep=rep, return_mode="median")
+        row["bf16_tok_s"] = round(b / (ms * 1e-3))
+        row["bf16_gbps"] = round(2 * b * n * hk * d * 2 / (ms * 1e-3) / 1e9)
+        saved = decode.WIDE_FP8, decode.PAGED_WAVES_FP8
+        for i, (wide, paged) in enumerate(launches):
+            decode.WIDE_FP8, decode.PAGED_WAVES_FP8 = wide, paged
+            decode._PREPARED.clear()  # launches kept from another setting would be reused
+            ms = do_bench(fp8, rep=rep, return_mode="median")
+            tag = "" if i == 0 else f"@{wide if page is None else paged}"
+            row[f"fp8{tag}_tok_s"] = round(b / (ms * 1e-3))
+            row[f"fp8{tag}_gbps"] = round(2 * b * n * hk * d / (ms * 1e-3) / 1e9)
+        decode.WIDE_FP8, decode.PAGED_WAVES_FP8 = saved
+        decode._PREPARED.clear()
     row["fp8/bf16"] = round(row["fp8_tok_s"] / row["bf16_tok_s"], 2)
     return row
 
@@ -86,13 +99,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8_decode.jsonl")
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--launches", default=None)
     a = ap.parse_args()
+    launches = [(decode.WIDE_FP8, decode.PAGED_WAVES_FP8)]
+    if a.launches:
+        launches = [tuple(tuple(int(x) for x in part.split(",")) for part in pair.split("/"))
+                    for pair in a.launches.split(";")]  # fmt: skip
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip
     rows = []
     with open(a.out, "w") as f:
         for shape in SHAPES:
-            row = measure(*shape, a.rep)
+            row = measure(*shape, a.rep, launches)
             rows.append(row)
             f.write(json.dumps({**env, **row}) + "\n")
             print(json.dumps(row), flush=True)

@@ -343,7 +343,9 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.pick_splits(1, 8, 1000, dev, 64, 3, True) == 4  # ranges of >= 4 blocks
     assert decode.launch_config(True, 128, 128, 2, True) == (*decode.PAGED_WAVES, True)
     assert decode.launch_config(False, 128, 128, 2, True) == (*decode.WIDE, False)
-    assert decode.launch_config(True, 128, 128, 1, True)[3] is False  # fp8: the old rule
+    assert decode.launch_config(True, 128, 128, 1, True) == (*decode.PAGED_WAVES_FP8, True)
+    assert decode.launch_config(False, 128, 128, 1, True) == (*decode.WIDE_FP8, False)
+    assert decode.launch_config(False, 128, 128, 4, True)[0] == decode.BLOCK_N  # fp32: default
     # 8 new tokens x a group of 4 = 32 rows a program: 2 resident per SM (registers)
     assert decode.launch_config(True, 128, 128, 2, True, block_m=32)[2] == 2
     assert decode.pick_splits(16, 8, 16384, dev, 64, 2, True) == 2  # 256 of 264 slots
@@ -387,9 +389,12 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
         compile_for_sm90(fn, values, num_warps=4, num_stages=2)
-    if not fp8:  # the contiguous 16-bit caches' launch (decode.WIDE), no variant
-        block_n, warps, _ = decode.WIDE
-        values = {p.name: dict(args, BLOCK_N=block_n, PAGED=False, WINDOW=False, SOFTCAP=False,
+    # the contiguous and paged caches' launches (decode.WIDE / PAGED_WAVES, their fp8
+    # versions), no variant
+    for paged, launch in ((False, decode.WIDE_FP8 if fp8 else decode.WIDE),
+                          (True, decode.PAGED_WAVES_FP8 if fp8 else decode.PAGED_WAVES)):
+        block_n, warps, _ = launch
+        values = {p.name: dict(args, BLOCK_N=block_n, PAGED=paged, WINDOW=False, SOFTCAP=False,
                                ALIBI=False).get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17)
                   for p in decode._decode_split.params}

@@ -73,6 +73,11 @@ WIDE = (128, 8, 4)
 # 3,018 / 3,715, 32 kv heads 3,183 / 4,151 (3 splits), b1 x 128k (pages of 256) 2,884 /
 # 3,475; this rule picks 3 splits for those three and whole waves for the others.
 PAGED_WAVES = (64, 4, 3)
+# fp8 (e4m3) caches: the same kinds of launch, by default twice the keys per block (the same
+# bytes per block as 16-bit); they had the defaults above until 2026-11-24, which read 1.1-2.3
+# TB/s against bf16's 3.6-4.4 (benchmarks/fp8_decode.py).
+WIDE_FP8 = (256, 8, 4)
+PAGED_WAVES_FP8 = (128, 4, 3)
 
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
@@ -83,11 +88,12 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     (the GQA group x new tokens, padded); paged programs of more than 16 rows hold more
     registers (ptxas, sm90, bf16 d128: 161 at 16 rows, 203 at 32, 187 at 64; 4 warps), so 2
     of them fit an SM, not 3."""
-    sixteen_bit = on_gpu and elem_bytes == 2 and max(d_pad, dv_pad) <= 128
-    if WIDE and sixteen_bit and not paged:
-        return (*WIDE, False)
-    if PAGED_WAVES and sixteen_bit and paged:
-        block_n, warps, per_sm = PAGED_WAVES
+    narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
+    wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
+    if wide and narrow and not paged:
+        return (*wide, False)
+    if paged_waves and narrow and paged:
+        block_n, warps, per_sm = paged_waves
         return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
 
