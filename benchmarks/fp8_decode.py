@@ -120,7 +120,9 @@ def main() -> int:
         print(f"b{r['b']} h{r['h']}/{r['hk']} cache{r['n']} page{r['page']}: bf16 "
               f"{r['bf16_tok_s']} tok/s {r['bf16_gbps']} GB/s, fp8 {r['fp8_tok_s']} tok/s "
               f"{r['fp8_gbps']} GB/s, fp8/bf16 {r['fp8/bf16']} (err {r['fp8_err']:.1e} / "
-              f"{r['bf16_err']:.1e})")
+              f"{r['bf16_err']:.1e})"
+              + "".join(f", {k.removesuffix('_tok_s')} {v / r['bf16_tok_s']:.2f}"
+                        for k, v in r.items() if k.startswith("fp8@") and k.endswith("_tok_s")))
     return 0
 
 
