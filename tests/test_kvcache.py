@@ -344,7 +344,8 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(True, 128, 128, 2, True) == (*decode.PAGED_WAVES, True)
     assert decode.launch_config(False, 128, 128, 2, True) == (*decode.WIDE, False)
     assert decode.launch_config(True, 128, 128, 1, True) == (*decode.PAGED_WAVES_FP8, True)
-    assert decode.launch_config(False, 128, 128, 1, True) == (*decode.WIDE_FP8, False)
+    assert decode.launch_config(False, 128, 128, 1, True) == (
+        decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, False)  # fp8: the defaults
     assert decode.launch_config(False, 128, 128, 4, True)[0] == decode.BLOCK_N  # fp32: default
     # 8 new tokens x a group of 4 = 32 rows a program: 2 resident per SM (registers)
     assert decode.launch_config(True, 128, 128, 2, True, block_m=32)[2] == 2
@@ -391,8 +392,8 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
         compile_for_sm90(fn, values, num_warps=4, num_stages=2)
     # the contiguous and paged caches' launches (decode.WIDE / PAGED_WAVES, their fp8
     # versions), no variant
-    for paged, launch in ((False, decode.WIDE_FP8 if fp8 else decode.WIDE),
-                          (True, decode.PAGED_WAVES_FP8 if fp8 else decode.PAGED_WAVES)):
+    for paged, launch in ((False, decode.WIDE), (True, decode.PAGED_WAVES_FP8 if fp8
+                                                 else decode.PAGED_WAVES)):  # fmt: skip
         block_n, warps, _ = launch
         values = {p.name: dict(args, BLOCK_N=block_n, PAGED=paged, WINDOW=False, SOFTCAP=False,
                                ALIBI=False).get(p.name, torch.empty(16, dtype=tensors.get(

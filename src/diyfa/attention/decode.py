@@ -73,10 +73,13 @@ WIDE = (128, 8, 4)
 # 3,018 / 3,715, 32 kv heads 3,183 / 4,151 (3 splits), b1 x 128k (pages of 256) 2,884 /
 # 3,475; this rule picks 3 splits for those three and whole waves for the others.
 PAGED_WAVES = (64, 4, 3)
-# fp8 (e4m3) caches: the same kinds of launch, by default twice the keys per block (the same
-# bytes per block as 16-bit); they had the defaults above until 2026-11-24, which read 1.1-2.3
-# TB/s against bf16's 3.6-4.4 (benchmarks/fp8_decode.py).
-WIDE_FP8 = (256, 8, 4)
+# fp8 (e4m3) caches. H200 (benchmarks/fp8_decode.py --launches, one process each run,
+# ..._fp8-decode-launches_b045090.jsonl and ..._fp8-decode_6f68b6b.jsonl), fp8 tokens/s over
+# the bf16 cache's: contiguous 0.81-0.91 with 256-key blocks, 1.04-1.08 with WIDE's, 1.07-1.15
+# with the defaults above (the run before, whose bf16 numbers were the same): the defaults
+# (None); paged 1.01-1.05 with 128-key blocks, 0.57-0.73 with PAGED_WAVES' 64 and 0.57-0.76
+# with the defaults.
+WIDE_FP8 = None
 PAGED_WAVES_FP8 = (128, 4, 3)
 
 
