@@ -7,8 +7,8 @@ cache next to the bf16 output's against the bf16 cache's.
 
 Usage (device): python3 benchmarks/fp8_decode.py [--out fp8_decode.jsonl]
   [--launches "256,8,4/128,4,3;128,8,4/64,4,3"]   (fp8 launches to compare, each
-  decode.WIDE_FP8 / decode.PAGED_WAVES_FP8: BLOCK_N, warps, programs per SM; the first is
-  the one the table's fp8/bf16 ratio uses)
+  decode.WIDE_FP8 / decode.PAGED_WAVES_FP8: BLOCK_N, warps, programs per SM, "-" for None:
+  the generic launch; the first is the one the table's fp8/bf16 ratio uses)
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def main() -> int:
     a = ap.parse_args()
     launches = [(decode.WIDE_FP8, decode.PAGED_WAVES_FP8)]
     if a.launches:
-        launches = [tuple(tuple(int(x) for x in part.split(",")) for part in pair.split("/"))
+        launches = [tuple(None if part == "-" else tuple(int(x) for x in part.split(","))
+                          for part in pair.split("/"))
                     for pair in a.launches.split(";")]  # fmt: skip
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip

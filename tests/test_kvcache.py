@@ -741,3 +741,31 @@ def test_fp8_cache_bad_input_writes_nothing():
             diyfa.flash_attention_with_kvcache(q.float(), kq, vq, cache_seqlens=seqlens,
                                                k_descale=good, v_descale=good)  # fmt: skip
     assert torch.equal(kq.view(torch.uint8), before)
+
+
+def test_fp8_cache_queries_beyond_fp16_range():
+    """With an fp8 cache the dots run in fp16; bf16 queries far beyond fp16's range (1e6,
+    with a softmax scale to match) are scaled by a power of two on the way, not turned into
+    inf: the output matches float64 attention over the dequantised cache by the 2x rule."""
+    q, k_cache, v_cache, *_ = _setup(torch.bfloat16, 1, 0, seed=5)
+    hk, d = k_cache.shape[2], q.shape[3]
+    desc = torch.full((hk,), 0.01, device=DEVICE)
+    kq, vq = _quantize(k_cache, desc), _quantize(v_cache, desc)
+    big = (q.float() * 1e6).to(torch.bfloat16)
+    scale = 1e-6 / d**0.5
+    seqlens = torch.tensor(LENS, dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        out = diyfa.flash_attention_with_kvcache(big, kq, vq, cache_seqlens=seqlens,
+                                                 softmax_scale=scale, k_descale=desc,
+                                                 v_descale=desc)  # fmt: skip
+    assert torch.isfinite(out).all()
+    deq_k, deq_v = kq.float() * 0.01, vq.float() * 0.01
+    ref = torch.cat([attention_ref(big[i:i + 1].double(), deq_k[i:i + 1, :n].double(),
+                                   deq_v[i:i + 1, :n].double(), causal=True, layout="bshd",
+                                   softmax_scale=scale, compute_dtype=torch.float64)
+                     for i, n in enumerate(LENS)])  # fmt: skip
+    pt = torch.cat([attention_ref(big[i:i + 1], deq_k[i:i + 1, :n].bfloat16(),
+                                  deq_v[i:i + 1, :n].bfloat16(), causal=True, layout="bshd",
+                                  softmax_scale=scale, compute_dtype=torch.bfloat16)
+                    for i, n in enumerate(LENS)])  # fmt: skip
+    _check("out", out, pt, ref, 2, torch.bfloat16)
