@@ -159,14 +159,17 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
     if FP8:  # e4m3 cache: its descales fold into the scores' scale and the output
         k_descale = tl.load(K_DESCALE + off_b * stride_descale_b + off_hk)
         v_descale = tl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
-        # The dots run in fp16: e4m3 widens to fp16 in one instruction per two values (to
-        # bf16 it takes several on sm90, which made the fp8 cache issue-bound: ncu,
-        # 2026-11-24). q goes to fp16 times a power of two that keeps it in range (exact
-        # but for values under 2^-24 of its largest), the power back in the scores' scale.
-        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-        q_exp = tl.maximum(tl.math.ceil(tl.math.log2(q_max) - 15.0), 0.0)
-        q = (q.to(tl.float32) * tl.math.exp2(-q_exp)).to(tl.float16)
-        k_descale = k_descale * tl.math.exp2(q_exp)
+        if not PAGED:
+            # Contiguous caches: the dots run in fp16. e4m3 widens to fp16 in one instruction
+            # per two values (to bf16 in several on sm90, which left the fp8 cache
+            # issue-bound: ncu, 2026-11-24). q goes to fp16 times a power of two that keeps
+            # it in range (exact but for values under 2^-24 of its largest), the power back in
+            # the scores' scale. (Paged caches measured slower this way, 0.73x against 1.02x
+            # the bf16 cache's tokens/s, not yet understood: they widen to q's dtype.)
+            q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+            q_exp = tl.maximum(tl.math.ceil(tl.math.log2(q_max) - 15.0), 0.0)
+            q = (q.to(tl.float32) * tl.math.exp2(-q_exp)).to(tl.float16)
+            k_descale = k_descale * tl.math.exp2(q_exp)
         if SOFTCAP:
             tanh_scale = tanh_scale * k_descale
         else:
@@ -192,8 +195,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + k_rows[:, None] + off_hk * stride_kh + offs_d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)
-        if FP8:  # exact in fp16: e4m3 has fewer exponent and mantissa bits
-            k = k.to(tl.float16)
+        if FP8:  # exact in fp16 / bf16 (q's dtype): e4m3 has fewer exponent and mantissa bits
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if SOFTCAP:
             qk = _tanh(qk * tanh_scale)
@@ -215,7 +218,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
         v = tl.load(V + v_rows[:, None] + off_hk * stride_vh + offs_dv[None, :] * stride_vd,
                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # fmt: skip
         if FP8:
-            v = v.to(tl.float16)
+            v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
