@@ -128,11 +128,12 @@ def flash_attention(
             bf16): fp32 descales, (1,) per tensor or (batch, kv_heads), all one shape; a
             stored value times its descale is the real one. The scores come from fp8 q and k
             in fp32, P is rounded to e4m3 (times 2^8) for P @ V (FlashAttention-3's recipe).
-            Runs on the portable kernels (the Hopper family takes fp16 / bf16); not with
-            gradients or dropout.
-        Under "auto", windows, softcap, ALiBi, sinks and dropout run on the portable
-        kernels for now; ``backend="hopper"`` runs the first four on the Gluon forward (not
-        yet run on a GPU), dropout nowhere else.
+            On H100/H200 plain fp8 attention (causal or not, GQA, head dims 64..256) runs on
+            the Hopper kernel, the variants on the portable one; not with gradients or
+            dropout.
+        Under "auto" on H100/H200, windows, softcap, ALiBi and sinks run on the Hopper
+        forward too (docs/attention.md has the measurements); dropout runs on the portable
+        kernels only.
     """
     check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
