@@ -523,17 +523,9 @@ def test_gpu_kvcache_repeated_calls_reuse_launches(paged, monkeypatch):
 
     setups = [_setup(torch.bfloat16, 1, 1, h=32, hk=8, d=128, device="cuda", seed=s)
               for s in range(3)]  # fmt: skip
-    from diyfa import _launcher
+    from .test_replay import count_replays
 
-    reused = []  # each Replay.run: whether it ran the kernels (else the full path)
-    run = _launcher.Replay.run
-
-    def counted(self, roles):
-        done = run(self, roles)
-        reused.append(done)
-        return done
-
-    monkeypatch.setattr(_launcher.Replay, "run", counted)
+    reused = count_replays(monkeypatch)  # each Replay.run: whether it ran the kernels
     outs = []
     for reuse in (True, False):
         decode._PREPARED.clear()

@@ -25,6 +25,21 @@ def _inputs(seed, layout, device="cuda", dtype=torch.bfloat16):
     return q, k, v, do
 
 
+def count_replays(monkeypatch) -> list:
+    """A list that gets, for each ``Replay.run`` from now on, whether it ran the kept
+    launches (True) or sent the call down the full path (False)."""
+    runs = []
+    run = _launcher.Replay.run
+
+    def counted(self, roles):
+        done = run(self, roles)
+        runs.append(done)
+        return done
+
+    monkeypatch.setattr(_launcher.Replay, "run", counted)
+    return runs
+
+
 CASES = [("portable", False, "bhsd", False), ("portable", True, "bshd", False),
          ("hopper", False, "bshd", False), ("hopper", True, "bhsd", False),
          ("hopper", False, "bhsd", True), ("hopper", True, "bshd", True)]  # fmt: skip
@@ -36,15 +51,7 @@ def test_gpu_repeated_calls_replay_their_launches(backend, causal, layout, deter
                                                   monkeypatch):  # fmt: skip
     if backend == "hopper" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper family needs an sm90 GPU")
-    runs = []
-    run = _launcher.Replay.run
-
-    def counted(self, roles):
-        done = run(self, roles)
-        runs.append(done)
-        return done
-
-    monkeypatch.setattr(_launcher.Replay, "run", counted)
+    runs = count_replays(monkeypatch)
     setups = [_inputs(seed, layout) for seed in range(3)]
     q, k, v, do = _inputs(3, layout)  # compiled and configs chosen: every launch lean
     diyfa.flash_attention(q, k, v, causal=causal, layout=layout, backend=backend,
@@ -79,10 +86,7 @@ def test_gpu_replay_passes_over_another_alignment(monkeypatch):
     """The signature says whether all of q, k, v are 16-byte aligned; which one is not is a
     specialisation of its own: a call with another misaligned tensor does not run the kept
     launches, the full path does (and gives the right result)."""
-    runs = []
-    run = _launcher.Replay.run
-    monkeypatch.setattr(_launcher.Replay, "run",
-                        lambda self, roles: runs.append(run(self, roles)) or runs[-1])
+    runs = count_replays(monkeypatch)
     _launcher.forget_replays()
     q, k, v, _ = (t.detach() for t in _inputs(0, "bhsd"))
 

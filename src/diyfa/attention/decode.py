@@ -43,7 +43,6 @@ from diyfa._launcher import (
     Replay,
     ReplayCache,
     cdiv,
-    compile_knobs,
     compiling_only,
     launch,
     next_power_of_2,
@@ -479,9 +478,10 @@ def _sig(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
-# signature -> the launches of a call (_launcher.Replay) with the shapes of its outputs and
-# workspaces. The launch settings above (WIDE, BLOCK_N, ...) are not part of a signature:
-# whoever changes them (benchmarks/decode_ab.py) clears this (``_PREPARED.clear()``).
+# signature -> the launches of a call (_launcher.Replay) with the shape of its split
+# workspace (it depends on the split count). The launch settings above (WIDE, BLOCK_N, ...)
+# are not part of a signature: whoever changes them (benchmarks/decode_ab.py,
+# benchmarks/fp8_decode.py) clears this (``_PREPARED.clear()``).
 _PREPARED = ReplayCache()
 
 
@@ -496,21 +496,22 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     seqlen_q) fp32. ``max_seqlen_k`` bounds every cache length (the longest one, read back by
     the checks, or the caller's bound): the splits cut [0, max_seqlen_k). ``window`` is the
     checked (left, right) pair (right 0 when causal). ``reuse``: keep this call's launches
-    for the next call with the same signature (:class:`_Prepared`); for the caller's bound,
+    for the next call with the same signature (``_PREPARED``); for the caller's bound,
     which a decode loop repeats, not for the longest length read back, which grows every
     step."""
     b, sq, h, d = q.shape
     hk, dv = k_cache.shape[2], v_cache.shape[3]
     sig = None
     if reuse and q.is_cuda and b * h * sq:  # a call like an earlier one reuses its launches
+        # (the current device and Triton's compile settings: Replay.run checks them)
         sig = (q.shape, q.stride(), q.dtype, _sig(k_cache), _sig(v_cache), _sig(block_table),
                causal, softmax_scale, num_splits, max_seqlen_k, window, softcap,
                _sig(alibi_slopes), _sig(sinks), _sig(k_descale), _sig(v_descale), seqlen_add,
-               q.device.index, torch.cuda.current_device(), compile_knobs())  # fmt: skip
+               q.device.index)  # fmt: skip
         prepared = _PREPARED.get(sig)
         if prepared is not None:
-            replay, (out_shape, o_part_shape) = prepared
-            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+            replay, o_part_shape = prepared
+            out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
             lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
             o_part = torch.empty(o_part_shape, dtype=torch.float32, device=q.device)
             lse_part = torch.empty(o_part_shape[0], dtype=torch.float32, device=q.device)
@@ -583,7 +584,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                                           alibi_slopes, sinks, k_descale, v_descale, o_part,
                                           lse_part, out, lse2))  # fmt: skip
             if replay is not None:
-                _PREPARED.put(sig, (replay, (out.shape, o_part.shape)))
+                _PREPARED.put(sig, (replay, o_part.shape))
     else:  # the interpreter
         _decode_split[split_grid](**split_args, num_warps=1)
         _combine[(rows,)](**combine_args)
