@@ -198,7 +198,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
             k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if SOFTCAP:
-            qk = _tanh(qk * tanh_scale)
+            qk = _tanh(qk * tanh_scale, PRECISION)
         qk = qk * qk_scale
         if ALIBI:
             qk = qk - slope2[:, None] * tl.abs(qpos[:, None] + alibi_offset

@@ -62,6 +62,9 @@ from diyfa.device import interpreter_enabled, kernel_limits
 if interpreter_enabled():
     _interpreter.apply()  # bf16 tl.dot is wrong in Triton 3.6's interpreter without it
 
+# Softcap's tanh by the GPU's own instruction (see _tanh): not in the interpreter (no PTX).
+_APPROX_TANH = tl.constexpr(not interpreter_enabled())
+
 LOG2E = 1.4426950408889634
 
 
@@ -129,15 +132,21 @@ def _kv_ranges(start_m, seqlen_k, causal_offset, left_offset, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from one exp2 and one division (the interpreter and every GPU have them):
-    1 - 2 / (2^(2 x log2(e)) + 1); exact at 0, +-1 far out (2 / inf = 0), never NaN for a
-    number. Near 0 its error is absolute (~1e-7), as the scores' is. (It was sign(x) (1 - e)
-    / (1 + e) with e = 2^(-2 |x| log2(e)): two more instructions per score, and the softcap
-    kernels are short of issue slots and exponential units.)"""
-    # (the exponent stops at 64: 2 / (2^64 + 1) is below fp32's half ulp of 1, and a larger
-    # one would overflow exp2, which the interpreter's numpy warns about)
-    return 1.0 - 2.0 / (tl.math.exp2(tl.minimum(x * 2.8853900817779268, 64.0)) + 1.0)
+def _tanh(x, PRECISION: tl.constexpr):
+    """tanh of the fp32 scores. On a GPU, for fp16/bf16 inputs (PRECISION != "ieee"): the
+    hardware's ``tanh.approx.f32``, one MUFU instruction (relative error about 2^-11, far
+    below the 16-bit inputs' own rounding of the scores). Otherwise (fp32 inputs, whose
+    results must stay fp32-accurate, and the interpreter, which runs no PTX): 1 - 2 /
+    (2^(2 x log2(e)) + 1), an exp2 and a division; exact at 0, +-1 far out (2 / inf = 0),
+    never NaN for a number, absolute error ~1e-7 near 0 as the scores' own. The forward and
+    the backward call this same function, so they agree on the scores."""
+    if _APPROX_TANH and PRECISION != "ieee":
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        # (the exponent stops at 64: 2 / (2^64 + 1) is below fp32's half ulp of 1, and a
+        # larger one would overflow exp2, which the interpreter's numpy warns about)
+        return 1.0 - 2.0 / (tl.math.exp2(tl.minimum(x * 2.8853900817779268, 64.0)) + 1.0)
 
 
 @triton.jit
@@ -237,7 +246,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         else:
             qk = tl.dot(q, kt, input_precision=PRECISION)
         if SOFTCAP:
-            qk = _tanh(qk * tanh_scale)
+            qk = _tanh(qk * tanh_scale, PRECISION)
         if ALIBI:  # base-2 scores from here on: the scale folded in, the bias added
             qk = qk * qk_scale - _alibi(offs_m[:, None], offs_n[None, :], slope2, alibi_offset)
             s_scale = 1.0
@@ -411,7 +420,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
         lse, delta = _load_row_stats(LSE, DELTA, offs_m, seqlen_q, MASKED)
         qkt = tl.dot(k, qt, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         if SOFTCAP:
-            qkt = _tanh(qkt * tanh_scale)
+            qkt = _tanh(qkt * tanh_scale, PRECISION)
         st = qkt * qk_scale
         if ALIBI:
             st = st - _alibi(offs_m[None, :], offs_n[:, None], slope2, alibi_offset)
@@ -582,7 +591,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
                       HEAD_DIM_V != HEAD_DIM_V_PAD)  # fmt: skip
         qk = tl.dot(q, kt, input_precision=PRECISION)
         if SOFTCAP:
-            qk = _tanh(qk * tanh_scale)
+            qk = _tanh(qk * tanh_scale, PRECISION)
         s = qk * qk_scale
         if ALIBI:
             s = s - _alibi(offs_m[:, None], offs_n[None, :], slope2, alibi_offset)
