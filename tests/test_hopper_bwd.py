@@ -34,20 +34,23 @@ import json, os, subprocess, sys, tempfile, torch, triton
 from diyfa.attention import hopper_bwd as hb
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = []
-runs = [(d, causal, atomic, ()) for d in (64, 128) for causal in (False, True)
+runs = [(d, causal, atomic, (), False) for d in (64, 128) for causal in (False, True)
         for atomic in (False, True)]
-runs += [(d, True, atomic, ("WINDOW", "SOFTCAP", "ALIBI")) for d in (64, 128)
+runs += [(d, True, atomic, ("WINDOW", "SOFTCAP", "ALIBI"), False) for d in (64, 128)
          for atomic in (False, True)]
-runs += [(128, False, False, ("WINDOW",))]  # a left window without the causal band
-for d, causal, atomic, variants in runs:
+runs += [(128, False, False, ("WINDOW",), False)]  # a left window without the causal band
+runs += [(d, causal, atomic, (), True) for d in (64, 128) for causal in (False, True)
+         for atomic in (False, True)]  # packed sequences
+for d, causal, atomic, variants, packed in runs:
     k = hb.compile_bwd_for_hopper(d, getattr(torch, sys.argv[1]), causal, atomic,
-                                  variants=variants)
+                                  variants=variants, packed=packed)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
     done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                           capture_output=True, text=True, check=True)
     out.append({"d": d, "causal": causal, "atomic": atomic, "variants": variants,
-                "shared": k.metadata.shared, "ptx": k.asm["ptx"], "ptxas": done.stderr})
+                "packed": packed, "shared": k.metadata.shared, "ptx": k.asm["ptx"],
+                "ptxas": done.stderr})
 print(json.dumps(out))
 """
 
@@ -56,8 +59,11 @@ print(json.dumps(out))
 # window + softcap + ALiBi on: 48 bytes at d64 (atomic), 488 / 672 at d128 (softcap alone
 # 300, ALiBi alone 332: the extra (keys, queries) tile of tanh' or distances); since tanh is
 # 1 - 2 / (2^(2x log2 e) + 1) (2026-11-24), 156 bytes at d64 causal with the atomic dQ (an
-# opt-in mode: "auto" runs softcap's backward on the portable kernel). Bounds that catch a
-# regression (a tile's worth of registers spilled is kilobytes).
+# opt-in mode: "auto" runs softcap's backward on the portable kernel). Packed sequences
+# (2026-11-24; their lengths and offsets are loaded values in registers, not arguments in
+# the constant bank): 0 at d64, 96 / 256 bytes at d128 (deterministic / atomic), 92 / 556
+# causal; they take the variants' bounds.
+# Bounds that catch a regression (a tile's worth of registers spilled is kilobytes).
 SPILL_BOUND = {(64, False): 0, (128, False): 512, (64, True): 192, (128, True): 1024}
 
 
@@ -67,14 +73,14 @@ def _spilled(ptxas: str) -> int:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_hopper_bwd_compiles_and_fits(dtype):
-    """For head dims 64 and 128, causal or not, fast (atomic dQ) and deterministic, and with
-    window + softcap + ALiBi: the kernel compiles for sm90a without a GPU, fits 227 KB of
-    shared memory, and is what its
-    docstring says: wgmma for S^T = K Q^T and dP^T = V dO^T (m64 x BLOCK_M), for dV += P^T dO
-    and dK += dS^T Q (m64 x head dim, A from registers), for dQ (the transposed dS^T from
-    shared memory) only in the fast mode, with TMA reduce-adds of fp32 tiles to global
-    memory there and none in the deterministic mode; 4-D TMA loads and stores; registers
-    moved from the loader to the consumers. In a fresh process (the interpreter patches Triton)."""
+    """For head dims 64 and 128, causal or not, fast (atomic dQ) and deterministic, with
+    window + softcap + ALiBi, and packed sequences: the kernel compiles for sm90a without a
+    GPU, fits 227 KB of shared memory, and is what its docstring says: wgmma for S^T = K
+    Q^T and dP^T = V dO^T (m64 x BLOCK_M), for dV += P^T dO and dK += dS^T Q (m64 x head
+    dim, A from registers), for dQ (the transposed dS^T from shared memory) only in the fast
+    mode, with TMA reduce-adds of fp32 tiles to global memory there and none in the
+    deterministic mode; 4-D TMA loads and stores; registers moved from the loader to the
+    consumers. In a fresh process (the interpreter patches Triton)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, dtype], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
@@ -82,7 +88,8 @@ def test_hopper_bwd_compiles_and_fits(dtype):
     kind = {"bfloat16": "bf16", "float16": "f16"}[dtype]
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
         block_m, _, c_regs, l_regs = hopper_bwd.BWD_CONFIGS[r["d"]]
-        where = f"d{r['d']} causal={r['causal']} atomic={r['atomic']} {r['variants']}"
+        where = (f"d{r['d']} causal={r['causal']} atomic={r['atomic']} {r['variants']} "
+                 f"packed={r['packed']}")
         ptx = r["ptx"]
         assert r["shared"] <= 227 * 1024, where
         assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.{kind}" in ptx, where
@@ -96,10 +103,15 @@ def test_hopper_bwd_compiles_and_fits(dtype):
         reductions = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
         assert reductions == r["atomic"], where
         assert "red.global" not in ptx and "atom.global" not in ptx, where
-        assert _spilled(r["ptxas"]) <= SPILL_BOUND[r["d"], bool(r["variants"])], (
+        bound = SPILL_BOUND[r["d"], bool(r["variants"]) or r["packed"]]
+        assert _spilled(r["ptxas"]) <= bound, (
             where, r["ptxas"])
-        # The softcap's tanh is one more exp2 per score (64 per step in the plain kernel).
-        assert ptx.count("ex2.approx") == (128 if "SOFTCAP" in r["variants"] else 64), where
+        # One exp2 per score (64 per step), and softcap's tanh by the hardware instruction.
+        assert ptx.count("ex2.approx") == 64, where
+        assert ptx.count("tanh.approx.f32") == (64 if "SOFTCAP" in r["variants"] else 0), where
+        # Packed sequences: a sequence's last key block leaves by masked stores (TMA would
+        # write the next sequence's rows), the others by TMA.
+        assert ("st.global" in ptx) == r["packed"], where
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -271,8 +283,67 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
         dqd = args["dq_desc"]  # the fp32 workspace, blocks of a column half
         assert dqd.base.shape == (b, h, -(-sq // block_m) * block_m, 128)
         assert dqd.base.dtype == torch.float32 and list(dqd.block_shape) == [1, 1, block_m, 64]
-        assert args["seqlen_q_pad"] == dqd.base.shape[2]
         assert dq.shape == q.shape and (dq == 0.5).all()  # 2.0 x the scale
+    assert args["VARLEN"] is False
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_host_path_builds_the_packed_launch(deterministic, monkeypatch):
+    """Packed sequences (CPU tensors, nothing runs): batch-of-one (1, heads, total, dim)
+    descriptors, one program per (key block that holds keys, kv head) from the host's work
+    list (kv_table), the lengths and dK / dV's (total, kv heads, dim) strides for the
+    masked stores of a sequence's last block, LSE and delta as (heads, total_q), and the
+    fast mode's fp32 dQ workspace (1, heads, total_q, padded dim) scaled into dQ's (total,
+    heads, d)."""
+    from diyfa.attention.checks import check_varlen_inputs
+
+    h, hk, d, lens = 4, 2, 80, [100, 0, 260, 7]
+    total = sum(lens)
+    cu = torch.tensor([0, 100, 100, 360, 367], dtype=torch.int32)
+    q = torch.randn(total, h, d, dtype=torch.bfloat16)
+    k, v = torch.randn(total, hk, d, dtype=torch.bfloat16), torch.randn(total, hk, d,
+                                                                         dtype=torch.bfloat16)
+    p = check_varlen_inputs(q, k, v, cu, cu, 260, 260, causal=True, softmax_scale=0.5,
+                            deterministic=deterministic)  # fmt: skip
+    p = dataclasses.replace(p, capability=(9, 0), aligned16=True)
+    assert hopper_bwd.supports(p) is None
+    seen = {}
+
+    def fake_launch(fn, grid, args, meta, num_warps, num_stages):
+        seen.update(grid=grid, args=args)
+        if args["DQ_ATOMIC"]:
+            args["dq_desc"].base.fill_(2.0)
+
+    def fake_dq(do_, q_, k_, v_, out_, lse2_, dq_, delta_, p_):
+        seen["delta"] = delta_
+        dq_.fill_(3.0)
+
+    monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
+    monkeypatch.setattr(portable, "_dq_launch", fake_dq)
+    monkeypatch.setattr(hopper_bwd, "delta",
+                        lambda o4, do4, launched, res: seen.update(delta=res) or res.zero_())
+    lse2 = torch.randn(h, total)
+    dq, dk, dv = hopper_bwd.hopper_backward(torch.randn_like(q), q, k, v, torch.randn_like(q),
+                                            lse2, p)  # fmt: skip
+    args = seen["args"]
+    # One program per key block that holds keys (1 + 0 + 3 + 1 of 128) and kv head, the
+    # heaviest first (causal: query blocks 5, 3, 2, 1, 1 to visit).
+    assert seen["grid"] == (5, hk)
+    assert args["TILES"].tolist() == [2, 0, 2, 1, 0, 0, 2, 2, 3, 0]  # (sequence, block)
+    assert args["VARLEN"] is True and args["CAUSAL"] is True
+    assert args["seqlen_q"] == 260 and args["seqlen_k"] == 260 and args["total_q"] == total
+    assert args["CU_Q"] is p.cu_seqlens_q and args["CU_K"] is p.cu_seqlens_k
+    assert list(args["q_desc"].shape) == [1, h, total, d]
+    assert list(args["k_desc"].shape) == [1, hk, total, d]
+    assert args["DK"] is dk and args["DV"] is dv and args["head_dim"] == d
+    assert (args["stride_dks"], args["stride_dkh"]) == (hk * d, d)
+    assert seen["delta"].shape == lse2.shape
+    assert dq.shape == q.shape
+    if deterministic:
+        assert (dq == 3.0).all() and not args["DQ_ATOMIC"]
+    else:
+        assert args["dq_desc"].base.shape == (1, h, total, 128)
+        assert (dq == 1.0).all()  # 2.0 x the scale
 
 
 def test_host_path_passes_the_variants(monkeypatch):

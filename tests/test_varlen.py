@@ -52,11 +52,12 @@ def _reference(q, k, v, cu_q, cu_k, causal, dtype, do):
     return out, torch.cat(lses, dim=1), [t.grad for t in ins]
 
 
-def _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device=DEVICE, backend="auto"):
+def _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device=DEVICE, backend="auto",
+                   deterministic=False):
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, dtype, device)
     out, lse = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                            causal=causal, return_lse=True,
-                                            backend=backend)  # fmt: skip
+                                            causal=causal, return_lse=True, backend=backend,
+                                            deterministic=deterministic)  # fmt: skip
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (h, q.shape[0])
     do = torch.randn_like(out)
     out.backward(do)
@@ -106,29 +107,41 @@ def test_keys_of_a_sequence_without_queries_get_zero_gradients():
     assert k.grad[:5].abs().sum() > 0
 
 
-def test_varlen_hopper_path_by_head_dim():
-    """On an H100/H200 (capability set by hand here) the Hopper forward runs packed
-    sequences when named; "auto" takes it at d128 (measured faster) and keeps the portable
-    kernel at d64 (measured faster there), saying why; with a window (or softcap, ALiBi,
-    sinks) the Hopper family refuses them."""
+def test_varlen_hopper_path_by_head_dim(monkeypatch):
+    """On an H100/H200 (capability set by hand here) the Hopper family takes packed
+    sequences up to d128 under "auto" (d256 is not timed: portable, saying why); at d64 its
+    "auto" forward is the portable kernel's (measured faster) and its backward the Gluon one
+    where hopper_bwd.auto_mode picks it (causal: atomic dQ; causal d128 and deterministic
+    calls: portable); with a window (or softcap, ALiBi, sinks) the family refuses them."""
     import dataclasses
+    import types
 
-    from diyfa.attention import dispatch, hopper_bwd
+    from diyfa.attention import dispatch, hopper_bwd, hopper_fwd, portable
     from diyfa.attention.checks import check_varlen_inputs
 
     q, k, v, cu_q, cu_k = _packed([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
-    p = check_varlen_inputs(q, k, v, cu_q, cu_k, 4, 4, causal=False, softmax_scale=None)
+    # (max_seqlen 4096: at d64 "auto" keeps calls below SHORT_KEYS_D64 keys portable)
+    p = check_varlen_inputs(q, k, v, cu_q, cu_k, 4096, 4096, causal=False, softmax_scale=None)
     p = dataclasses.replace(p, capability=(9, 0), aligned16=True)
-    why = dict(dispatch.explain(p))["hopper"]
-    assert "portable kernel measured faster at d64" in why
-    assert dispatch.select(p).name == "portable"
-    assert dispatch.select(p, "hopper").name == "hopper"
-    assert "no packed (varlen) sequences" in hopper_bwd.supports(p)
+    family = dispatch.select(p)
+    assert family.name == "hopper" and dispatch.select(p, "hopper").name == "hopper"
+    ran = []
+    monkeypatch.setattr(portable, "FAMILY", types.SimpleNamespace(
+        forward=lambda *a: ran.append("portable")))
+    monkeypatch.setattr(hopper_fwd, "hopper_forward", lambda *a: ran.append("hopper"))
+    family.forward(q, k, v, p)
+    assert ran == ["portable"]  # d64: the portable forward inside the Hopper family
+    assert hopper_bwd.supports(p) is None  # the Gluon backward takes them
+    assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True)) == "atomic"
+    assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True, deterministic=True)) is None
     for d, family in ((128, "hopper"), (96, "hopper"), (256, "portable")):
         qd, kd, vd, _, _ = _packed([3, 4], [3, 4], 2, 2, d, torch.bfloat16)
         pd = check_varlen_inputs(qd, kd, vd, cu_q, cu_k, 4, 4, causal=True, softmax_scale=None)
         pd = dataclasses.replace(pd, capability=(9, 0), aligned16=True)
         assert dispatch.select(pd).name == family, d
+        if family == "hopper":  # causal at d72..128: the portable backward
+            assert hopper_bwd.auto_mode(pd) is None and hopper_bwd.supports(pd) is None
+    assert "d256 is not timed" in dict(dispatch.explain(pd))["hopper"]
     windowed = dataclasses.replace(p, window_left=8)
     assert "without window" in dict(dispatch.explain(windowed))["hopper"]
 
@@ -215,12 +228,16 @@ def test_gpu_varlen(dtype, causal):
     ([300, 77], [257, 700], 4, 1, 256, torch.bfloat16),
     ([513, 2], [513, 90], 2, 2, 96, torch.float16),
 ], ids=["d128-gqa-empty", "d64", "d256-mqa", "d96"])
-def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal, deterministic):
     """Packed sequences through the Hopper forward (backend="hopper": batch-of-one TMA views,
-    rows and keys offset per sequence, O by a masked store; gradients through the portable
-    backward from its LSE): zero-length sequences on both sides, tiles that run past a
-    sequence into the next one, seqlen_q != seqlen_k both ways, GQA/MQA, d64..256."""
-    _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device="cuda", backend="hopper")
+    rows and keys offset per sequence, O by a masked store) and the Gluon backward (up to
+    d128; atomic dQ by TMA reduce-adds into a (1, heads, total, d) workspace, or the portable
+    dQ kernel when deterministic; a sequence's last key block's dK/dV by masked stores):
+    zero-length sequences on both sides, tiles that run past a sequence into the next one,
+    seqlen_q != seqlen_k both ways, GQA/MQA, d64..256."""
+    _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device="cuda", backend="hopper",
+                   deterministic=deterministic)  # fmt: skip
 
 
 @pytest.mark.gpu

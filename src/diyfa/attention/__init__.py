@@ -187,12 +187,13 @@ def flash_attention_varlen(
         max_seqlen_q, max_seqlen_k: ints at least the longest sequence (the grid's extent).
         causal: bottom-right aligned per sequence (query i of a sequence sees its keys
             j <= i + seqlen_k - seqlen_q).
-        softmax_scale, backend: as for :func:`flash_attention` (the Hopper family takes no
-            packed sequences yet: "auto" runs the portable kernels).
+        softmax_scale, backend: as for :func:`flash_attention` (on Hopper, "auto" runs
+            packed sequences without variants at head dims 72..128 on the Hopper forward
+            and Gluon backward; docs/attention.md, "Packed sequences").
         return_lse: also return the natural-log LSE, (heads, total_q) fp32.
         deterministic, window_size, softcap, alibi_slopes, sinks, dropout_p, generator: as for
             :func:`flash_attention` (per sequence; alibi_slopes (batch, heads) per sequence;
-            the portable kernels that run packed sequences are deterministic either way).
+            the Gluon backward's atomic dQ is the one part that is not deterministic).
 
     The lengths are read to the host and checked against the tensors before any kernel runs
     (one device synchronisation per call). Programs past a sequence's end exit at once.

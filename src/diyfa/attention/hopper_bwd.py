@@ -72,8 +72,20 @@ of spills, ``tests/test_hopper_bwd.py``) and run on an H200
 
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
 rules, positive scale), head dims 64..128 that are multiples of 8 (computed as 64 or 128;
-at 256 the two fp32 accumulators alone are 256 registers per thread: portable), no packed
-sequences, no value head dim other than q's. dO is copied to a contiguous tensor when its
+at 256 the two fp32 accumulators alone are 256 registers per thread: portable), no value
+head dim other than q's.
+
+Packed sequences (``VARLEN``, 2026-11-24): the descriptors are over batch-of-one (1, heads,
+total, d) views; the host lists the (sequence, key block) pairs that hold keys, heaviest
+first (:func:`kv_table`, the kernel's ``TILES``; the grid is (items, kv heads)); each program
+offsets its keys and query rows by its sequence's cu_seqlens and masks with its lengths;
+LSE and delta are (heads, total_q); dQ's reduce-adds go to a (1, heads, total_q, d)
+workspace (a query block that runs past its sequence adds exact zeros to the next one's rows:
+their P is 0); a sequence's last key block stores dK/dV by masked pointer stores (a TMA
+store would overwrite the next sequence's rows). Unlike the forward, non-finite values in
+one sequence's Q/dO/K rows can reach a neighbour's gradients here through 0 x inf (a
+block's foreign rows are masked by zero probabilities, not zeroed); with finite inputs
+every sequence's gradients are its own. dO is copied to a contiguous tensor when its
 strides break TMA's rules (autograd hands an expanded, stride-0 gradient for ``out.sum()``).
 """
 
@@ -101,6 +113,7 @@ from diyfa.attention import portable
 from diyfa.attention.hopper_fwd import (
     LOG2E,
     _desc,
+    _seq,
     _tanh,
     _tile2d,
     bhsd_view,
@@ -157,8 +170,13 @@ def auto_mode(p: Problem) -> str | None:
     (benchmarks/results/2026-11-23_h200_flash_variants-fa4_ead758f.jsonl; TFLOPS portable /
     kernel-dq / atomic): sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 / 265, sinks
     347 / 420 / 310 take the same rule as plain attention (timed at that one shape); softcap
-    226 / 220 / 206 stays portable (its backward is bound by the tanh recomputation in
-    either kernel)."""
+    stays portable (226 / 220 / 206 then; with tanh.approx, 2026-11-24, 302 / 303 / 217).
+    Packed sequences (H200, 2026-11-24, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
+    benchmarks/results/2026-11-24_h200_flash_varlen-hopper-bwd_*.jsonl; TFLOPS portable /
+    kernel-dq / atomic): d128 GQA 16/4 365 / 353 / 370, causal 346 / 321 / 196; d64 264 /
+    185 / 270, causal 226 / 224 / 269. So the atomic mode where the plain rule gives it,
+    except causal at d72..128 (portable), and deterministic packed calls run the portable
+    backward."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
@@ -168,9 +186,11 @@ def auto_mode(p: Problem) -> str | None:
         return None
     if p.softcap:
         return None
+    wide = head_dim_pad(p.head_dim) > 64
+    if p.cu_seqlens_q is not None and (p.deterministic or (wide and p.causal)):
+        return None  # packed sequences: the portable backward measured faster (docstring)
     window = p.window_left >= 0 or p.window_right > 0
     variant = window or p.alibi_slopes is not None or p.sinks is not None
-    wide = head_dim_pad(p.head_dim) > 64
     if p.deterministic or variant or (wide and p.causal):
         return "kernel-dq" if wide or p.causal else None
     if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS:
@@ -222,17 +242,31 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _kv_program(heads, kv_group, seqlen_q, causal_offset, left_offset, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
-    """(first key, batch, kv head, first query block, query blocks per head) of this
-    program. Query blocks that see none of its keys are skipped: causal (or a right window:
-    query i sees key j only if j <= i + causal_offset), those wholly above the band; with a
-    left window (j >= i + left_offset), those wholly below it."""
-    n0 = gl.program_id(0) * BLOCK_N
-    off_bhk = gl.program_id(1)
-    kv_heads = heads // kv_group
-    off_b = off_bhk // kv_heads
-    off_hk = off_bhk % kv_heads
+def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
+                TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                WINDOW: gl.constexpr, VARLEN: gl.constexpr):
+    """(first key, tensor batch index, sequence, kv head, first query block, query blocks per
+    head, first query row, first key row, seqlen_q, seqlen_k, causal offset) of this
+    program; keys and query rows are counted from the sequence's start. Packed sequences
+    (VARLEN): rows [CU[b], CU[b + 1]) of the batch-of-one views, and the program's (sequence,
+    key block) is item ``program_id(0)`` of the host's work list ``TILES`` (``kv_table``:
+    only blocks that hold keys, the heaviest first), its kv head ``program_id(1)``. Query
+    blocks that see none of its keys are skipped: causal (or a right window: query i sees
+    key j only if j <= i + causal_offset), those wholly above the band; with a left window
+    (j >= i + left_offset), those wholly below it."""
+    if VARLEN:
+        item = gl.program_id(0)
+        off_b = gl.load(TILES + 2 * item)
+        n0 = gl.load(TILES + 2 * item + 1) * BLOCK_N
+        off_hk = gl.program_id(1)
+    else:
+        n0 = gl.program_id(0) * BLOCK_N
+        off_bhk = gl.program_id(1)
+        kv_heads = heads // kv_group
+        off_b = off_bhk // kv_heads
+        off_hk = off_bhk % kv_heads
+    tb, q_start, k_start, seqlen_q, seqlen_k, causal_offset = _seq(
+        off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
     m_lo = 0
     if CAUSAL:
         m_lo = gl.maximum(n0 - causal_offset, 0) // BLOCK_M
@@ -242,28 +276,30 @@ def _kv_program(heads, kv_group, seqlen_q, causal_offset, left_offset, BLOCK_M: 
         last_row = n0 + BLOCK_N - 1 - left_offset
         m_hi = gl.minimum(m_hi, gl.where(last_row < 0, 0, last_row // BLOCK_M + 1))
     num_m = gl.maximum(m_hi - m_lo, 0)
-    return n0, off_b, off_hk, m_lo, num_m
+    return (n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k,
+            causal_offset)
 
 
 @gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_ready,
-                ready, empty, heads, kv_group, seqlen_q, causal_offset, left_offset,
-                CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                ready, empty, heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset,
+                CU_Q, CU_K, TILES, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                VARLEN: gl.constexpr):
     """The loader warp: this program's K and V (each consumer's 64-key half), then Q and dO
     of every (query head of the group, query block) step through the ring."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     SUB_N: gl.constexpr = k_bufs.type.shape[3]
     CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
     STAGES: gl.constexpr = q_bufs.type.shape[0]
-    n0, off_b, off_hk, m_lo, num_m = _kv_program(heads, kv_group, seqlen_q, causal_offset,
-                                                 left_offset, BLOCK_M, CONSUMERS * SUB_N,
-                                                 CAUSAL, WINDOW)  # fmt: skip
+    n0, tb, _b, off_hk, m_lo, num_m, q_start, k_start, _sq, _sk, _co = _kv_program(
+        heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
+        BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN)
     mbarrier.expect(kv_ready.index(0),
                     CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, n0 + c * SUB_N, 0],
+        tma.async_copy_global_to_shared(k_desc, [tb, off_hk, k_start + n0 + c * SUB_N, 0],
                                         kv_ready.index(0), k_bufs.index(c))  # fmt: skip
-        tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, n0 + c * SUB_N, 0],
+        tma.async_copy_global_to_shared(v_desc, [tb, off_hk, k_start + n0 + c * SUB_N, 0],
                                         kv_ready.index(0), v_bufs.index(c))  # fmt: skip
     for it in range(kv_group * num_m):
         off_h = off_hk * kv_group + it // num_m
@@ -273,19 +309,56 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs
         # lap's waits on "empty" pass at once.
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row0, 0], ready.index(s),
+        tma.async_copy_global_to_shared(q_desc, [tb, off_h, q_start + row0, 0], ready.index(s),
                                         q_bufs.index(s))  # fmt: skip
-        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row0, 0], ready.index(s),
-                                        do_bufs.index(s))  # fmt: skip
+        tma.async_copy_global_to_shared(do_desc, [tb, off_h, q_start + row0, 0],
+                                        ready.index(s), do_bufs.index(s))  # fmt: skip
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, DK, DV,
+                stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb, off_hk,
+                k_start, key0, seqlen_k, masked, DQ_ATOMIC: gl.constexpr, C: gl.constexpr):
+    """The consumer's epilogue: dK (scaled) and dV of its 64 keys, through its own K / V
+    buffers by TMA (nothing reads them once the other consumer's last dQ product, which
+    reads both halves of K, is done: the ``done`` barrier; TMA clips rows past the tensor's
+    end and columns past the head dim), or, ``masked`` (a packed sequence's last block), by
+    masked pointer stores of the rows before ``seqlen_k``."""
+    if DQ_ATOMIC:
+        mbarrier.arrive(done.index(0))
+        mbarrier.wait(done.index(0), 0)
+    if masked:
+        layout: gl.constexpr = dk.type.layout
+        rows = key0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
+        ok = (rows < seqlen_k)[:, None] & (cols < head_dim)[None, :]
+        at = (k_start + rows).to(gl.int64)[:, None]
+        gl.store(DK + at * stride_dks + off_hk * stride_dkh + cols[None, :],
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)  # fmt: skip
+        gl.store(DV + at * stride_dvs + off_hk * stride_dvh + cols[None, :],
+                 dv.to(DV.dtype.element_ty), mask=ok)  # fmt: skip
+    else:
+        k_smem.store((dk * sm_scale).to(k_smem.dtype))
+        v_smem.store(dv.to(v_smem.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dk_desc, [tb, off_hk, k_start + key0, 0],
+                                        k_bufs.index(C))  # fmt: skip
+        tma.async_copy_shared_to_global(dv_desc, [tb, off_hk, k_start + key0, 0],
+                                        v_bufs.index(C))  # fmt: skip
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                  seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                  left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                  stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                  qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                  alibi_offset,
                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, C: gl.constexpr):
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+                  C: gl.constexpr):
     """Consumer warpgroup C: keys [n0 + 64 C, n0 + 64 C + 64) of the program's block."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
@@ -305,9 +378,9 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    n0, off_b, off_hk, m_lo, num_m = _kv_program(heads, kv_group, seqlen_q, causal_offset,
-                                                 left_offset, BLOCK_M, CONSUMERS * SUB_N,
-                                                 CAUSAL, WINDOW)  # fmt: skip
+    n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
+        _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
+                    TILES, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN))
     key0 = n0 + C * SUB_N
     offs_k = key0 + gl.arange(0, SUB_N, layout=key_layout)
     # Steps that need a mask: past the last key (this consumer's keys run off the end),
@@ -325,7 +398,10 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs
         offs_m = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
         # Row statistics, read before waiting for the stage. A row past seqlen_q, or one
         # that saw no key in the forward (LSE -inf), gets LSE +inf: P = 0 for it.
-        stats = (off_b.to(gl.int64) * heads + off_h) * seqlen_q
+        if VARLEN:  # (heads, total_q)
+            stats = off_h.to(gl.int64) * total_q + q_start
+        else:
+            stats = (off_b.to(gl.int64) * heads + off_h) * seqlen_q
         m_ok = offs_m < seqlen_q
         lse = gl.load(LSE + stats + offs_m, mask=m_ok, other=float("inf"))
         lse = gl.where(lse == float("-inf"), float("inf"), lse)
@@ -419,67 +495,82 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs
                     _tile2d(dq_bufs, C * SPLIT + h).store(dq)
                     fence_async_shared()
                     gl.thread_barrier()  # every thread's part is written before the issue
-                    _tma_reduce_add(dq_desc, [off_b, off_h, row0, h * HALF],
+                    _tma_reduce_add(dq_desc, [tb, off_h, q_start + row0, h * HALF],
                                     dq_bufs.index(C * SPLIT + h))  # fmt: skip
 
-    # Epilogue: dK (scaled) and dV through this consumer's own K / V buffers, which nothing
-    # reads any more once the other consumer's last dQ product (which reads both halves of
-    # K) is done; TMA clips rows past seqlen_k and columns past the head dim.
-    if DQ_ATOMIC:
-        mbarrier.arrive(done.index(0))
-        mbarrier.wait(done.index(0), 0)
-    k_smem.store((dk * sm_scale).to(dtype))
-    v_smem.store(dv.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, key0, 0], k_bufs.index(C))
-    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, key0, 0], v_bufs.index(C))
-    tma.store_wait(0)
+    # Epilogue: a packed sequence's last block by masked stores, every other one by TMA.
+    # (The plain kernel passes a literal False: a run-time flag there, even one always
+    # false, fails Triton 3.6's lowering to LLVM with both stores under one branch.)
+    if VARLEN:
+        _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, DK, DV,
+                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb,
+                    off_hk, k_start, key0, seqlen_k, key_tail, DQ_ATOMIC, C)  # fmt: skip
+    else:
+        _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, DK, DV,
+                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb,
+                    off_hk, k_start, key0, seqlen_k, False, DQ_ATOMIC, C)  # fmt: skip
 
 
 @gluon.jit
 def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                    ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                   seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                   left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                   alibi_offset,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                  seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                  left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset, CAUSAL,
-                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, 0)  # fmt: skip
+                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                  stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                  qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                  alibi_offset, CAUSAL,
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, 0)  # fmt: skip
 
 
 @gluon.jit
 def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                    ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                   seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                   left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                   alibi_offset,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                  seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                  left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset, CAUSAL,
-                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, 1)  # fmt: skip
+                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                  stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                  qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                  alibi_offset, CAUSAL,
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, 1)  # fmt: skip
 
 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, dq_desc,
-                     heads, kv_group, seqlen_q, seqlen_k, seqlen_q_pad, causal_offset,
+                     heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                     stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                      qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                      alibi_offset,
                      CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                     WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
-    """Grid (cdiv(seqlen_k, 128), batch * kv_heads), launched with num_warps=4 (consumer 0);
-    the partitions add 4 warps (consumer 1) and 1 loader warp. Descriptors are 4-D over
-    (batch, heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M, padded dim), K, V, dK, dV
-    blocks (1, 1, 64, padded dim). LSE (base 2) and DELTA are (batch, heads, seqlen_q)
-    fp32; DQ the fp32 workspace (batch, heads, seqlen_q_pad, padded dim), read only with
-    DQ_ATOMIC. The variants (WINDOW, SOFTCAP, ALIBI; sinks need nothing here: they are in
-    the LSE) as the forward's ``variant_args`` sets them."""
+                     WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                     VARLEN: gl.constexpr):
+    """Grid (cdiv(seqlen_k, 128), batch * kv_heads) (packed sequences: below), launched with
+    num_warps=4 (consumer 0); the partitions add 4 warps (consumer 1) and 1 loader warp.
+    Descriptors are 4-D over (batch, heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M,
+    padded dim), K, V, dK, dV blocks (1, 1, 64, padded dim). LSE (base 2) and DELTA are
+    (batch, heads, seqlen_q) fp32; DQ the fp32 workspace (batch, heads, seqlen_q, padded
+    dim), read only with DQ_ATOMIC. Packed sequences (VARLEN): the descriptors are over
+    batch-of-one (1, heads, total, dim) views, sequence b is rows [CU[b], CU[b + 1]) (int32
+    CU_Q, CU_K), the grid is (work items, kv heads) over the host's list of (sequence, key
+    block) pairs ``TILES`` (:func:`kv_table`), LSE and DELTA are (heads, total_q), and a
+    sequence's last key block leaves through masked stores into DK / DV ((total_k, kv
+    heads, dim), strides stride_dk* / stride_dv*; ``head_dim`` the real head dim), since a
+    TMA store would write the next sequence's rows. The variants (WINDOW, SOFTCAP, ALIBI;
+    sinks need nothing here: they are in the LSE) as the forward's ``variant_args`` sets
+    them."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     SUB_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -513,17 +604,22 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     gl.warp_specialize([
         (_bwd_consumer0, (dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                           ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                          seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                          left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI)),
+                          seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                          stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                          qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                          alibi_offset,
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN)),
         (_bwd_consumer1, (dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                           ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                          seqlen_q, seqlen_k, seqlen_q_pad, causal_offset, qk_scale, sm_scale,
-                          left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI)),
+                          seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                          stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                          qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                          alibi_offset,
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                       kv_ready, ready, empty, heads, kv_group, seqlen_q, causal_offset,
-                       left_offset, CAUSAL, WINDOW)),
+                       kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k,
+                       causal_offset, left_offset, CU_Q, CU_K, TILES, CAUSAL, WINDOW,
+                       VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -556,16 +652,40 @@ def _dq_desc(dq_acc: torch.Tensor, block_m: int, dpad: int, dq_atomic: bool):
     return _desc(dq_acc, block_m, cols)
 
 
+def kv_table(cu_q, cu_k, block_n: int, block_m: int, causal: bool,
+             device) -> tuple[torch.Tensor, int]:
+    """Packed sequences' key blocks as the kernel takes them (``TILES``): int32 (sequence,
+    key block) pairs for every block that holds a key, the heaviest first (the most query
+    blocks to visit, causal bottom-right; ties in sequence order), and their count. A
+    (longest sequence x batch) grid would spend most of its programs past the short
+    sequences' ends, and this order starts the long blocks first (as the forward's
+    ``tile_table``)."""
+    work = []
+    for b in range(len(cu_q) - 1):
+        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        for n in range(cdiv(sk, block_n)):
+            m_lo = max(n * block_n - (sk - sq), 0) // block_m if causal else 0
+            work.append((-max(cdiv(sq, block_m) - m_lo, 0), b, n))
+    work.sort()
+    pairs = [x for _, b, n in work for x in (b, n)]
+    return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
+
+
 def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
              softmax_scale: float, causal: bool, dq_atomic: bool,
              config: tuple | None = None, qk_scale: float | None = None,
-             variants: dict | None = None) -> tuple[tuple, dict, int]:
+             variants: dict | None = None,
+             packed: dict | None = None) -> tuple[tuple, dict, int]:
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views; ``dq_acc``
     is the fp32 workspace (atomic dQ) or any tensor (kernel dQ: not read). ``qk_scale`` and
     ``variants`` as the forward's :func:`~diyfa.attention.hopper_fwd.variant_args` gives them
     (default: softmax_scale * log2(e), no variant); the sinks' entries are dropped (the LSE
-    holds them)."""
+    holds them). ``packed`` (packed sequences: the views are batch-of-one): the sequence
+    count, longest lengths and the VARLEN kernel arguments (:func:`hopper_backward`)."""
     b, h, sq, d = q4.shape
+    sk = k4.shape[2]
+    if packed is not None:
+        b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     dpad = head_dim_pad(d)
     block_m, stages, c_regs, l_regs = config or BWD_CONFIGS[dpad]
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
@@ -573,7 +693,9 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
                 LSE=lse2, DELTA=delta, dq_desc=_dq_desc(dq_acc, block_m, dpad, dq_atomic),
                 heads=h, kv_group=h // k4.shape[1],
-                seqlen_q=sq, seqlen_k=k4.shape[2], seqlen_q_pad=cdiv(sq, block_m) * block_m,
+                seqlen_q=sq, seqlen_k=sk, total_q=0, CU_Q=lse2, CU_K=lse2, TILES=lse2, DK=dk4,
+                DV=dv4,
+                stride_dks=0, stride_dkh=0, stride_dvs=0, stride_dvh=0, head_dim=d, VARLEN=False,
                 causal_offset=causal_offset,
                 qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
                 sm_scale=softmax_scale, CAUSAL=causal, DQ_ATOMIC=dq_atomic, STAGES=stages,
@@ -582,17 +704,24 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 ALIBI=False)  # fmt: skip
     if variants:
         args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
-    grid = (cdiv(k4.shape[2], BLOCK_N), b * k4.shape[1])
+    grid = (cdiv(sk, BLOCK_N), b * k4.shape[1])
+    if packed is not None:
+        args.update(packed["args"])
+        table, items = kv_table(*packed["cu_host"], BLOCK_N, block_m, causal, lse2.device)
+        args.update(TILES=table)
+        grid = (items, k4.shape[1])
     return grid, args, 4
 
 
 def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                            causal: bool = False, dq_atomic: bool = True,
-                           config: tuple | None = None, variants: tuple[str, ...] = ()):
+                           config: tuple | None = None, variants: tuple[str, ...] = (),
+                           packed: bool = False):
     """Compile the kernel for sm90a without a GPU (as ``bwd_args`` sets it up for a (2, 16,
     4096, head_dim) problem with 4 kv heads); returns Triton's ``CompiledKernel``.
-    ``variants`` names the flags to set (WINDOW, SOFTCAP, ALIBI). Run it in a process that
-    has not run kernels under the interpreter."""
+    ``variants`` names the flags to set (WINDOW, SOFTCAP, ALIBI); ``packed``: the packed-
+    sequence build (VARLEN). Run it in a process that has not run kernels under the
+    interpreter."""
     from diyfa._compile import compile_for_sm90
 
     q = torch.empty(2, 16, 4096, head_dim, dtype=dtype)
@@ -604,8 +733,18 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
         flags["left_offset"] = -1000
     if "ALIBI" in flags:
         flags.update(SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)
+    pack = None
+    if packed:
+        q, kv, stats, dq_acc = q[:1], kv[:1], stats[0], dq_acc[:1]
+        cu = torch.zeros(5, dtype=torch.int32)
+        dkv = torch.empty(4096, 4, head_dim, dtype=dtype)
+        bounds = (0, 1000, 2000, 3000, 4096)
+        pack = dict(batch=4, seqlen_q=1096, seqlen_k=1096, cu_host=(bounds, bounds), args=dict(
+            CU_Q=cu, CU_K=cu, total_q=4096, DK=dkv, DV=dkv, stride_dks=dkv.stride(0),
+            stride_dkh=dkv.stride(1), stride_dvs=dkv.stride(0), stride_dvh=dkv.stride(1),
+            VARLEN=True))  # fmt: skip
     _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_acc, 0, 0.1, causal,
-                                  dq_atomic, config, variants=flags)  # fmt: skip
+                                  dq_atomic, config, variants=flags, packed=pack)  # fmt: skip
     return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
 
 
@@ -645,21 +784,27 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     if atomic_dq is None:
         atomic_dq = not p.deterministic
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if p.seqlen_q == 0 or p.seqlen_k == 0 or p.batch * p.heads == 0:
+    varlen = p.cu_seqlens_q is not None
+    if (p.seqlen_q == 0 or p.seqlen_k == 0 or p.batch * p.heads == 0
+            or (varlen and (p.total_q == 0 or k.shape[0] == 0))):  # (TMA takes no empty tensor)
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q4, k4, v4 = bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout)
-    do4, o4 = bhsd_view(do, p.layout), bhsd_view(out, p.layout)
+
+    def view(t):  # (batch, heads, seqlen, dim); packed (total, heads, d) -> (1, heads, total, d)
+        return t.unsqueeze(0).transpose(1, 2) if varlen else bhsd_view(t, p.layout)
+
+    q4, k4, v4, do4, o4 = view(q), view(k), view(v), view(do), view(out)
     if not tma_ready(do4):  # e.g. the expanded, stride-0 gradient of out.sum()
         do = do.contiguous()
-        do4 = bhsd_view(do, p.layout)
+        do4 = view(do)
     # empty_like keeps a dense input's strides (which TMA took for k and v) and makes a
     # non-dense one's gradient contiguous: both meet TMA's rules at these head dims.
     dpad = head_dim_pad(p.head_dim)
     block_m = (config or BWD_CONFIGS[dpad])[0]
     stats = torch.empty_like(lse2)  # delta = rowsum(dO * O)
     if atomic_dq:  # the fp32 dQ workspace the kernel's TMA reduce-adds go to
-        dq_acc = torch.zeros((p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad),
-                             dtype=torch.float32, device=q.device)  # fmt: skip
+        shape = ((1, p.heads, p.total_q, dpad) if varlen else
+                 (p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad))  # fmt: skip
+        dq_acc = torch.zeros(shape, dtype=torch.float32, device=q.device)
     else:  # (the kernel reads nothing through it)
         dq_acc = stats
     key = None if config is not None else portable.replay_key(
@@ -680,10 +825,18 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         delta(o4, do4, launched, res=stats)
     # The forward's band, scales and flags (plain attention: no flag; sinks: the LSE has them).
     upper, qk_scale, causal, variants = variant_args(p)
-    dk4, dv4 = bhsd_view(dk, p.layout), bhsd_view(dv, p.layout)
+    dk4, dv4 = view(dk), view(dv)
+    packed = None
+    if varlen:  # dK / dV's last block of a sequence by masked stores: their (total, h, d) form
+        cu_host = p.cu_host or (tuple(p.cu_seqlens_q.tolist()), tuple(p.cu_seqlens_k.tolist()))
+        packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=cu_host,
+                      args=dict(CU_Q=p.cu_seqlens_q, CU_K=p.cu_seqlens_k, total_q=p.total_q,
+                                DK=dk, DV=dv, stride_dks=dk.stride(0), stride_dkh=dk.stride(1),
+                                stride_dvs=dv.stride(0), stride_dvh=dv.stride(1),
+                                VARLEN=True))  # fmt: skip
     grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
                                      p.softmax_scale, causal, atomic_dq, config, qk_scale,
-                                     variants)  # fmt: skip
+                                     variants, packed)  # fmt: skip
     kernel = launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
     launched.append((_attn_bwd_hopper, kernel, grid, args))
     if roles is not None and not compiling_only() and None not in launched:
@@ -696,6 +849,9 @@ _REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
 
 def _finish(dq: torch.Tensor, dq_acc: torch.Tensor, p: Problem) -> torch.Tensor:
     """dQ from the atomic mode's fp32 workspace: scaled, cast, written into ``dq``."""
+    if p.cu_seqlens_q is not None:  # (1, heads, total, dpad) -> (total, heads, d)
+        torch.mul(dq_acc[0, :, :, : p.head_dim].transpose(0, 1), p.softmax_scale, out=dq)
+        return dq
     torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale,
               out=bhsd_view(dq, p.layout))  # fmt: skip
     return dq
@@ -709,8 +865,6 @@ def supports(p: Problem) -> str | None:
     reason = forward_supports(p)
     if reason is not None:
         return reason
-    if p.cu_seqlens_q is not None:
-        return "its backward takes no packed (varlen) sequences yet (portable)"
     if p.head_dim_v != p.head_dim:
         return "its backward takes no value head dim other than q's yet (portable)"
     if p.head_dim > 128:

@@ -1184,11 +1184,11 @@ def prefer(p: Problem) -> str | None:
       fp16 seed shape (4 x 8 heads) at 2048 keys 391 against 291; at 1024 keys 400 against
       397 (16 x 32 heads), causal 311 against 288, but 137-154 against 175 on the small
       seed shape and 43-46 against 50 at 512 keys (host-bound sizes).
-    - Packed sequences at head dims other than 72..128: at d64 the portable kernel measured
-      faster (H200, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
-      benchmarks/results/2026-11-23_h200_inference_*.jsonl: 420 / 369 TFLOPS full / causal
-      against this kernel's 346 / 269), d256 is not timed. At d128 (GQA 16/4) this kernel is
-      ahead: 516 / 426 against 462 / 399.
+    - Packed sequences at head dims above 128 (not timed). At d128 (GQA 16/4) this kernel
+      is ahead (H200, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
+      benchmarks/results/2026-11-23_h200_inference_*.jsonl: 516 / 426 TFLOPS full / causal
+      against 462 / 399); at d64 the family keeps them (its Gluon backward is faster there)
+      but its forward runs the portable kernel's (:func:`auto_forward`).
     - A value head dim other than q's: passes its GPU test (H200,
       benchmarks/results/2026-11-23_h200_gpu-tests-hopper-fwd_34dc924.txt) but has not been
       timed against the portable kernel yet.
@@ -1196,9 +1196,8 @@ def prefer(p: Problem) -> str | None:
     tokens, d128, causal; ..._flash_variants-fa4_34dc924.jsonl): window 1023 411 against 296
     TFLOPS, softcap 319 / 278, ALiBi 357 / 306, sinks 472 / 372.
     """
-    if p.cu_seqlens_q is not None and head_dim_pad(p.head_dim) != 128:
-        return ("packed sequences run on it at head dims 72..128 only: the portable kernel "
-                "measured faster at d64, d256 is not timed "
+    if p.cu_seqlens_q is not None and head_dim_pad(p.head_dim) > 128:
+        return ("packed sequences run on it at head dims up to 128 only: d256 is not timed "
                 '(backend="hopper" runs them)')  # fmt: skip
     if p.head_dim_v != p.head_dim:
         return ("its value head dim other than q's passes the GPU tests but is not timed "
@@ -1207,6 +1206,20 @@ def prefer(p: Problem) -> str | None:
         return (f"the portable kernel measured as fast or faster at head dims <= 64 below "
                 f"{SHORT_KEYS_D64} keys")  # fmt: skip
     return None
+
+
+def auto_forward(q, k, v, problem: Problem):
+    """"auto"'s forward for this family: this kernel, except packed sequences at head dims
+    <= 64, which run the portable forward (measured faster there: H200, 29 sequences of
+    128..7626 tokens, bf16, benchmarks/results/2026-11-24_h200_flash_varlen-hopper-bwd_*.jsonl:
+    416 / 373 TFLOPS full / causal against 380 / 323) while their backward takes the Gluon
+    one where :func:`backward` finds it faster (causal: 269 against 226); the portable
+    forward writes the same base-2 LSE in the same (heads, total_q) layout."""
+    if problem.cu_seqlens_q is not None and head_dim_pad(problem.head_dim) == 64:
+        from diyfa.attention import portable
+
+        return portable.FAMILY.forward(q, k, v, problem)
+    return hopper_forward(q, k, v, problem)
 
 
 def backward(do, q, k, v, out, lse2, problem: Problem):
@@ -1225,7 +1238,7 @@ def backward_named(do, q, k, v, out, lse2, problem: Problem):
     return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=True)
 
 
-FAMILY = Family("hopper", supports=supports, forward=hopper_forward, backward=backward,
+FAMILY = Family("hopper", supports=supports, forward=auto_forward, backward=backward,
                 prefer=prefer,
                 named=Family("hopper", supports=supports, forward=hopper_forward,
                              backward=backward_named))  # fmt: skip

@@ -363,6 +363,15 @@ def _diyfa_varlen(case, q, k, v, cu, max_len):
     return flash_attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=case.causal)
 
 
+@register("varlen", "diyfa-portable", layout="thd", check=_diyfa_check)
+def _diyfa_portable_varlen(case, q, k, v, cu, max_len):
+    """The same forced onto the portable Triton kernels, forward and backward."""
+    from diyfa.attention import flash_attention_varlen
+
+    return flash_attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=case.causal,
+                                  backend="portable")  # fmt: skip
+
+
 def _hopper_varlen_check(case) -> str | None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return "needs an sm90 GPU (H100/H200)"
@@ -371,12 +380,21 @@ def _hopper_varlen_check(case) -> str | None:
 
 @register("varlen", "diyfa-hopper", layout="thd", check=_hopper_varlen_check)
 def _diyfa_hopper_varlen(case, q, k, v, cu, max_len):
-    """The same forced onto the Hopper family: its packed-sequence forward (the backward is
-    the portable one); against "diyfa" this is what "auto" would gain by taking it."""
+    """The same forced onto the Hopper family: its packed-sequence forward and Gluon backward
+    (atomic dQ); against "diyfa" this is what "auto" would gain by taking them."""
     from diyfa.attention import flash_attention_varlen
 
     return flash_attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=case.causal,
                                   backend="hopper")  # fmt: skip
+
+
+@register("varlen", "diyfa-hopper-det", layout="thd", check=_hopper_varlen_check)
+def _diyfa_hopper_det_varlen(case, q, k, v, cu, max_len):
+    """The same with deterministic=True: the portable dQ kernel, then the Gluon dK/dV kernel."""
+    from diyfa.attention import flash_attention_varlen
+
+    return flash_attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=case.causal,
+                                  backend="hopper", deterministic=True)  # fmt: skip
 
 
 @register("varlen", "sdpa-cudnn-padded", layout="thd", baseline=True, check=_needs_cuda)
