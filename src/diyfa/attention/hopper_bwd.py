@@ -172,9 +172,9 @@ def auto_mode(p: Problem) -> str | None:
     347 / 420 / 310 take the same rule as plain attention (timed at that one shape); softcap
     stays portable (226 / 220 / 206 then; with tanh.approx, 2026-11-24, 302 / 303 / 217).
     Packed sequences (H200, 2026-11-24, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
-    benchmarks/results/2026-11-24_h200_flash_varlen-hopper-bwd_*.jsonl; TFLOPS portable /
-    kernel-dq / atomic): d128 GQA 16/4 365 / 353 / 370, causal 346 / 321 / 196; d64 264 /
-    185 / 270, causal 226 / 224 / 269. So the atomic mode where the plain rule gives it,
+    benchmarks/results/2026-11-24_h200_flash_varlen-hopper-bwd_b0e7171.jsonl; TFLOPS
+    portable / kernel-dq / atomic): d128 GQA 16/4 363 / 345 / 367, causal 342 / 313 / 195;
+    d64 263 / 181 / 266, causal 226 / 225 / 270. So the atomic mode where the plain rule gives it,
     except causal at d72..128 (portable), and deterministic packed calls run the portable
     backward."""
     env = os.environ.get("DIYFA_HOPPER_BWD")

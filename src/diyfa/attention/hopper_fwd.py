@@ -1211,9 +1211,9 @@ def prefer(p: Problem) -> str | None:
 def auto_forward(q, k, v, problem: Problem):
     """"auto"'s forward for this family: this kernel, except packed sequences at head dims
     <= 64, which run the portable forward (measured faster there: H200, 29 sequences of
-    128..7626 tokens, bf16, benchmarks/results/2026-11-24_h200_flash_varlen-hopper-bwd_*.jsonl:
-    416 / 373 TFLOPS full / causal against 380 / 323) while their backward takes the Gluon
-    one where :func:`backward` finds it faster (causal: 269 against 226); the portable
+    128..7626 tokens, bf16, benchmarks/results/2026-11-24_h200_flash_varlen-hopper-bwd_b0e7171
+    .jsonl: 421 / 364 TFLOPS full / causal against 397 / 319) while their backward takes the
+    Gluon one where :func:`backward` finds it faster (causal: 270 against 226); the portable
     forward writes the same base-2 LSE in the same (heads, total_q) layout."""
     if problem.cu_seqlens_q is not None and head_dim_pad(problem.head_dim) == 64:
         from diyfa.attention import portable
