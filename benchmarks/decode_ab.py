@@ -5,9 +5,12 @@ measured copy bandwidth (a 2 GB ``clone``: bytes read + written / time). Every v
 output is first compared with the default's (the same math, max |diff| printed).
 
 Usage (device): python3 benchmarks/decode_ab.py [--out decode_ab.jsonl]
-  [--variants "64,4,3,2;128,8,3,2"]   (BLOCK_N, warps, stages, programs per SM)
+  [--variants "default;64,4,3,2;128,8,3,2"]   (BLOCK_N, warps, stages, programs per SM;
+                 "default": what decode.launch_config picks)
   [--checked]   (without max_seqlen_k: the lengths read back every call, as before
                  2026-11-24, when that synchronisation hid every launch choice)
+  [--tokens N]  (N new query tokens per sequence, causal, as in speculative decoding;
+                 with --multi: the b16 32/8 16k shapes, contiguous and pages of 16 / 256)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ SHAPES = [(16, 32, 8, 16384, None), (64, 32, 8, 4096, None), (1, 32, 8, 131072, 
 PAGED_SHAPES = [(16, 32, 8, 16384, 16), (16, 32, 8, 16384, 256), (64, 32, 8, 4096, 16),
                 (4, 32, 8, 65536, 16), (1, 32, 8, 131072, 256), (16, 32, 32, 16384, 16),
                 (128, 32, 8, 512, 16)]  # fmt: skip
+MULTI_SHAPES = [(16, 32, 8, 16384, None), (16, 32, 8, 16384, 16), (16, 32, 8, 16384, 256)]
 DEFAULT_VARIANTS = "64,4,3,2;64,4,3,4;64,4,3,8;64,4,4,8;128,4,3,4;128,8,3,4;64,8,3,8"
 
 
@@ -51,9 +55,9 @@ def variant(block_n, warps, stages, per_sm):
          decode.WIDE, decode.PAGED_WAVES) = saved  # fmt: skip
 
 
-def inputs(b, h, hk, n, page, d=128, dtype=torch.bfloat16):
+def inputs(b, h, hk, n, page, d=128, dtype=torch.bfloat16, tokens=1):
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, 1, h, d, device="cuda", dtype=dtype, generator=g)
+    q = torch.randn(b, tokens, h, d, device="cuda", dtype=dtype, generator=g)
     seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
     if page is None:
         k = torch.randn(b, n, hk, d, device="cuda", dtype=dtype, generator=g)
@@ -78,12 +82,16 @@ def main() -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--paged", action="store_true",
                     help="paged caches only, at more shapes (PAGED_SHAPES)")
+    ap.add_argument("--tokens", type=int, default=1, help="new query tokens per sequence")
+    ap.add_argument("--multi", action="store_true", help="MULTI_SHAPES (b16 32/8 16k)")
     ap.add_argument("--checked", action="store_true",
                     help="read the lengths back (no max_seqlen_k): host-bound, see docs")
     a = ap.parse_args()
     from triton.testing import do_bench
 
-    variants = [tuple(int(x) for x in v.split(",")) for v in a.variants.split(";") if v]
+    # ("default": the launch decode.launch_config picks, WIDE / PAGED_WAVES included)
+    variants = [v if v == "default" else tuple(int(x) for x in v.split(","))
+                for v in a.variants.split(";") if v]  # fmt: skip
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip
     copy = copy_bandwidth()
@@ -91,19 +99,20 @@ def main() -> int:
     table = []
     with open(a.out, "w") as out:
         out.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")
-        for b, h, hk, n, page in PAGED_SHAPES if a.paged else SHAPES:
-            q, k, v, seqlens, tbl = inputs(b, h, hk, n, page)
+        shapes = MULTI_SHAPES if a.multi else PAGED_SHAPES if a.paged else SHAPES
+        for b, h, hk, n, page in shapes:
+            q, k, v, seqlens, tbl = inputs(b, h, hk, n, page, tokens=a.tokens)
             nbytes = 2 * b * n * hk * 128 * 2 + 2 * q.numel() * 2
-            row = {"b": b, "h": h, "hk": hk, "n": n, "page": page}
+            row = {"b": b, "h": h, "hk": hk, "n": n, "page": page, "tokens": a.tokens}
             ref = None
             for var in variants:
-                name = "v" + "-".join(map(str, var))
+                name = var if var == "default" else "v" + "-".join(map(str, var))
                 try:
                     bound = {} if a.checked else {"max_seqlen_k": n}
                     fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,
                                            cache_seqlens=seqlens, block_table=tbl,
                                            **bound)  # fmt: skip
-                    with variant(*var):
+                    with contextlib.nullcontext() if var == "default" else variant(*var):
                         o = fn()
                         ref = o if ref is None else ref
                         diff = (o.float() - ref.float()).abs().max().item()
@@ -120,9 +129,9 @@ def main() -> int:
             torch.cuda.empty_cache()
     print(f"\ndecode GB/s (copy {copy:.0f}); variants BLOCK_N-warps-stages-programs/SM")
     for r in table:
-        head = f"b{r['b']} h{r['h']}/{r['hk']} n{r['n']} page{r['page']}"
-        print(f"{head:34s}", "  ".join(f"{k}={v}" for k, v in r.items()
-                                       if k not in ("b", "h", "hk", "n", "page")))  # fmt: skip
+        head = f"b{r['b']} h{r['h']}/{r['hk']} n{r['n']} page{r['page']} t{r['tokens']}"
+        print(f"{head:38s}", "  ".join(f"{k}={v}" for k, v in r.items()
+                                       if k not in ("b", "h", "hk", "n", "page", "tokens")))
     return 0
 
 

@@ -349,6 +349,9 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(False, 128, 128, 4, True)[0] == decode.BLOCK_N  # fp32: default
     # 8 new tokens x a group of 4 = 32 rows a program: 2 resident per SM (registers)
     assert decode.launch_config(True, 128, 128, 2, True, block_m=32)[2] == 2
+    # ... and contiguous ones take WIDE_MULTI's launch
+    assert decode.launch_config(False, 128, 128, 2, True, block_m=32) == (
+        *decode.WIDE_MULTI, False)
     assert decode.pick_splits(16, 8, 16384, dev, 64, 2, True) == 2  # 256 of 264 slots
 
 

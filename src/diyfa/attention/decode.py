@@ -64,6 +64,12 @@ PROGRAMS_PER_SM = 2  # pick_splits' aim: about this many split programs per SM
 # b16 x 16k 3,963 / 3,967; paged caches measured best at 64-4-2 (pages of 16 at 16k 3,693
 # against 3,398).
 WIDE = (128, 8, 4)
+# ... and the same caches when a program holds more than 16 query rows (the GQA group x the
+# new tokens: 32 for 8 tokens of a group of 4). H200, bf16 d128, b16 32/8 16k, 8 new tokens
+# (decode_ab.py --multi --tokens 8, ..._decode-ab-multi_27997d6-wip.jsonl, GB/s against a
+# 4,224 copy): 3,952 against WIDE's 3,539 (128-4-3-2 3,822, 128-8-3-4 3,574); with 4 new
+# tokens (16 rows, WIDE's) the launches were within 3% of each other.
+WIDE_MULTI = (64, 4, 3)
 # Paged 16-bit caches at head dims <= 128 on a GPU: 64-key blocks, 4 warps, and the split
 # count that fills whole waves of the 3 programs an SM holds (3 stages of 64-key d128
 # tiles: ~72 KB of shared memory each). The paged A/B (decode_ab.py --paged, pages of 16
@@ -84,8 +90,8 @@ PAGED_WAVES_FP8 = (128, 4, 3)
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
                   block_m: int = 16) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE and
-    PAGED_WAVES; whole waves: :func:`pick_splits` counts the programs per SM as the ones
+    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI
+    and PAGED_WAVES; whole waves: :func:`pick_splits` counts the programs per SM as the ones
     resident and fills whole waves of them). ``block_m``: the query rows of a program
     (the GQA group x new tokens, padded); paged programs of more than 16 rows hold more
     registers (ptxas, sm90, bf16 d128: 161 at 16 rows, 203 at 32, 187 at 64; 4 warps), so 2
@@ -93,7 +99,7 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
     wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
     if wide and narrow and not paged:
-        return (*wide, False)
+        return (*(wide if block_m <= 16 else WIDE_MULTI), False)
     if paged_waves and narrow and paged:
         block_n, warps, per_sm = paged_waves
         return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
