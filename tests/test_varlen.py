@@ -111,8 +111,9 @@ def test_varlen_hopper_path_by_head_dim(monkeypatch):
     """On an H100/H200 (capability set by hand here) the Hopper family takes packed
     sequences up to d128 under "auto" (d256 is not timed: portable, saying why); at d64 its
     "auto" forward is the portable kernel's (measured faster) and its backward the Gluon one
-    where hopper_bwd.auto_mode picks it (causal: atomic dQ; causal d128 and deterministic
-    calls: portable); with a window (or softcap, ALiBi, sinks) the family refuses them."""
+    where hopper_bwd.auto_mode picks it (plain attention's rule: at d64 the atomic dQ, the
+    deterministic path when asked for; at d72..128 the deterministic path); with a window
+    (or softcap, ALiBi, sinks) the family refuses them."""
     import dataclasses
     import types
 
@@ -133,14 +134,15 @@ def test_varlen_hopper_path_by_head_dim(monkeypatch):
     assert ran == ["portable"]  # d64: the portable forward inside the Hopper family
     assert hopper_bwd.supports(p) is None  # the Gluon backward takes them
     assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True)) == "atomic"
-    assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True, deterministic=True)) is None
+    assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True, deterministic=True)) == (
+        "kernel-dq")
     for d, family in ((128, "hopper"), (96, "hopper"), (256, "portable")):
         qd, kd, vd, _, _ = _packed([3, 4], [3, 4], 2, 2, d, torch.bfloat16)
         pd = check_varlen_inputs(qd, kd, vd, cu_q, cu_k, 4, 4, causal=True, softmax_scale=None)
         pd = dataclasses.replace(pd, capability=(9, 0), aligned16=True)
         assert dispatch.select(pd).name == family, d
-        if family == "hopper":  # causal at d72..128: the portable backward
-            assert hopper_bwd.auto_mode(pd) is None and hopper_bwd.supports(pd) is None
+        if family == "hopper":  # d72..128: the deterministic path
+            assert hopper_bwd.auto_mode(pd) == "kernel-dq" and hopper_bwd.supports(pd) is None
     assert "d256 is not timed" in dict(dispatch.explain(pd))["hopper"]
     windowed = dataclasses.replace(p, window_left=8)
     assert "without window" in dict(dispatch.explain(windowed))["hopper"]

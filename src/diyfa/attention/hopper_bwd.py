@@ -16,8 +16,12 @@ What the kernel does
     the causal band, or below a left window).
 
     - one *loader* warp: K and V once (two 64-key halves each), then Q and dO of each query
-      block by TMA through a ring of ``STAGES`` buffers (``ready[s]`` completes on the byte
-      count, ``empty[s]`` when both consumers are done with the stage);
+      block by TMA through a ring of ``STAGES`` buffers, with the block's LSE and delta by
+      ``cp.async`` into the same stage (before 2026-11-24 the consumers read those with
+      global loads, whose latency ncu found on their critical path; TMA cannot take them:
+      a row of odd length starts at any 4-byte offset, TMA boxes at 16-byte ones;
+      ``ready[s]`` completes on the byte count and the copies, ``empty[s]`` when both
+      consumers are done with the stage);
     - two *consumer* warpgroups, each owning 64 of the 128 keys (one m64 ``wgmma``), so every
       product has the keys on its M side and nothing is transposed in registers:
 
@@ -73,7 +77,8 @@ of spills, ``tests/test_hopper_bwd.py``) and run on an H200
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
 rules, positive scale), head dims 64..128 that are multiples of 8 (computed as 64 or 128;
 at 256 the two fp32 accumulators alone are 256 registers per thread: portable), no value
-head dim other than q's.
+head dim other than q's. dO is copied to a contiguous tensor when its strides break TMA's
+rules (autograd hands an expanded, stride-0 gradient for ``out.sum()``).
 
 Packed sequences (``VARLEN``, 2026-11-24): the descriptors are over batch-of-one (1, heads,
 total, d) views; the host lists the (sequence, key block) pairs that hold keys, heaviest
@@ -85,8 +90,7 @@ their P is 0); a sequence's last key block stores dK/dV by masked pointer stores
 store would overwrite the next sequence's rows). Unlike the forward, non-finite values in
 one sequence's Q/dO/K rows can reach a neighbour's gradients here through 0 x inf (a
 block's foreign rows are masked by zero probabilities, not zeroed); with finite inputs
-every sequence's gradients are its own. dO is copied to a contiguous tensor when its
-strides break TMA's rules (autograd hands an expanded, stride-0 gradient for ``out.sum()``).
+every sequence's gradients are its own.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -160,23 +165,24 @@ def auto_mode(p: Problem) -> str | None:
     Since the atomic dQ leaves by TMA reduce-adds (2026-11-24; H200, 2 x 16 heads x 8192,
     bf16, microseconds per backward, portable / atomic / kernel-dq,
     benchmarks/results/2026-11-24_h200_bwd-breakdown_0676026.jsonl): d128 5980 / 5446 /
-    5932, causal 3754 / 3587 / 3093; d64 3683 / 3376 / 3868, causal 2686 / 1913 / 2045. So,
-    unless ``deterministic`` (or ``torch.use_deterministic_algorithms``) asks for
-    bitwise-reproducible gradients, "auto" takes the atomic mode, as FlashAttention-2/3 and
-    cuDNN do by default, except for causal calls at head dims 72..128, where the
-    deterministic path measured faster (and the variants, not re-measured since: the rule
-    above). With ``deterministic``: the rule above (kernel-dq, or portable at d64 without
-    the causal band). Variants, from the H200 run of 2026-11-23 at 8k tokens, d128, causal, bf16
-    (benchmarks/results/2026-11-23_h200_flash_variants-fa4_ead758f.jsonl; TFLOPS portable /
-    kernel-dq / atomic): sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 / 265, sinks
-    347 / 420 / 310 take the same rule as plain attention (timed at that one shape); softcap
-    stays portable (226 / 220 / 206 then; with tanh.approx, 2026-11-24, 302 / 303 / 217).
-    Packed sequences (H200, 2026-11-24, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
-    benchmarks/results/2026-11-24_h200_flash_varlen-hopper-bwd_b0e7171.jsonl; TFLOPS
-    portable / kernel-dq / atomic): d128 GQA 16/4 363 / 345 / 367, causal 342 / 313 / 195;
-    d64 263 / 181 / 266, causal 226 / 225 / 270. So the atomic mode where the plain rule gives it,
-    except causal at d72..128 (portable), and deterministic packed calls run the portable
-    backward."""
+    5932, causal 3754 / 3587 / 3093; d64 3683 / 3376 / 3868, causal 2686 / 1913 / 2045.
+    Since the loader brings each step's LSE and delta into shared memory by cp.async
+    (later on 2026-11-24, benchmarks/results/2026-11-24_h200_bwd-breakdown-stats_*.txt,
+    same shapes): d128 6136 / 5996 / **5434**, causal 3744 / 3112 / **2849**; d64 3671 /
+    **3060** / 3219, causal 2679 / **1578** / 1808. Packed sequences (29 sequences of
+    128..7626 tokens, 64k tokens, TFLOPS, the same order): d128 GQA 16/4 371 / 434 /
+    **440**, causal 337 / 344 / **414**; d64 263 / **389** / 357, causal 224 / **355** /
+    334. So "auto" runs the deterministic path (the portable dQ kernel, then this kernel for
+    dK/dV: bitwise-reproducible gradients, as a bonus) at head dims 72..128, and the atomic
+    dQ at d64, except without the causal band below ``ATOMIC_D64_KEYS`` keys (portable: the
+    same GPU time, a lighter host path); ``deterministic`` (or
+    ``torch.use_deterministic_algorithms``) takes the deterministic path at d64 too (3219
+    against the portable 3671; packed 357 / 334 against 263 / 224). The variants (window,
+    ALiBi, sinks) take the deterministic path (H200, 2026-11-23, 8k tokens, d128, causal,
+    bf16, benchmarks/results/2026-11-23_h200_flash_variants-fa4_ead758f.jsonl; TFLOPS
+    portable / kernel-dq / atomic: sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 /
+    265, sinks 347 / 420 / 310); softcap stays portable (226 / 220 / 206 then; with
+    tanh.approx, 2026-11-24, 302 / 303 / 217)."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
@@ -187,14 +193,12 @@ def auto_mode(p: Problem) -> str | None:
     if p.softcap:
         return None
     wide = head_dim_pad(p.head_dim) > 64
-    if p.cu_seqlens_q is not None and (p.deterministic or (wide and p.causal)):
-        return None  # packed sequences: the portable backward measured faster (docstring)
-    window = p.window_left >= 0 or p.window_right > 0
-    variant = window or p.alibi_slopes is not None or p.sinks is not None
-    if p.deterministic or variant or (wide and p.causal):
-        return "kernel-dq" if wide or p.causal else None
     if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS:
         return None
+    window = p.window_left >= 0 or p.window_right > 0
+    variant = window or p.alibi_slopes is not None or p.sinks is not None
+    if p.deterministic or variant or wide:
+        return "kernel-dq"
     return "atomic"
 
 
@@ -281,19 +285,21 @@ def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset,
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_ready,
-                ready, empty, heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset,
-                CU_Q, CU_K, TILES, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
+                k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready,
+                ready, empty, heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset,
+                left_offset, CU_Q, CU_K, TILES, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                 VARLEN: gl.constexpr):
-    """The loader warp: this program's K and V (each consumer's 64-key half), then Q and dO
-    of every (query head of the group, query block) step through the ring."""
+    """The loader warp: this program's K and V (each consumer's 64-key half), then Q, dO,
+    LSE and delta of every (query head of the group, query block) step through the ring."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     SUB_N: gl.constexpr = k_bufs.type.shape[3]
     CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
     STAGES: gl.constexpr = q_bufs.type.shape[0]
-    n0, tb, _b, off_hk, m_lo, num_m, q_start, k_start, _sq, _sk, _co = _kv_program(
+    n0, tb, _b, off_hk, m_lo, num_m, q_start, k_start, seqlen_rows, _sk, _co = _kv_program(
         heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
         BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN)
+    offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
     mbarrier.expect(kv_ready.index(0),
                     CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
@@ -308,6 +314,21 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs
         # A fresh mbarrier counts as having completed the phase before phase 0: the first
         # lap's waits on "empty" pass at once.
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        # The block's LSE and delta by cp.async (4-byte copies: a row of odd length starts
+        # anywhere, where TMA needs 16-byte aligned boxes), rows past the sequence zero-filled
+        # (the consumers mask them). Each thread's arrival on ``ready`` waits for its copies
+        # (and counts none: the expect below is the one arrival); it comes first, so the
+        # stage cannot complete on the TMA bytes alone.
+        rows = row0 + offs
+        if VARLEN:  # (heads, total_q)
+            base = off_h.to(gl.int64) * total_q + q_start
+        else:  # (batch, heads, seqlen_q)
+            base = (tb.to(gl.int64) * heads + off_h) * seqlen_q
+        async_copy.async_copy_global_to_shared(lse_bufs.index(s), LSE + base + rows,
+                                               mask=rows < seqlen_rows)  # fmt: skip
+        async_copy.async_copy_global_to_shared(delta_bufs.index(s), DELTA + base + rows,
+                                               mask=rows < seqlen_rows)  # fmt: skip
+        async_copy.mbarrier_arrive(ready.index(s))
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [tb, off_h, q_start + row0, 0], ready.index(s),
                                         q_bufs.index(s))  # fmt: skip
@@ -350,7 +371,8 @@ def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, 
 
 
 @gluon.jit
-def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
+                  v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -396,21 +418,18 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs
         off_h = off_hk * kv_group + it // num_m
         row0 = (m_lo + it % num_m) * BLOCK_M
         offs_m = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
-        # Row statistics, read before waiting for the stage. A row past seqlen_q, or one
-        # that saw no key in the forward (LSE -inf), gets LSE +inf: P = 0 for it.
-        if VARLEN:  # (heads, total_q)
-            stats = off_h.to(gl.int64) * total_q + q_start
-        else:
-            stats = (off_b.to(gl.int64) * heads + off_h) * seqlen_q
         m_ok = offs_m < seqlen_q
-        lse = gl.load(LSE + stats + offs_m, mask=m_ok, other=float("inf"))
-        lse = gl.where(lse == float("-inf"), float("inf"), lse)
         slope2 = 0.0
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
 
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        # The block's row statistics came with Q and dO (the loader's cp.async). A row past
+        # seqlen_q (the next head's or sequence's, or zeros past the end), or one that saw
+        # no key in the forward (LSE -inf), gets LSE +inf: P = 0 for it.
+        lse = lse_bufs.index(s).load(query_layout)
+        lse = gl.where(m_ok & (lse != float("-inf")), lse, float("inf"))
         q_smem = _tile2d(q_bufs, s)
         do_smem = _tile2d(do_bufs, s)
         q_t = q_smem.permute((1, 0))
@@ -448,7 +467,7 @@ def _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs
         # is computed from the fp32 P^T (as the portable kernel does).
         p16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
-        delta = gl.load(DELTA + stats + offs_m, mask=m_ok, other=0.0)
+        delta = gl.where(m_ok, delta_bufs.index(s).load(query_layout), 0.0)
         dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
         if SOFTCAP:
             ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
@@ -587,6 +606,10 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     DQ_TILES: gl.constexpr = 2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC else 1
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,
                                         dq_desc.layout)  # fmt: skip
+    # Each stage's LSE and delta (BLOCK_M fp32 each), loaded with its Q and dO.
+    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -602,24 +625,26 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     # (Argument tuples are written out in place: bound to a name first, their constexpr
     # members would reach the partitions as run-time values.)
     gl.warp_specialize([
-        (_bwd_consumer0, (dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                          ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                          seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+        (_bwd_consumer0, (dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs,
+                          k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready,
+                          done, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
+                          TILES, DK, DV,
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                           alibi_offset,
                           CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN)),
-        (_bwd_consumer1, (dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                          ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                          seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+        (_bwd_consumer1, (dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs,
+                          k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready,
+                          done, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
+                          TILES, DK, DV,
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                           alibi_offset,
                           CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN)),
-        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                       kv_ready, ready, empty, heads, kv_group, seqlen_q, seqlen_k,
-                       causal_offset, left_offset, CU_Q, CU_K, TILES, CAUSAL, WINDOW,
-                       VARLEN)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
+                       v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, heads, kv_group,
+                       seqlen_q, seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K,
+                       TILES, CAUSAL, WINDOW, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 

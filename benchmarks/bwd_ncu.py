@@ -1,0 +1,46 @@
+"""One Gluon backward under Nsight Compute: where its warps stall (issue 12).
+
+Runs ``flash_attention`` forward + backward three times on b1 h16 8192 d128 bf16 through
+``backend="hopper"`` (atomic dQ, or the deterministic path with ``--deterministic``); ncu
+profiles the third ``_attn_bwd_hopper`` launch. Run it under ncu, e.g. (device):
+
+  ncu --clock-control none --kernel-name regex:_attn_bwd_hopper --launch-skip 2 \
+      --launch-count 1 --section SourceCounters --section WarpStateStats \
+      --import-source yes -o bwd -f python3 benchmarks/bwd_ncu.py --causal
+  ncu --import bwd.ncu-rep --page source --csv --print-source sass > bwd_sass.csv
+
+(the CSV has each SASS instruction's stall samples by reason; docs/attention.md, "The Hopper
+backward", reads them.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
+
+import diyfa  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=128)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 8192, a.head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=g).requires_grad_() for _ in range(3))  # fmt: skip
+    for _ in range(3):
+        out = diyfa.flash_attention(q, k, v, causal=a.causal, backend="hopper",
+                                    deterministic=a.deterministic)  # fmt: skip
+        out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
