@@ -165,7 +165,7 @@ def test_supports_takes(kwargs):
     (None, "hopper", dict(d=256), "portable"),
     ("1", "auto", dict(d=256), "portable"),
     (None, "auto", dict(variant=dict(window_left=100)), "hopper-kernel-dq"),
-    (None, "auto", dict(variant=dict(softcap=30.0), causal=True), "portable"),
+    (None, "auto", dict(variant=dict(softcap=30.0), causal=True), "hopper-kernel-dq"),
     ("1", "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
     (None, "hopper", dict(variant=dict(softcap=30.0)), "hopper-atomic"),
     (None, "hopper", dict(variant=dict(alibi_slopes=torch.ones(4)), deterministic=True),
@@ -183,8 +183,7 @@ def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     4096 keys or causal); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
     wherever it applies; naming the family runs it with the atomic dQ unless deterministic.
     The variants (window, softcap, ALiBi, sinks) run in it when named or enabled; "auto"
-    takes windows, ALiBi and sinks by plain attention's rule (measured faster) and leaves
-    softcap to the portable backward (measured slower)."""
+    runs them in the deterministic path (measured faster)."""
     deterministic = kwargs.pop("deterministic", False)
     variant = kwargs.pop("variant", {})
     if env is None:

@@ -255,14 +255,14 @@ def test_bad_values(kwargs, err, match):
 def test_hopper_family_takes_variants(replace):
     """The Hopper forward runs windows, softcap, ALiBi and sinks, by name and under "auto"
     (measured faster than the portable kernel on an H200); the Gluon backward takes them
-    too, and "auto" runs it (deterministic mode) where it measured faster: all but softcap,
-    with plain attention's head-dim rule."""
+    too, and "auto" runs it (deterministic mode) where it measured faster, with plain
+    attention's head-dim rule."""
     problem = dataclasses.replace(_problem(), **replace)
     assert dispatch.select(problem).name == "hopper"
     assert dict(dispatch.explain(problem))["hopper"] is None
     assert dispatch.select(problem, "hopper").name == "hopper"
     assert hopper_bwd.supports(problem) is None
-    expected = None if "softcap" in replace else "kernel-dq"
+    expected = "kernel-dq"
     assert hopper_bwd.auto_mode(problem) == expected
     assert hopper_bwd.auto_mode(dataclasses.replace(problem, deterministic=True)) == expected
     d64 = dataclasses.replace(_problem(d=64), **replace)  # the deterministic rule: d64

@@ -2,9 +2,8 @@
 
 Status: runs on H200 (tests/test_hopper_bwd.py's GPU tests: the gradient matrix against
 float64, both dQ modes, bitwise determinism). "auto" runs it where it measured faster than
-the portable backward (:func:`auto_mode`: head dims <= 128 with the atomic dQ unless
-deterministic gradients are asked for, causal d72..128 and the variants in the
-deterministic path; windows, ALiBi and sinks too, not softcap); ``backend="hopper"``
+the portable backward (:func:`auto_mode`: the deterministic path at head dims 72..128,
+for the variants and when asked for, the atomic dQ at d64); ``backend="hopper"``
 runs it wherever :func:`supports` allows, with the atomic dQ unless ``deterministic=True``.
 Every other call, and every problem :func:`supports` refuses, takes the portable backward.
 
@@ -71,8 +70,7 @@ nothing here (they are in the LSE, and delta = rowsum(dO * O) holds; their own g
 computed from delta by ``function.sink_grad``). Compile-checked (every flag on: 48-672 bytes
 of spills, ``tests/test_hopper_bwd.py``) and run on an H200
 (``tests/test_variants.py::test_gpu_hopper_backward_variants``, both dQ modes, passed
-2026-11-23); "auto" takes it for windows, ALiBi and sinks, softcap stays portable
-(:func:`auto_mode`).
+2026-11-23); "auto" takes it for all four (:func:`auto_mode`).
 
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
 rules, positive scale), head dims 64..128 that are multiples of 8 (computed as 64 or 128;
@@ -181,8 +179,9 @@ def auto_mode(p: Problem) -> str | None:
     ALiBi, sinks) take the deterministic path (H200, 2026-11-23, 8k tokens, d128, causal,
     bf16, benchmarks/results/2026-11-23_h200_flash_variants-fa4_ead758f.jsonl; TFLOPS
     portable / kernel-dq / atomic: sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 /
-    265, sinks 347 / 420 / 310); softcap stays portable (226 / 220 / 206 then; with
-    tanh.approx, 2026-11-24, 302 / 303 / 217)."""
+    265, sinks 347 / 420 / 310); so does softcap since the statistics moved to shared memory
+    (226 / 220 / 206 then; with tanh.approx, 2026-11-24, 302 / 303 / 217; since, portable
+    300 against 320, benchmarks/results/2026-11-24_h200_flash_variants-fa4_3f3876a.jsonl)."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
@@ -190,13 +189,11 @@ def auto_mode(p: Problem) -> str | None:
         return "kernel-dq" if p.deterministic else "atomic"
     if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
         return None
-    if p.softcap:
-        return None
     wide = head_dim_pad(p.head_dim) > 64
     if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS:
         return None
     window = p.window_left >= 0 or p.window_right > 0
-    variant = window or p.alibi_slopes is not None or p.sinks is not None
+    variant = window or p.softcap or p.alibi_slopes is not None or p.sinks is not None
     if p.deterministic or variant or wide:
         return "kernel-dq"
     return "atomic"
