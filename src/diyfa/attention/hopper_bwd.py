@@ -115,6 +115,7 @@ from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch, n
 from diyfa.attention import portable
 from diyfa.attention.hopper_fwd import (
     LOG2E,
+    SHORT_WORK_D64,
     _desc,
     _seq,
     _tanh,
@@ -172,8 +173,9 @@ def auto_mode(p: Problem) -> str | None:
     **440**, causal 337 / 344 / **414**; d64 263 / **389** / 357, causal 224 / **355** /
     334. So "auto" runs the deterministic path (the portable dQ kernel, then this kernel for
     dK/dV: bitwise-reproducible gradients, as a bonus) at head dims 72..128, and the atomic
-    dQ at d64, except without the causal band below ``ATOMIC_D64_KEYS`` keys (portable: the
-    same GPU time, a lighter host path); ``deterministic`` (or
+    dQ at d64, except without the causal band below ``ATOMIC_D64_KEYS`` keys and
+    ``hopper_fwd.SHORT_WORK_D64`` scores (portable: the same GPU time, a lighter host
+    path); ``deterministic`` (or
     ``torch.use_deterministic_algorithms``) takes the deterministic path at d64 too (3219
     against the portable 3671; packed 357 / 334 against 263 / 224). The variants (window,
     ALiBi, sinks) take the deterministic path (H200, 2026-11-23, 8k tokens, d128, causal,
@@ -190,7 +192,8 @@ def auto_mode(p: Problem) -> str | None:
     if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
         return None
     wide = head_dim_pad(p.head_dim) > 64
-    if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS:
+    small = p.batch * p.heads * p.seqlen_q * p.seqlen_k < SHORT_WORK_D64
+    if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS and small:
         return None
     window = p.window_left >= 0 or p.window_right > 0
     variant = window or p.softcap or p.alibi_slopes is not None or p.sinks is not None

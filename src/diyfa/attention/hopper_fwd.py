@@ -121,6 +121,13 @@ HOPPER_CONFIGS = {
 LONG_KEYS = 4096
 LONG_KEYS_CAUSAL = 16384
 SHORT_KEYS_D64 = 2048  # "auto" leaves head dims <= 64 below this many keys to the portable kernel
+# ... unless the call has at least this many (batch x heads x seqlen_q x seqlen_k) scores:
+# H200, 2026-11-24, commit 3f3876a (..._flash_fasweep-fa4_3f3876a.jsonl and
+# ..._flash_seed-fa4_3f3876a.jsonl), d64 at 1024 keys: b16 h32 (2^29 scores) ran faster on the
+# Hopper family (forward 316 / 396 TFLOPS causal / not against the portable 285 / 393,
+# backward 265 / 347 against 182 / 318), b4 h8 fp16 (2^25) on the portable kernels (forward 216
+# against 157, backward 218 against 120-163).
+SHORT_WORK_D64 = 2**28
 HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1)}
 
 
@@ -1174,8 +1181,9 @@ def supports(p: Problem) -> str | None:
 def prefer(p: Problem) -> str | None:
     """Where "auto" leaves a problem this kernel can run to the portable one.
 
-    - Head dims <= 64 with fewer than 2048 keys, where the portable kernel measured as fast
-      or faster. Before the persistent programs got two Q buffers and causal calls the
+    - Head dims <= 64 with fewer than 2048 keys and 2^28 scores (SHORT_WORK_D64, above),
+      where the portable kernel measured as fast or faster. Before the persistent programs
+      got two Q buffers and causal calls the
       counter scheduler (2026-11-24), that held up to 4096 keys (H100, 2026-11-23,
       benchmarks/results/2026-11-23_h100_flash_fwd_debc629.jsonl: d64 at 512 / 1024 / 2048
       keys 295 / 370 / 421 TFLOPS against 336 / 393 / 422, causal 161 / 244 / 331 against
@@ -1202,9 +1210,10 @@ def prefer(p: Problem) -> str | None:
     if p.head_dim_v != p.head_dim:
         return ("its value head dim other than q's passes the GPU tests but is not timed "
                 'against the portable kernel yet (backend="hopper" runs it)')  # fmt: skip
-    if head_dim_pad(p.head_dim) == 64 and p.seqlen_k < SHORT_KEYS_D64:
+    if (head_dim_pad(p.head_dim) == 64 and p.seqlen_k < SHORT_KEYS_D64
+            and p.batch * p.heads * p.seqlen_q * p.seqlen_k < SHORT_WORK_D64):
         return (f"the portable kernel measured as fast or faster at head dims <= 64 below "
-                f"{SHORT_KEYS_D64} keys")  # fmt: skip
+                f"{SHORT_KEYS_D64} keys and {SHORT_WORK_D64} scores")  # fmt: skip
     return None
 
 
