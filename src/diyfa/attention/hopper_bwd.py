@@ -372,8 +372,8 @@ def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, 
 
 @gluon.jit
 def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
-                  v_bufs,
-                  ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
+                  v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads,
+                  kv_group,
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
@@ -531,7 +531,8 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
 
 
 @gluon.jit
-def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+def _bwd_consumer0(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
+                   v_bufs,
                    ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                    seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -539,7 +540,8 @@ def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_buf
                    alibi_offset,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
-    _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+    _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
+                  v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -549,7 +551,8 @@ def _bwd_consumer0(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_buf
 
 
 @gluon.jit
-def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+def _bwd_consumer1(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
+                   v_bufs,
                    ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                    seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -557,7 +560,8 @@ def _bwd_consumer1(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_buf
                    alibi_offset,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
-    _bwd_consumer(dk_desc, dv_desc, LSE, DELTA, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
+    _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
+                  v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
