@@ -106,9 +106,11 @@ def flash_attention(
             ``diyfa.attention.dispatch.explain`` lists the families and their reasons.
         deterministic: the backward must give bitwise-reproducible gradients (no atomic
             adds). Also on while ``torch.use_deterministic_algorithms(True)`` is. Unset, the
-            Hopper backward adds dQ with TMA reduce-adds where that measured faster (dQ's
-            bits may then vary between runs; dK and dV do not), as FlashAttention and
-            cuDNN do; ``backend="hopper"`` accumulates dQ that way unless this is set.
+            Hopper backward adds dQ with TMA reduce-adds where that measured faster (head
+            dims <= 64; dQ's bits may then vary between runs, dK's and dV's do not), as
+            FlashAttention and cuDNN do; at d72..128 its deterministic path measured faster
+            and runs anyway. ``backend="hopper"`` accumulates dQ by reduce-adds unless this
+            is set.
         window_size: (left, right), FlashAttention's sliding window: query i sees key j iff
             i + sk - sq - left <= j <= i + sk - sq + right; -1 leaves a side unbounded.
             With causal=True right is 0 (a positive right is refused). Blocks outside the
@@ -188,8 +190,8 @@ def flash_attention_varlen(
         causal: bottom-right aligned per sequence (query i of a sequence sees its keys
             j <= i + seqlen_k - seqlen_q).
         softmax_scale, backend: as for :func:`flash_attention` (on Hopper, "auto" runs
-            packed sequences without variants at head dims 72..128 on the Hopper forward
-            and Gluon backward; docs/attention.md, "Packed sequences").
+            packed sequences without variants up to head dim 128 on the Gluon backward, and
+            on the Hopper forward at d72..128; docs/attention.md, "Packed sequences").
         return_lse: also return the natural-log LSE, (heads, total_q) fp32.
         deterministic, window_size, softcap, alibi_slopes, sinks, dropout_p, generator: as for
             :func:`flash_attention` (per sequence; alibi_slopes (batch, heads) per sequence;
