@@ -480,6 +480,25 @@ def test_gpu_kvcache(paged):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_kvcache_eight_new_tokens(paged):
+    """8 new tokens x a GQA group of 4 = 32 query rows a program: the launch for such
+    programs (decode.WIDE_MULTI on a contiguous cache, PAGED_WAVES with 2 programs per SM on
+    a paged one), appended and attended causally, against float64."""
+    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+     after_v) = _setup(torch.bfloat16, 8, 8, h=32, hk=8, d=128, device="cuda")  # fmt: skip
+    kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+    with torch.no_grad():
+        out = diyfa.flash_attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                                 block_table=bt)  # fmt: skip
+    lengths = [n + 8 for n in LENS]
+    ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
+                     torch.float64)  # fmt: skip
+    pt = _reference(q, after_k, after_v, lengths, True, torch.bfloat16)
+    _check("out", out, pt, ref, 2, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_gpu_kvcache_cuda_graph(paged):
     """A decode step (append + attend) captured in a CUDA graph (nothing read back during a
     capture: the cache's capacity bounds the lengths) and replayed after the caller moves
