@@ -463,34 +463,20 @@ def test_split_stages_fit_the_shared_memory():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8], ids=["1-token", "8-tokens"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_gpu_kvcache(paged):
+def test_gpu_kvcache(paged, tokens):
+    """New tokens appended and attended causally, against float64. 8 new tokens x a GQA
+    group of 4 = 32 query rows a program: the launch for such programs (decode.WIDE_MULTI on
+    a contiguous cache, PAGED_WAVES with 2 programs per SM on a paged one)."""
     (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
-     after_v) = _setup(torch.bfloat16, 1, 1, h=32, hk=8, d=128, device="cuda")  # fmt: skip
+     after_v) = _setup(torch.bfloat16, tokens, tokens, h=32, hk=8, d=128,
+                       device="cuda")  # fmt: skip
     kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
     with torch.no_grad():
         out = diyfa.flash_attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
                                                  block_table=bt)  # fmt: skip
-    lengths = [n + 1 for n in LENS]
-    ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
-                     torch.float64)  # fmt: skip
-    pt = _reference(q, after_k, after_v, lengths, True, torch.bfloat16)
-    _check("out", out, pt, ref, 2, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_gpu_kvcache_eight_new_tokens(paged):
-    """8 new tokens x a GQA group of 4 = 32 query rows a program: the launch for such
-    programs (decode.WIDE_MULTI on a contiguous cache, PAGED_WAVES with 2 programs per SM on
-    a paged one), appended and attended causally, against float64."""
-    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
-     after_v) = _setup(torch.bfloat16, 8, 8, h=32, hk=8, d=128, device="cuda")  # fmt: skip
-    kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
-    with torch.no_grad():
-        out = diyfa.flash_attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
-                                                 block_table=bt)  # fmt: skip
-    lengths = [n + 8 for n in LENS]
+    lengths = [n + tokens for n in LENS]
     ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
                      torch.float64)  # fmt: skip
     pt = _reference(q, after_k, after_v, lengths, True, torch.bfloat16)

@@ -121,6 +121,7 @@ from diyfa.attention.hopper_fwd import (
     _tanh,
     _tile2d,
     bhsd_view,
+    cu_host,
     head_dim_pad,
     variant_args,
 )
@@ -857,8 +858,8 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     dk4, dv4 = view(dk), view(dv)
     packed = None
     if varlen:  # dK / dV's last block of a sequence by masked stores: their (total, h, d) form
-        cu_host = p.cu_host or (tuple(p.cu_seqlens_q.tolist()), tuple(p.cu_seqlens_k.tolist()))
-        packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=cu_host,
+        packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+                      cu_host=cu_host(p),
                       args=dict(CU_Q=p.cu_seqlens_q, CU_K=p.cu_seqlens_k, total_q=p.total_q,
                                 DK=dk, DV=dv, stride_dks=dk.stride(0), stride_dkh=dk.stride(1),
                                 stride_dvs=dv.stride(0), stride_dvh=dv.stride(1),

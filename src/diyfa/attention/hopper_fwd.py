@@ -71,6 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch
+from diyfa.attention import portable
 from diyfa.attention.dispatch import Family
 from diyfa.attention.portable import empty_lse, replay_key
 from diyfa.attention.problem import Problem
@@ -1113,6 +1114,12 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
 _REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
 
 
+def cu_host(p: Problem) -> tuple:
+    """Packed sequences' cumulative lengths on the host, (cu_q, cu_k): the checks' copy, or
+    read back (one synchronisation) for a problem built without it."""
+    return p.cu_host or (tuple(p.cu_seqlens_q.tolist()), tuple(p.cu_seqlens_k.tolist()))
+
+
 def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     """(out, lse2) of packed sequences, (total_q, heads, d) and (heads, total_q): the kernel
     over batch-of-one (1, heads, total, d) views, each tile's rows and keys offset by its
@@ -1128,8 +1135,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     def view(t):  # (total, heads, d) -> (1, heads, total, d)
         return t.unsqueeze(0).transpose(1, 2)
 
-    cu_host = p.cu_host or (tuple(p.cu_seqlens_q.tolist()), tuple(p.cu_seqlens_k.tolist()))
-    packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=cu_host,
+    packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=cu_host(p),
                   args=dict(CU_Q=p.cu_seqlens_q, CU_K=p.cu_seqlens_k, O=out,
                             stride_os=out.stride(0), stride_oh=out.stride(1),
                             total_q=p.total_q, VARLEN=True))  # fmt: skip
@@ -1225,8 +1231,6 @@ def auto_forward(q, k, v, problem: Problem):
     Gluon one where :func:`backward` finds it faster (causal: 270 against 226); the portable
     forward writes the same base-2 LSE in the same (heads, total_q) layout."""
     if problem.cu_seqlens_q is not None and head_dim_pad(problem.head_dim) == 64:
-        from diyfa.attention import portable
-
         return portable.FAMILY.forward(q, k, v, problem)
     return hopper_forward(q, k, v, problem)
 
