@@ -3,13 +3,20 @@ process on an sm90 GPU.
 
 Modes: 1 promotes Q K^T's fp8 sums into fp32 every 32 products and P V's once per key block
 (the portable kernel's recipe), 2 only P V's, 3 only Q K^T's, 4 neither (the tensor cores'
-reduced-precision sums throughout), 5 Q K^T as two halves of the head dim added in fp32.
+reduced-precision sums throughout), 5 Q K^T as two halves of the head dim added in fp32;
+0 the default (4 up to d128, 5 at d256, each with its config: ``hopper_fwd.fp8_config``).
 For each shape: TFLOPS (``triton.testing.do_bench``
 median, causal halved) of each mode next to diyfa's bf16 forward, and each mode's largest
 output error and LSE error against float64 attention of the dequantised inputs, on random
 normal data with outlier channels (q's first d/16 channels x20, as LLM activations have).
 
+``--config D=consumers,block_n,stages[,pin[,q_bufs]]`` (repeatable) times that launch config
+of padded head dim D too, next to the mode's own (``hopper_fwd.fp8_config``), in every mode:
+columns "mode@label". ``vt_us`` is the host-side copy of V into V^T alone (part of every fp8
+call).
+
 Usage (device): python3 benchmarks/fp8_hopper_ab.py [--out fp8_hopper_ab.jsonl]
+    [--modes 4,5] [--shapes 4x16x4096x128,...] [--config 128=2,128,3,1 ...]
 """
 
 from __future__ import annotations
@@ -30,11 +37,25 @@ from diyfa.flops import attention_flops  # noqa: E402
 from diyfa.reference import attention_ref  # noqa: E402
 
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64), (4, 8, 4096, 256)]
-MODES = (1, 2, 3, 4, 5)
+MODES = (0, 1, 2, 3, 4, 5)  # 0: "auto", the default (hopper_fwd.fp8_mode)
 
 
-def measure(b, h, s, d, causal, rep, modes=MODES) -> dict:
-    """One shape: bf16 TFLOPS, then each mode's TFLOPS and errors."""
+def parse_config(text: str) -> tuple[int, str, hopper_fwd.Config]:
+    """"128=2,128,3,1,2" -> (128, "2x128x3p1q2", the 16-bit config of d128 with consumers,
+    block_n, stages, pin, q_bufs replaced)."""
+    d, fields = text.split("=")
+    vals = [int(x) for x in fields.split(",")]
+    names = ("consumers", "block_n", "stages", "pin", "q_bufs")
+    fields = dict(zip(names[: len(vals)], vals, strict=True))
+    cfg = hopper_fwd.HOPPER_CONFIGS[int(d)]._replace(**fields)
+    if cfg.consumers == 3:
+        cfg = cfg._replace(consumer_regs=160)
+    label = f"{cfg.consumers}x{cfg.block_n}x{cfg.stages}p{cfg.pin}q{cfg.q_bufs}"
+    return int(d), label, cfg
+
+
+def measure(b, h, s, d, causal, rep, modes=MODES, configs=()) -> dict:
+    """One shape: bf16 TFLOPS, then each mode's (and config's) TFLOPS and errors."""
     from triton.testing import do_bench
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -59,15 +80,29 @@ def measure(b, h, s, d, causal, rep, modes=MODES) -> dict:
         return diyfa.flash_attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
                                      v_descale=vs, backend="hopper", return_lse=True)  # fmt: skip
 
-    before = hopper_fwd.FP8_PROMOTION
+    # the V^T copy alone (hopper_fwd._fp8_operands; part of every fp8 call)
+    row["vt_us"] = round(do_bench(lambda: hopper_fwd.transpose_v(v8), rep=rep,
+                                  return_mode="median") * 1e3, 1)  # fmt: skip
+    before = hopper_fwd.FP8_PROMOTION, hopper_fwd.fp8_config
+    dpad = hopper_fwd.head_dim_pad(d)
+    variants = [("", None)] + [(label, cfg) for cd, label, cfg in configs if cd == dpad]
     for mode in modes:
         hopper_fwd.FP8_PROMOTION = mode
-        out, lse = fp8()
-        row[f"err{mode}"] = (out[sl, :, rows].double() - ref).abs().max().item()
-        row[f"lse_err{mode}"] = (lse[sl, :, rows].double() - ref_lse).abs().max().item()
-        ms = do_bench(fp8, rep=rep, return_mode="median")
-        row[f"mode{mode}"] = round(flops / (ms * 1e-3) / 1e12, 1)
-    hopper_fwd.FP8_PROMOTION = before
+        for label, cfg in variants:
+            hopper_fwd.fp8_config = before[1] if cfg is None else (lambda _d, c=cfg: c)
+            key = f"{mode}@{label}" if label else str(mode)
+            try:
+                out, lse = fp8()
+                ms = do_bench(fp8, rep=rep, return_mode="median")
+            except Exception as e:  # e.g. out of shared memory: recorded, not fatal
+                row[f"mode{key}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                continue
+            finally:
+                hopper_fwd.fp8_config = before[1]
+            row[f"err{key}"] = (out[sl, :, rows].double() - ref).abs().max().item()
+            row[f"lse_err{key}"] = (lse[sl, :, rows].double() - ref_lse).abs().max().item()
+            row[f"mode{key}"] = round(flops / (ms * 1e-3) / 1e12, 1)
+    hopper_fwd.FP8_PROMOTION = before[0]
     return row
 
 
@@ -76,15 +111,22 @@ def main() -> int:
     ap.add_argument("--out", default="fp8_hopper_ab.jsonl")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--modes", default=",".join(map(str, MODES)))
+    ap.add_argument("--shapes", default=",".join("x".join(map(str, t)) for t in SHAPES),
+                    help="b x h x s x d, comma-separated")  # fmt: skip
+    ap.add_argument("--causal", default="0,1", help="0 and / or 1")
+    ap.add_argument("--config", action="append", default=[],
+                    help="D=consumers,block_n,stages[,pin[,q_bufs]] (repeatable)")  # fmt: skip
     a = ap.parse_args()
     modes = tuple(int(m) for m in a.modes.split(","))
+    shapes = [tuple(int(x) for x in t.split("x")) for t in a.shapes.split(",")]
+    configs = [parse_config(c) for c in a.config]
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip
     rows = []
     with open(a.out, "w") as f:
-        for b, h, s, d in SHAPES:
-            for causal in (False, True):
-                row = measure(b, h, s, d, causal, a.rep, modes)
+        for b, h, s, d in shapes:
+            for causal in (bool(int(c)) for c in a.causal.split(",")):
+                row = measure(b, h, s, d, causal, a.rep, modes, configs)
                 rows.append(row)
                 f.write(json.dumps({**env, **row}) + "\n")
                 print(json.dumps(row), flush=True)
@@ -92,10 +134,13 @@ def main() -> int:
     print(f"\nfp8 Hopper forward by mode, TFLOPS / max output error / max LSE error "
           f"({env['gpu']}, triton {env['triton']})")
     for r in rows:
-        cells = "  ".join(f"{m}: {r[f'mode{m}']:5.1f} {r[f'err{m}']:.1e} {r[f'lse_err{m}']:.1e}"
-                          for m in modes)  # fmt: skip
+        cells = []
+        for key in (k[4:] for k in r if k.startswith("mode")):
+            t = r[f"mode{key}"]
+            cells.append(f"{key}: {t}" if isinstance(t, str) else
+                         f"{key}: {t:5.1f} {r[f'err{key}']:.1e} {r[f'lse_err{key}']:.1e}")
         print(f"b{r['b']} h{r['h']} s{r['s']} d{r['d']}{' causal' if r['causal'] else '':7s} "
-              f"bf16 {r['bf16']:5.1f}  {cells}")
+              f"bf16 {r['bf16']:5.1f} vt {r['vt_us']} us  " + "  ".join(cells))
     return 0
 
 

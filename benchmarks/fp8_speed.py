@@ -24,7 +24,8 @@ import diyfa  # noqa: E402
 from diyfa.flops import attention_flops  # noqa: E402
 from diyfa.reference import attention_ref  # noqa: E402
 
-SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64), (4, 8, 4096, 256)]
+SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64), (4, 8, 4096, 256),
+          (1, 8, 16384, 256)]
 
 
 def measure(b, h, s, d, causal, warmup, rep) -> dict:

@@ -363,15 +363,43 @@ def test_fp8_hopper_dispatch():
 
 
 def test_fp8_sums_setting_from_the_environment(monkeypatch):
-    """DIYFA_FP8_ATTN_SUMS picks the Hopper fp8 forward's sums (1..5, default 5); anything
-    else is a clear error naming the variable and the accepted values."""
+    """DIYFA_FP8_ATTN_SUMS picks the Hopper fp8 forward's sums (1..5, or "auto", the default:
+    fp32 every 128 products, so mode 4 up to d128 and mode 5 at d256, each with its config);
+    anything else is a clear error naming the variable and the accepted values."""
     from diyfa.attention import hopper_fwd
 
     monkeypatch.delenv("DIYFA_FP8_ATTN_SUMS", raising=False)
-    assert hopper_fwd._fp8_sums_from_env() == 5
+    assert hopper_fwd._fp8_sums_from_env() == 0
     monkeypatch.setenv("DIYFA_FP8_ATTN_SUMS", "3")
     assert hopper_fwd._fp8_sums_from_env() == 3
     for bad in ("0", "6", "fast", ""):
         monkeypatch.setenv("DIYFA_FP8_ATTN_SUMS", bad)
-        with pytest.raises(ValueError, match="DIYFA_FP8_ATTN_SUMS must be one of 1, 2, 3, 4, 5"):
+        with pytest.raises(ValueError, match="must be one of auto, 1, 2, 3, 4, 5"):
             hopper_fwd._fp8_sums_from_env()
+    monkeypatch.setattr(hopper_fwd, "FP8_PROMOTION", 0)
+    assert [hopper_fwd.fp8_mode(d) for d in (64, 128, 256)] == [4, 4, 5]
+    assert hopper_fwd.fp8_config(128) == hopper_fwd.FP8_CONFIGS_UNPROMOTED[128]
+    assert hopper_fwd.fp8_config(256) == hopper_fwd.HOPPER_CONFIGS[256]
+    monkeypatch.setattr(hopper_fwd, "FP8_PROMOTION", 5)
+    assert hopper_fwd.fp8_mode(64) == 5
+    assert hopper_fwd.fp8_config(128) == hopper_fwd.HOPPER_CONFIGS[128]
+
+
+def test_fp8_v_transpose_kernel():
+    """The fp8 forward's V^T (hopper_fwd.transpose_v, a Triton kernel: PyTorch's strided copy
+    of 1-byte elements was a quarter of a call's time at 4096 keys): exact, for odd lengths,
+    strided (bshd) views and head dims that are not a multiple of the tile, with its rows
+    16-byte aligned for TMA."""
+    from diyfa.attention.hopper_fwd import transpose_v
+
+    g = torch.Generator().manual_seed(0)
+    for b, hk, s, d, bshd in [(2, 3, 70, 40, False), (1, 2, 130, 128, True), (1, 1, 1, 16, False),
+                              (1, 2, 65, 256, True)]:
+        if bshd:
+            v = torch.randn(b, s, hk, d, generator=g).to(E4M3).to(DEVICE).transpose(1, 2)
+        else:
+            v = torch.randn(b, hk, s, d, generator=g).to(E4M3).to(DEVICE)
+        vt = transpose_v(v)
+        assert vt.shape == (b, hk, d, s) and vt.dtype == E4M3
+        assert vt.stride(2) % 16 == 0 and vt.stride(3) == 1
+        assert torch.equal(vt.view(torch.uint8).cpu(), v.transpose(2, 3).view(torch.uint8).cpu())

@@ -35,8 +35,9 @@ out = []
 for d in (64, 128, 256):
     for causal in (False, True):
         # the config for short keys and, where it differs, for long ones
-        fp8 = sys.argv[1] == "float8_e4m3fn"  # (fp8 runs the short-keys config only)
-        cfgs = [hf.default_config(d, 1024)] + ([] if fp8 else [hf.default_config(d, 1 << 20)])
+        fp8 = sys.argv[1] == "float8_e4m3fn"  # (fp8 has a config per head dim: fp8_config)
+        cfgs = ([hf.fp8_config(d)] if fp8 else
+                [hf.default_config(d, 1024), hf.default_config(d, 1 << 20)])
         for cfg in dict.fromkeys(cfgs):
             k = hf.compile_for_hopper(d, getattr(torch, sys.argv[1]), causal, config=cfg, fp8=fp8)
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -91,8 +92,9 @@ def test_hopper_kernel_compiles_and_fits(dtype):
 def test_hopper_fp8_kernel_compiles_and_fits():
     """The fp8 forward (e4m3 q, k, v; V^T blocks; P through shared memory) compiles for sm90a
     at each padded head dim, causal or not, with both products on fp8 wgmma (k32) and its
-    shared memory within a block's 227 KB. Spills are bounded as measured (the promotion of
-    Q K^T's fp8 sums into fp32 takes registers: 0-44 bytes), so that more shows up here."""
+    shared memory within a block's 227 KB. Spills are bounded as measured, so that more shows
+    up here: 0-44 bytes, but for d128's 256-key blocks (S alone is 128 registers a thread;
+    248-560 bytes, and still the fastest config measured: hopper_fwd.FP8_CONFIGS_UNPROMOTED)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, "float8_e4m3fn"], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
@@ -105,7 +107,7 @@ def test_hopper_fp8_kernel_compiles_and_fits():
         assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3" in ptx, where
         assert f"wgmma.mma_async.sync.aligned.m64n{r['d']}k32.f32.e4m3.e4m3" in ptx, where
         spilled = int(r["ptxas"].split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
-        assert spilled <= 48, (where, r["ptxas"])
+        assert spilled <= (600 if (r["d"], block_n) == (128, 256) else 48), (where, r["ptxas"])
 
 
 _SASS_ORDER = r"""

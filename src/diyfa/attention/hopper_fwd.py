@@ -59,6 +59,8 @@ import os
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -288,13 +290,12 @@ def _mma(a, b, acc, use_acc: gl.constexpr, IMPRECISE: gl.constexpr):
 
 @gluon.jit
 def _p_operand(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
-    """P as P @ V's A operand: in registers, in the operands' dtype; fp8: times 2^8 first, so
-    its small values stay clear of e4m3's underflow (the output takes the 2^-8 back), and
-    through shared memory (Triton 3.6 cannot keep an 8-bit register operand alive across an
-    asynchronous wgmma: "Unexpected bitwidth in WGMMAWaitGroupOp"). The caller has waited
-    for the P @ V that read ``p_smem`` before."""
+    """P as P @ V's A operand: in registers, in the operands' dtype; fp8 (whose P comes 2^8
+    times larger, _softmax_step's P_SHIFT) through shared memory (Triton 3.6 cannot keep an
+    8-bit register operand alive across an asynchronous wgmma: "Unexpected bitwidth in
+    WGMMAWaitGroupOp"). The caller has waited for the P @ V that read ``p_smem`` before."""
     if FP8:
-        p_smem.store((p * 256.0).to(dtype))
+        p_smem.store(p.to(dtype))
         fence_async_shared()
         gl.thread_barrier()  # every warp of the warpgroup has written its rows
         return p_smem
@@ -410,14 +411,17 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_offset, qk_scale,
                   tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                  ALIBI: gl.constexpr):
+                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
     SOFTCAP, the scores become tanh(q.k * tanh_scale) (qk_scale then carries softcap *
     log2(e)); ALIBI, they are scaled here and get -slope2 * |i + alibi_offset - j| (base 2);
     then the masks (``need_mask``: the block straddles the end of the keys, the causal
-    diagonal or the left window's edge)."""
+    diagonal or the left window's edge). P_SHIFT: the running max is kept P_SHIFT below the
+    true one, so p (and l) come out 2^P_SHIFT times larger, at no cost (fp8: P's e4m3
+    rounding needs its small values away from underflow); m + log2(l) is the LSE either
+    way."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -437,11 +441,11 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
     if ALIBI:  # already base 2 and scaled
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_new = gl.maximum(m_i, gl.max(s, 1) - P_SHIFT)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[:, None])
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale - P_SHIFT)
         # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - m_use[:, None])
@@ -483,6 +487,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     QK_IMPRECISE: gl.constexpr = 32 if FP8 == 1 or FP8 == 3 else 0
     PV_IMPRECISE: gl.constexpr = BLOCK_N if FP8 == 1 or FP8 == 2 else 0
     QK_HALVES: gl.constexpr = FP8 == 5  # S as two asynchronous halves of the head dim
+    # fp8: P comes out 2^8 times larger (its small values clear of e4m3's underflow at 2^-9,
+    # the largest near 256, under e4m3's 448); l too, so O / l needs no correction
+    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -532,7 +539,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if SINKS:  # the head's sink logit joins every row's denominator (it has no value)
             sink2 = gl.load(SINK_LOGITS + off_h).to(gl.float32) * 1.4426950408889634
             m_i = gl.zeros([SUB_M], gl.float32, layout=row_layout) + sink2
-            l_i = gl.full([SUB_M], 1.0, gl.float32, layout=row_layout)
+            m_i -= P_SHIFT
+            l_i = gl.full([SUB_M], 2.0**P_SHIFT, gl.float32, layout=row_layout)
         slope2 = 0.0
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
@@ -558,7 +566,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             p, m_i, l_i, alpha = _softmax_step(
                 s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale_t, tanh_scale, slope2, alibi_offset,
-                (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
+                (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                P_SHIFT)
             p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
             for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
@@ -581,7 +590,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 p, m_i, l_i, alpha = _softmax_step(
                     s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
-                    (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI)
+                    (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                    P_SHIFT)
                 if PIN:
                     # ptxas schedules the wait for P_{j-1} V_{j-1} as early as it can, which
                     # is before this softmax (it only orders the wait among memory
@@ -625,12 +635,12 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             gl.store(LSE + off_bh * seqlen_q_t + offs_m, lse2, mask=offs_m < seqlen_q_t)
             if FP8:
                 # bf16 O by a masked store (Q's fp8 buffer is half its size), with V's
-                # descale and P's 2^-8
+                # descale (P's 2^8 is in l)
                 rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
                 cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
                 o_ptrs = (O + off_b.to(gl.int64) * stride_ob + rows.to(gl.int64)[:, None]
                           * stride_os + off_h * stride_oh + cols[None, :])  # fmt: skip
-                o_scale = v_descale * 0.00390625
+                o_scale = v_descale
                 gl.store(o_ptrs, (acc * (o_scale / l_o)[:, None]).to(O.dtype.element_ty),
                          mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
             elif HEAD_DIM_V == HEAD_DIM:
@@ -865,8 +875,10 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     # consumers spill hundreds of bytes, test_variants)
     # (fp8: two consumers at d64 too; at 160 registers each, three spilled and measured 143
     # against 391 TFLOPS, b4 h32 4096 d64, fp8_hopper_ab)
+    if fp8 is not None:
+        config = config or fp8_config(head_dim_pad(d))
     config = config or default_config(head_dim_pad(d), sk if not variants and packed is None
-                                      and fp8 is None else 0, causal)  # fmt: skip
+                                      else 0, causal)  # fmt: skip
     cfg = Config(*config)
     consumers, block_n = cfg.consumers, cfg.block_n
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
@@ -887,7 +899,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     if fp8 is not None:
         so = o4.stride()
         args.update(v_desc=_desc(fp8["vt"], head_dim_pad(o4.shape[3]), block_n),
-                    DESCALE=fp8["descale"], FP8=FP8_PROMOTION, O=o4, stride_ob=so[0],
+                    DESCALE=fp8["descale"], FP8=fp8_mode(head_dim_pad(d)), O=o4, stride_ob=so[0],
                     stride_oh=so[1], stride_os=so[2])  # fmt: skip
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
@@ -963,18 +975,89 @@ def _no_counter(device) -> torch.Tensor:
 # ..._fp8-hopper-ab-halves_5ea81c2.jsonl) came within 2-11% of 4's speed (d128 16k 726
 # against 754) with half to two thirds of its LSE error (2.6e-2 against 6.0e-2; at d64, two
 # halves of 32 products, exactly 3's errors) and passes the tests' LSE bound
-# (tests/test_fp8_attention.py, GPU, 24 cases): the default. 3 keeps the LSE error lowest
-# (1.2e-2); 4 is FlashAttention-3's choice, the fastest.
+# (tests/test_fp8_attention.py, GPU, 24 cases). 3 keeps the LSE error lowest (1.2e-2); 4 is
+# FlashAttention-3's choice, the fastest.
+# The default (0, "auto", since 2026-11-24): the products are added in fp32 every 128 of
+# them, DeepSeek-V3's promotion interval: mode 4 up to head dim 128 (one product of at most
+# 128), mode 5 at d256 (two of 128). Unpromoted over 256 products a score lost up to
+# ~2^-9.6 of sum_c |q_c k_c| (H200, outlier channels), past the tests' 2^-10 bound; over 128,
+# ~2^-11. Mode 4's single accumulator also leaves the registers for twice the keys per block
+# (FP8_CONFIGS_UNPROMOTED), which two accumulators of mode 5 spill.
 def _fp8_sums_from_env() -> int:
-    """FP8_PROMOTION's value at import: DIYFA_FP8_ATTN_SUMS (1..5), default 5."""
-    raw = os.environ.get("DIYFA_FP8_ATTN_SUMS", "5").strip()
-    if raw not in ("1", "2", "3", "4", "5"):
-        raise ValueError(f"DIYFA_FP8_ATTN_SUMS must be one of 1, 2, 3, 4, 5 (the fp8 forward's "
-                         f"sums, diyfa/attention/hopper_fwd.py), got {raw!r}")  # fmt: skip
-    return int(raw)
+    """FP8_PROMOTION's value at import: DIYFA_FP8_ATTN_SUMS (1..5, or "auto": 0, the
+    default)."""
+    raw = os.environ.get("DIYFA_FP8_ATTN_SUMS", "auto").strip()
+    if raw not in ("auto", "1", "2", "3", "4", "5"):
+        raise ValueError(f"DIYFA_FP8_ATTN_SUMS must be one of auto, 1, 2, 3, 4, 5 (the fp8 "
+                         f"forward's sums, diyfa/attention/hopper_fwd.py), got {raw!r}")
+    return 0 if raw == "auto" else int(raw)
 
 
 FP8_PROMOTION = _fp8_sums_from_env()
+
+# fp8 in mode 4 (one fp32 accumulator for S): blocks of twice the keys, where mode 5's two
+# accumulators would spill kilobytes. H200, 2026-11-24,
+# benchmarks/results/2026-11-24_h200_fp8-ab-configs_*.jsonl (TFLOPS with the slow host V^T
+# copy of then, mode 4, these against HOPPER_CONFIGS'): d128 4096 638 / 621, 16k 856
+# / 795, causal 4096 444 / 446; d256 4096 798 / 691, causal 549 / 496; d64 4096 511 / 424.
+# ptxas spills 36 / 560 / 80 bytes (d64 / d128 / d256) and they still win.
+FP8_CONFIGS_UNPROMOTED = {
+    64: Config(2, 256, 2, 1, 240, 24, 0, q_bufs=2, dynamic=1),
+    128: Config(2, 256, 2, 1, 240, 24, 0, q_bufs=2, dynamic=1),
+    256: Config(2, 128, 2, 1, 240, 24, 0, q_bufs=1, dynamic=1),
+}
+
+
+def fp8_mode(head_dim_padded: int) -> int:
+    """The fp8 sums mode the kernel runs at a padded head dim (FP8_PROMOTION, or its "auto"
+    rule: fp32 every 128 products)."""
+    return FP8_PROMOTION or (5 if head_dim_padded > 128 else 4)
+
+
+def fp8_config(head_dim_padded: int) -> Config:
+    """The fp8 forward's launch config at a padded head dim (per its sums mode)."""
+    if fp8_mode(head_dim_padded) == 4:
+        return FP8_CONFIGS_UNPROMOTED[head_dim_padded]
+    return HOPPER_CONFIGS[head_dim_padded]
+
+
+@triton.jit
+def _transpose_v(V, VT, seqlen, dim, stride_vb, stride_vh, stride_vs, stride_vd, stride_tb,
+                 stride_th, stride_td, kv_heads, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """VT[b, h, c, j] = V[b, h, j, c] for a (BLOCK_S keys, BLOCK_D columns) tile: read along
+    the head dim, written along the keys (both coalesced; PyTorch's strided copy_ of 1-byte
+    elements took 208 us for 32 MB on an H200, 2026-11-24)."""
+    pid_s = tl.program_id(0)
+    off_b = tl.program_id(1) // kv_heads
+    off_h = tl.program_id(1) % kv_heads
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = (offs_s < seqlen)[:, None] & (offs_d < dim)[None, :]
+    base = off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
+    tile = tl.load(V + base + offs_s.to(tl.int64)[:, None] * stride_vs
+                   + offs_d[None, :] * stride_vd, mask=mask)  # fmt: skip
+    out = VT + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
+    tl.store(out + offs_d.to(tl.int64)[:, None] * stride_td + offs_s[None, :], tl.trans(tile),
+             mask=tl.trans(mask))  # fmt: skip
+
+
+def transpose_v(v4: torch.Tensor) -> torch.Tensor:
+    """V^T of a (batch, kv heads, seqlen, dim) view: (batch, kv heads, dim, seqlen), its rows
+    padded to 16 bytes in memory (TMA's stride rule; the view ends at seqlen, so TMA
+    zero-fills past it)."""
+    b, hk, sk, d = v4.shape
+    vt = torch.empty((b, hk, d, cdiv(sk, 16) * 16), dtype=v4.dtype, device=v4.device)
+    if vt.numel():
+        grid = (cdiv(sk, 64), b * hk, cdiv(d, 64))
+        args = dict(V=v4, VT=vt, seqlen=sk, dim=d, stride_vb=v4.stride(0),
+                    stride_vh=v4.stride(1), stride_vs=v4.stride(2), stride_vd=v4.stride(3),
+                    stride_tb=vt.stride(0), stride_th=vt.stride(1), stride_td=vt.stride(2),
+                    kv_heads=hk, BLOCK_S=64, BLOCK_D=64)  # fmt: skip
+        if v4.is_cuda:
+            launch(_transpose_v, grid, args, {}, 4, 1)
+        else:  # the interpreter
+            _transpose_v[grid](**args)
+    return vt[..., :sk]
 
 
 def _fp8_operands(v: torch.Tensor, p: Problem) -> dict:
@@ -982,9 +1065,8 @@ def _fp8_operands(v: torch.Tensor, p: Problem) -> dict:
     (its rows padded to 16 bytes for TMA), since fp8 wgmma takes only K-major operands and
     P @ V's K is the keys; and the descales as one fp32 (2, batch, kv heads) tensor, q's times
     k's then v's (per-tensor ones broadcast)."""
-    b, hk, sk, d = p.batch, p.kv_heads, p.seqlen_k, p.head_dim
-    vt = torch.empty((b, hk, d, cdiv(sk, 16) * 16), dtype=v.dtype, device=v.device)[..., :sk]
-    vt.copy_(bhsd_view(v, p.layout).transpose(2, 3))
+    b, hk = p.batch, p.kv_heads
+    vt = transpose_v(bhsd_view(v, p.layout))
     dq_, dk_, dv_ = p.descales
     descale = torch.empty((2, b, hk), dtype=torch.float32, device=v.device)
     descale[0].copy_((dq_ * dk_).expand(b, hk))
