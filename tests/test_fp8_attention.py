@@ -364,8 +364,8 @@ def test_fp8_hopper_dispatch():
 
 def test_fp8_sums_setting_from_the_environment(monkeypatch):
     """DIYFA_FP8_ATTN_SUMS picks the Hopper fp8 forward's sums (1..5, or "auto", the default:
-    fp32 every 128 products, so mode 4 up to d128 and mode 5 at d256, each with its config);
-    anything else is a clear error naming the variable and the accepted values."""
+    mode 5), each mode with its launch config (mode 4's blocks twice as wide); anything else
+    is a clear error naming the variable and the accepted values."""
     from diyfa.attention import hopper_fwd
 
     monkeypatch.delenv("DIYFA_FP8_ATTN_SUMS", raising=False)
@@ -377,12 +377,11 @@ def test_fp8_sums_setting_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="must be one of auto, 1, 2, 3, 4, 5"):
             hopper_fwd._fp8_sums_from_env()
     monkeypatch.setattr(hopper_fwd, "FP8_PROMOTION", 0)
-    assert [hopper_fwd.fp8_mode(d) for d in (64, 128, 256)] == [4, 4, 5]
-    assert hopper_fwd.fp8_config(128) == hopper_fwd.FP8_CONFIGS_UNPROMOTED[128]
-    assert hopper_fwd.fp8_config(256) == hopper_fwd.HOPPER_CONFIGS[256]
-    monkeypatch.setattr(hopper_fwd, "FP8_PROMOTION", 5)
-    assert hopper_fwd.fp8_mode(64) == 5
+    assert [hopper_fwd.fp8_mode(d) for d in (64, 128, 256)] == [5, 5, 5]
     assert hopper_fwd.fp8_config(128) == hopper_fwd.HOPPER_CONFIGS[128]
+    monkeypatch.setattr(hopper_fwd, "FP8_PROMOTION", 4)
+    assert hopper_fwd.fp8_mode(64) == 4
+    assert hopper_fwd.fp8_config(128) == hopper_fwd.FP8_CONFIGS_UNPROMOTED[128]
 
 
 def test_fp8_v_transpose_kernel():

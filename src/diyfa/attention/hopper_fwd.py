@@ -98,6 +98,9 @@ class Config(NamedTuple):
     pin: int = 0  # 1: hold the wait for P V after the softmax (see _consumer)
     q_bufs: int = 1  # Q buffers per consumer: with 2 the next tile's Q loads during this one
     dynamic: int = 0  # 1: causal calls persistent too, tiles handed out by an atomic counter
+    # > 0: O is rescaled only when a row's running max grows by more than this (base 2;
+    # the max is left stale otherwise, so p reaches up to 2^rescale_tau); 0: every block
+    rescale_tau: int = 0
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -411,7 +414,7 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_offset, qk_scale,
                   tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr):
+                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, TAU: gl.constexpr):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
@@ -421,7 +424,10 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
     diagonal or the left window's edge). P_SHIFT: the running max is kept P_SHIFT below the
     true one, so p (and l) come out 2^P_SHIFT times larger, at no cost (fp8: P's e4m3
     rounding needs its small values away from underflow); m + log2(l) is the LSE either
-    way."""
+    way. TAU > 0: the running max moves only when some row's grows by more than TAU (every
+    row's then, in step: one warpgroup-wide decision), so p stays below 2^(P_SHIFT + TAU)
+    and, most blocks, alpha is 1 and O's rescale is skipped (FlashAttention-4's conditional
+    rescaling); the fifth value says whether it moved (always true with TAU = 0)."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -442,16 +448,21 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
         s = gl.where(keep, s, float("-inf"))
     if ALIBI:  # already base 2 and scaled
         m_new = gl.maximum(m_i, gl.max(s, 1) - P_SHIFT)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale - P_SHIFT)
-        # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    moved = True
+    if TAU > 0:
+        moved = gl.max((m_new > m_i + TAU).to(gl.int32), 0) > 0
+        m_new = gl.where(moved, m_new, m_i)
+    # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if ALIBI:
+        p = gl.exp2(s - m_use[:, None])
+    else:
         p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
+    return p, m_new, l_i, alpha, moved
 
 
 @gluon.jit
@@ -462,7 +473,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
               DESCALE, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-              VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr,
+              VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, TAU: gl.constexpr,
+              DYNAMIC: gl.constexpr,
               C: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
@@ -488,8 +500,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     PV_IMPRECISE: gl.constexpr = BLOCK_N if FP8 == 1 or FP8 == 2 else 0
     QK_HALVES: gl.constexpr = FP8 == 5  # S as two asynchronous halves of the head dim
     # fp8: P comes out 2^8 times larger (its small values clear of e4m3's underflow at 2^-9,
-    # the largest near 256, under e4m3's 448); l too, so O / l needs no correction
-    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
+    # the largest near 256, under e4m3's 448); l too, so O / l needs no correction. With a
+    # stale max (TAU) p reaches 2^TAU: 2^(8 - TAU) then.
+    P_SHIFT: gl.constexpr = 8.0 - TAU if FP8 else 0.0
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -563,11 +576,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                                      HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
             s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
             mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
-            p, m_i, l_i, alpha = _softmax_step(
+            p, m_i, l_i, alpha, _moved = _softmax_step(
                 s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale_t, tanh_scale, slope2, alibi_offset,
                 (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                P_SHIFT)
+                P_SHIFT, TAU)
             p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
             for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
@@ -587,11 +600,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 s = _wait_s(s_tok, s_tok2, q_smem, k_t, 1, QK_HALVES)
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
-                p, m_i, l_i, alpha = _softmax_step(
+                p, m_i, l_i, alpha, moved = _softmax_step(
                     s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    P_SHIFT)
+                    P_SHIFT, TAU)
                 if PIN:
                     # ptxas schedules the wait for P_{j-1} V_{j-1} as early as it can, which
                     # is before this softmax (it only orders the wait among memory
@@ -601,7 +614,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(kv_empty.index(STAGES + prev))  # nor V_{j-1}
                 p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
-                acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+                if TAU > 0:
+                    if moved:
+                        acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+                else:
+                    acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             g = it + n - 1 - lo
             mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
             v_smem = _v_operand(v_bufs, g % STAGES, FP8)
@@ -672,13 +689,15 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, TAU: gl.constexpr,
+               DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
               DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, TAU,
+              DYNAMIC,
               0)  # fmt: skip
 
 
@@ -691,13 +710,15 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, TAU: gl.constexpr,
+               DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
               DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, TAU,
+              DYNAMIC,
               1)  # fmt: skip
 
 
@@ -710,13 +731,15 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, TAU: gl.constexpr,
+               DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
               DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, TAU,
+              DYNAMIC,
               2)  # fmt: skip
 
 
@@ -729,7 +752,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      SINKS: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
-                     PIN: gl.constexpr,
+                     PIN: gl.constexpr, TAU: gl.constexpr,
                      Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
@@ -772,7 +795,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          DYNAMIC)),
+                          TAU, DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
@@ -780,7 +803,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          DYNAMIC)),
+                          TAU, DYNAMIC)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
@@ -788,7 +811,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          DYNAMIC)),
+                          TAU, DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
@@ -804,7 +827,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          DYNAMIC)),
+                          TAU, DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
@@ -812,7 +835,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          DYNAMIC)),
+                          TAU, DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
@@ -892,6 +915,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 SINKS=False, CU_Q=lse2, CU_K=lse2, TILES=lse2, num_items=0, O=lse2,
                 stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=0,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
+                TAU=cfg.rescale_tau,
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False)  # fmt: skip
     if variants:
@@ -977,15 +1001,13 @@ def _no_counter(device) -> torch.Tensor:
 # halves of 32 products, exactly 3's errors) and passes the tests' LSE bound
 # (tests/test_fp8_attention.py, GPU, 24 cases). 3 keeps the LSE error lowest (1.2e-2); 4 is
 # FlashAttention-3's choice, the fastest.
-# The default (0, "auto", since 2026-11-24): the products are added in fp32 every 128 of
-# them, DeepSeek-V3's promotion interval: mode 4 up to head dim 128 (one product of at most
-# 128), mode 5 at d256 (two of 128). Unpromoted over 256 products a score lost up to
-# ~2^-9.6 of sum_c |q_c k_c| (H200, outlier channels), past the tests' 2^-10 bound; over 128,
-# ~2^-11. Mode 4's single accumulator also leaves the registers for twice the keys per block
-# (FP8_CONFIGS_UNPROMOTED), which two accumulators of mode 5 spill.
+# The default (0, "auto"): mode 5. Mode 4 at d128 (one unpromoted product of 128) was tried
+# as the default on 2026-11-24 for its speed (FP8_CONFIGS_UNPROMOTED): its LSE error broke
+# the tests' bound (2^-10 of sum_c |q_c k_c|) by 9-14% on 4 of 24 GPU cases (causal, d128,
+# 1000 x 1531; benchmarks/results/2026-11-24_h200_gpu-tests-fp8-mode4_*.txt).
 def _fp8_sums_from_env() -> int:
     """FP8_PROMOTION's value at import: DIYFA_FP8_ATTN_SUMS (1..5, or "auto": 0, the
-    default)."""
+    default, :func:`fp8_mode`)."""
     raw = os.environ.get("DIYFA_FP8_ATTN_SUMS", "auto").strip()
     if raw not in ("auto", "1", "2", "3", "4", "5"):
         raise ValueError(f"DIYFA_FP8_ATTN_SUMS must be one of auto, 1, 2, 3, 4, 5 (the fp8 "
@@ -995,8 +1017,8 @@ def _fp8_sums_from_env() -> int:
 
 FP8_PROMOTION = _fp8_sums_from_env()
 
-# fp8 in mode 4 (one fp32 accumulator for S): blocks of twice the keys, where mode 5's two
-# accumulators would spill kilobytes. H200, 2026-11-24,
+# fp8 in mode 4 (DIYFA_FP8_ATTN_SUMS=4, one fp32 accumulator for S): blocks of twice the keys,
+# where mode 5's two accumulators would spill kilobytes. H200, 2026-11-24,
 # benchmarks/results/2026-11-24_h200_fp8-ab-configs_*.jsonl (TFLOPS with the slow host V^T
 # copy of then, mode 4, these against HOPPER_CONFIGS'): d128 4096 638 / 621, 16k 856
 # / 795, causal 4096 444 / 446; d256 4096 798 / 691, causal 549 / 496; d64 4096 511 / 424.
@@ -1009,9 +1031,8 @@ FP8_CONFIGS_UNPROMOTED = {
 
 
 def fp8_mode(head_dim_padded: int) -> int:
-    """The fp8 sums mode the kernel runs at a padded head dim (FP8_PROMOTION, or its "auto"
-    rule: fp32 every 128 products)."""
-    return FP8_PROMOTION or (5 if head_dim_padded > 128 else 4)
+    """The fp8 sums mode the kernel runs at a padded head dim (FP8_PROMOTION; "auto": 5)."""
+    return FP8_PROMOTION or 5
 
 
 def fp8_config(head_dim_padded: int) -> Config:
