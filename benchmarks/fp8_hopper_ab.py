@@ -10,9 +10,9 @@ median, causal halved) of each mode next to diyfa's bf16 forward, and each mode'
 output error and LSE error against float64 attention of the dequantised inputs, on random
 normal data with outlier channels (q's first d/16 channels x20, as LLM activations have).
 
-``--config D=consumers,block_n,stages[,pin[,q_bufs[,rescale_tau]]]`` (repeatable) times that launch config
-of padded head dim D too, next to the mode's own (``hopper_fwd.fp8_config``), in every mode:
-columns "mode@label". ``vt_us`` is the host-side copy of V into V^T alone (part of every fp8
+``--config D=consumers,block_n,stages[,pin[,q_bufs[,rescale_tau]]]`` (repeatable) times that
+launch config of padded head dim D too, next to the mode's own (``hopper_fwd.fp8_config``),
+in every mode: columns "mode@label". ``vt_us`` is the host-side copy of V into V^T alone (part of every fp8
 call).
 
 Usage (device): python3 benchmarks/fp8_hopper_ab.py [--out fp8_hopper_ab.jsonl]
@@ -116,7 +116,7 @@ def main() -> int:
                     help="b x h x s x d, comma-separated")  # fmt: skip
     ap.add_argument("--causal", default="0,1", help="0 and / or 1")
     ap.add_argument("--config", action="append", default=[],
-                    help="D=consumers,block_n,stages[,pin[,q_bufs[,tau]]] (repeatable)")  # fmt: skip
+                    help="D=consumers,block_n,stages[,pin[,q_bufs[,tau]]], repeatable")
     a = ap.parse_args()
     modes = tuple(int(m) for m in a.modes.split(","))
     shapes = [tuple(int(x) for x in t.split("x")) for t in a.shapes.split(",")]
