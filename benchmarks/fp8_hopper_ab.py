@@ -12,8 +12,8 @@ normal data with outlier channels (q's first d/16 channels x20, as LLM activatio
 
 ``--config D=consumers,block_n,stages[,pin[,q_bufs[,rescale_tau]]]`` (repeatable) times that
 launch config of padded head dim D too, next to the mode's own (``hopper_fwd.fp8_config``),
-in every mode: columns "mode@label". ``vt_us`` is the host-side copy of V into V^T alone (part of every fp8
-call).
+in every mode: columns "mode@label". ``vt_us`` is the V^T copy alone
+(``hopper_fwd.transpose_v``, part of every fp8 call).
 
 Usage (device): python3 benchmarks/fp8_hopper_ab.py [--out fp8_hopper_ab.jsonl]
     [--modes 4,5] [--shapes 4x16x4096x128,...] [--config 128=2,128,3,1 ...]
