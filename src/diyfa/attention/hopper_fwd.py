@@ -98,9 +98,6 @@ class Config(NamedTuple):
     pin: int = 0  # 1: hold the wait for P V after the softmax (see _consumer)
     q_bufs: int = 1  # Q buffers per consumer: with 2 the next tile's Q loads during this one
     dynamic: int = 0  # 1: causal calls persistent too, tiles handed out by an atomic counter
-    # > 0: O is rescaled only when a row's running max grows by more than this (base 2;
-    # the max is left stale otherwise, so p reaches up to 2^rescale_tau); 0: every block
-    rescale_tau: int = 0
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -414,7 +411,7 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_offset, qk_scale,
                   tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, TAU: gl.constexpr):
+                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
@@ -424,10 +421,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
     diagonal or the left window's edge). P_SHIFT: the running max is kept P_SHIFT below the
     true one, so p (and l) come out 2^P_SHIFT times larger, at no cost (fp8: P's e4m3
     rounding needs its small values away from underflow); m + log2(l) is the LSE either
-    way. TAU > 0: the running max moves only when some row's grows by more than TAU (every
-    row's then, in step: one warpgroup-wide decision), so p stays below 2^(P_SHIFT + TAU)
-    and, most blocks, alpha is 1 and O's rescale is skipped (FlashAttention-4's conditional
-    rescaling); the fifth value says whether it moved (always true with TAU = 0)."""
+    way."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -450,10 +444,6 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
         m_new = gl.maximum(m_i, gl.max(s, 1) - P_SHIFT)
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale - P_SHIFT)
-    moved = True
-    if TAU > 0:
-        moved = gl.max((m_new > m_i + TAU).to(gl.int32), 0) > 0
-        m_new = gl.where(moved, m_new, m_i)
     # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     if ALIBI:
@@ -462,7 +452,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
         p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha, moved
+    return p, m_new, l_i, alpha
 
 
 @gluon.jit
@@ -473,8 +463,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
               DESCALE, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-              VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, TAU: gl.constexpr,
-              DYNAMIC: gl.constexpr,
+              VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr,
               C: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
@@ -500,9 +489,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     PV_IMPRECISE: gl.constexpr = BLOCK_N if FP8 == 1 or FP8 == 2 else 0
     QK_HALVES: gl.constexpr = FP8 == 5  # S as two asynchronous halves of the head dim
     # fp8: P comes out 2^8 times larger (its small values clear of e4m3's underflow at 2^-9,
-    # the largest near 256, under e4m3's 448); l too, so O / l needs no correction. With a
-    # stale max (TAU) p reaches 2^TAU: 2^(8 - TAU) then.
-    P_SHIFT: gl.constexpr = 8.0 - TAU if FP8 else 0.0
+    # the largest near 256, under e4m3's 448); l too, so O / l needs no correction
+    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -576,11 +564,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                                      HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
             s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
             mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
-            p, m_i, l_i, alpha, _moved = _softmax_step(
+            p, m_i, l_i, alpha = _softmax_step(
                 s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale_t, tanh_scale, slope2, alibi_offset,
                 (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                P_SHIFT, TAU)
+                P_SHIFT)
             p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
             for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
@@ -600,11 +588,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 s = _wait_s(s_tok, s_tok2, q_smem, k_t, 1, QK_HALVES)
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
-                p, m_i, l_i, alpha, moved = _softmax_step(
+                p, m_i, l_i, alpha = _softmax_step(
                     s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    P_SHIFT, TAU)
+                    P_SHIFT)
                 if PIN:
                     # ptxas schedules the wait for P_{j-1} V_{j-1} as early as it can, which
                     # is before this softmax (it only orders the wait among memory
@@ -614,11 +602,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(kv_empty.index(STAGES + prev))  # nor V_{j-1}
                 p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
-                if TAU > 0:
-                    if moved:
-                        acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-                else:
-                    acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+                acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             g = it + n - 1 - lo
             mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
             v_smem = _v_operand(v_bufs, g % STAGES, FP8)
@@ -689,15 +673,13 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, TAU: gl.constexpr,
-               DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
               DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, TAU,
-              DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               0)  # fmt: skip
 
 
@@ -710,15 +692,13 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, TAU: gl.constexpr,
-               DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
               DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, TAU,
-              DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               1)  # fmt: skip
 
 
@@ -731,15 +711,13 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, TAU: gl.constexpr,
-               DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
               DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, TAU,
-              DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               2)  # fmt: skip
 
 
@@ -752,7 +730,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      SINKS: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
-                     PIN: gl.constexpr, TAU: gl.constexpr,
+                     PIN: gl.constexpr,
                      Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
@@ -795,7 +773,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          TAU, DYNAMIC)),
+                          DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
@@ -803,7 +781,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          TAU, DYNAMIC)),
+                          DYNAMIC)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
@@ -811,7 +789,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          TAU, DYNAMIC)),
+                          DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
@@ -827,7 +805,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          TAU, DYNAMIC)),
+                          DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
@@ -835,7 +813,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           num_items, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
-                          TAU, DYNAMIC)),
+                          DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
@@ -915,7 +893,6 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 SINKS=False, CU_Q=lse2, CU_K=lse2, TILES=lse2, num_items=0, O=lse2,
                 stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=0,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
-                TAU=cfg.rescale_tau,
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False)  # fmt: skip
     if variants:
@@ -923,8 +900,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     if fp8 is not None:
         so = o4.stride()
         args.update(v_desc=_desc(fp8["vt"], head_dim_pad(o4.shape[3]), block_n),
-                    DESCALE=fp8["descale"], FP8=fp8_mode(head_dim_pad(d)), O=o4, stride_ob=so[0],
-                    stride_oh=so[1], stride_os=so[2])  # fmt: skip
+                    DESCALE=fp8["descale"], FP8=fp8_mode(head_dim_pad(d)), O=o4,
+                    stride_ob=so[0], stride_oh=so[1], stride_os=so[2])  # fmt: skip
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
         args.update(packed["args"])
@@ -1001,10 +978,13 @@ def _no_counter(device) -> torch.Tensor:
 # halves of 32 products, exactly 3's errors) and passes the tests' LSE bound
 # (tests/test_fp8_attention.py, GPU, 24 cases). 3 keeps the LSE error lowest (1.2e-2); 4 is
 # FlashAttention-3's choice, the fastest.
-# The default (0, "auto"): mode 5. Mode 4 at d128 (one unpromoted product of 128) was tried
-# as the default on 2026-11-24 for its speed (FP8_CONFIGS_UNPROMOTED): its LSE error broke
-# the tests' bound (2^-10 of sum_c |q_c k_c|) by 9-14% on 4 of 24 GPU cases (causal, d128,
-# 1000 x 1531; benchmarks/results/2026-11-24_h200_gpu-tests-fp8-mode4_*.txt).
+# The default (0, "auto", 2026-11-24): mode 4 at head dim 64, mode 5 above. At d64 mode 4's
+# one product is 64 fp8 products long, as each of mode 5's halves at d128, and with its
+# single accumulator it takes 256-key blocks (FP8_CONFIGS_UNPROMOTED): 555 against 398
+# TFLOPS (b4 h32 4096; benchmarks/results/2026-11-24_h200_fp8-*_847848b/0b6ad1b*). Mode 4 at
+# d128 (one product of 128), tried as the default the same day for its speed, broke the
+# tests' LSE bound (2^-10 of sum_c |q_c k_c|) by 9-14% on 4 of 24 GPU cases (d128, 1000
+# queries x 1531 keys, causal or not; benchmarks/results/*_gpu-tests-fp8-mode4_847848b.txt).
 def _fp8_sums_from_env() -> int:
     """FP8_PROMOTION's value at import: DIYFA_FP8_ATTN_SUMS (1..5, or "auto": 0, the
     default, :func:`fp8_mode`)."""
@@ -1031,8 +1011,9 @@ FP8_CONFIGS_UNPROMOTED = {
 
 
 def fp8_mode(head_dim_padded: int) -> int:
-    """The fp8 sums mode the kernel runs at a padded head dim (FP8_PROMOTION; "auto": 5)."""
-    return FP8_PROMOTION or 5
+    """The fp8 sums mode the kernel runs at a padded head dim (FP8_PROMOTION; "auto": 4 at
+    d64, 5 above)."""
+    return FP8_PROMOTION or (4 if head_dim_padded <= 64 else 5)
 
 
 def fp8_config(head_dim_padded: int) -> Config:
