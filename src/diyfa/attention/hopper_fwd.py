@@ -981,7 +981,8 @@ def _no_counter(device) -> torch.Tensor:
 # The default (0, "auto", 2026-11-24): mode 4 at head dim 64, mode 5 above. At d64 mode 4's
 # one product is 64 fp8 products long, as each of mode 5's halves at d128, and with its
 # single accumulator it takes 256-key blocks (FP8_CONFIGS_UNPROMOTED): 555 against 398
-# TFLOPS (b4 h32 4096; benchmarks/results/2026-11-24_h200_fp8-*_847848b/0b6ad1b*). Mode 4 at
+# TFLOPS (b4 h32 4096; ..._fp8-speed-mode4_847848b.txt, ..._rescale-tau-ab_ba74254.txt),
+# and the GPU tests pass with it (a d64 case of 1000 x 1531 added for it). Mode 4 at
 # d128 (one product of 128), tried as the default the same day for its speed, broke the
 # tests' LSE bound (2^-10 of sum_c |q_c k_c|) by 9-14% on 4 of 24 GPU cases (d128, 1000
 # queries x 1531 keys, causal or not; benchmarks/results/*_gpu-tests-fp8-mode4_847848b.txt).
