@@ -97,11 +97,11 @@ def test_hopper_kernel_compiles_and_fits(dtype):
 def test_hopper_fp8_kernel_compiles_and_fits():
     """The fp8 forward (e4m3 q, k, v; V^T blocks; P through shared memory) compiles for sm90a
     at each padded head dim, causal or not, with both products on fp8 wgmma (k32) and its
-    shared memory within a block's 227 KB; in the default sums mode (5) and in mode 4 with its
-    wider blocks. Spills are bounded as measured, so that more shows up here: 0-44 bytes, but
-    for mode 4's 256-key blocks at d128 (S alone is 128 registers a thread; 248-560 bytes, and
-    still its fastest config measured: hopper_fwd.FP8_CONFIGS_UNPROMOTED) and 128-key blocks
-    at d256 (80-104)."""
+    shared memory within a block's 227 KB; in the default sums modes (4 at d64, 5 above) and
+    in mode 4 with its wider blocks at every head dim. Spills are bounded as measured, so
+    that more shows up here: 0-44 bytes, but for mode 4's 256-key blocks at d128 (S alone is
+    128 registers a thread; 248-560 bytes, and still its fastest config measured:
+    hopper_fwd.FP8_CONFIGS_UNPROMOTED) and its 128-key blocks at d256 (80-104)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, "float8_e4m3fn"], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
@@ -434,8 +434,9 @@ def test_gpu_auto_routes_by_support():
 
 def test_packed_tile_table_lists_tiles_with_rows_heaviest_first():
     """The packed forward's work list: (sequence, query tile) for every tile holding query
-    rows, by the keys it visits (causal: bottom-right per sequence), most first; a sequence
-    without query rows has none, one without keys keeps its tiles (their rows are written)."""
+    rows, by the keys it visits (causal: bottom-right per sequence), most first, or (what the
+    kernel takes) grouped by sequence; a sequence without query rows has none, one without
+    keys keeps its tiles (their rows are written)."""
     from diyfa.attention.hopper_fwd import tile_table
 
     cu_q, cu_k = (0, 0, 130, 386, 391, 401), (0, 10, 140, 1140, 1145, 1145)
@@ -445,4 +446,13 @@ def test_packed_tile_table_lists_tiles_with_rows_heaviest_first():
     # seq 3 (5 / 5): 5; seq 4 (10 q, no keys): 0
     assert table.view(-1, 2).tolist() == [[2, 1], [2, 0], [1, 1], [1, 0], [3, 0], [4, 0]]
     table, n = tile_table(cu_q, cu_k, 128, False, "cpu")
+    assert table.view(-1, 2).tolist() == [[2, 0], [2, 1], [1, 0], [1, 1], [3, 0], [4, 0]]
+    # by_sequence (what the kernel takes): each sequence's tiles together, sequences by their
+    # heaviest tile; causal 512 + 256 tokens: keys 128..512 and 128..256 per tile
+    cu = (0, 512, 768)
+    table, n = tile_table(cu, cu, 128, True, "cpu")
+    assert table.view(-1, 2).tolist() == [[0, 3], [0, 2], [0, 1], [1, 1], [0, 0], [1, 0]]
+    table, n = tile_table(cu, cu, 128, True, "cpu", by_sequence=True)
+    assert table.view(-1, 2).tolist() == [[0, 3], [0, 2], [0, 1], [0, 0], [1, 1], [1, 0]]
+    table, n = tile_table(cu_q, cu_k, 128, False, "cpu", by_sequence=True)
     assert table.view(-1, 2).tolist() == [[2, 0], [2, 1], [1, 0], [1, 1], [3, 0], [4, 0]]

@@ -147,15 +147,20 @@ def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False) ->
 # Device code
 # --------------------------------------------------------------------------------------------
 @gluon.jit
-def _tile(t, num_m, heads, kv_group, TILES, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+def _tile(t, num_m, heads, kv_group, TILES, tile_group, CAUSAL: gl.constexpr,
+          VARLEN: gl.constexpr):
     """(query tile, batch, head, kv head) of work item ``t``. Tiles of one (batch, head) are
     consecutive, so programs running at once share its K/V in L2; causal: the heaviest
-    tiles (last rows) of each head come first. Packed sequences (VARLEN): ``num_m`` tiles
-    per head, listed by the host in ``TILES`` as (sequence, query tile) pairs, heaviest
-    first (``tile_table``): no program for the tiles past a sequence's end."""
+    tiles (last rows) of each head come first. Packed sequences (VARLEN): ``num_m`` tiles,
+    listed by the host in ``TILES`` as (sequence, query tile) pairs (``tile_table``: no
+    program for the tiles past a sequence's end), taken ``tile_group`` at a time for every
+    head in turn (head-major within the group; the last group may be shorter)."""
     if VARLEN:
-        item = t % num_m
-        off_h = t // num_m
+        group = t // (tile_group * heads)
+        size = gl.minimum(tile_group, num_m - group * tile_group)
+        r = t - group * tile_group * heads
+        item = group * tile_group + r % size
+        off_h = r // size
         return gl.load(TILES + 2 * item + 1), gl.load(TILES + 2 * item), off_h, off_h // kv_group
     pid_m = t % num_m
     if CAUSAL:
@@ -330,7 +335,7 @@ def _get_tile(slot):
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
             kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-            left_offset, CU_Q, CU_K, TILES, num_items, COUNTER, CAUSAL: gl.constexpr,
+            left_offset, CU_Q, CU_K, TILES, num_items, tile_group, COUNTER, CAUSAL: gl.constexpr,
             CONSUMERS: gl.constexpr,
             WINDOW: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
             DYNAMIC: gl.constexpr):
@@ -356,7 +361,8 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
     lap = 0
     t = gl.program_id(0)
     while t < total:
-        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, TILES, CAUSAL, VARLEN)
+        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, TILES, tile_group, CAUSAL,
+                                               VARLEN)
         tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
             off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
         row0 = pid_m * BLOCK_M
@@ -459,8 +465,8 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
 def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
-              DESCALE, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
+              stride_os, stride_oh, DESCALE, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr,
@@ -514,7 +520,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         t = _get_tile(tile_ids.index(0))
     while t < total:
         qb = (lap % Q_BUFS) * CONSUMERS + C  # this tile's Q buffer
-        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, TILES, CAUSAL, VARLEN)
+        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, TILES, tile_group, CAUSAL,
+                                               VARLEN)
         q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
         tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
             off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
@@ -668,8 +675,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
 def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
-               DESCALE, total_q,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
+               stride_os, stride_oh, DESCALE, total_q,
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -677,8 +684,8 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
-              DESCALE, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
+              stride_os, stride_oh, DESCALE, total_q, head_dim,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               0)  # fmt: skip
 
@@ -687,8 +694,8 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
-               DESCALE, total_q,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
+               stride_os, stride_oh, DESCALE, total_q,
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -696,8 +703,8 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
-              DESCALE, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
+              stride_os, stride_oh, DESCALE, total_q, head_dim,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               1)  # fmt: skip
 
@@ -706,8 +713,8 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
-               DESCALE, total_q,
+               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
+               stride_os, stride_oh, DESCALE, total_q,
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -715,8 +722,8 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O, stride_ob, stride_os, stride_oh,
-              DESCALE, total_q, head_dim,
+              SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
+              stride_os, stride_oh, DESCALE, total_q, head_dim,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
               2)  # fmt: skip
 
@@ -724,7 +731,8 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv_group, seqlen_q,
                      seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
-                     stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES, num_items, O,
+                     stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES, num_items,
+                     tile_group, O,
                      stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim, COUNTER,
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -770,7 +778,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
-                          num_items, O,
+                          num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
@@ -778,7 +786,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
-                          num_items, O,
+                          num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
@@ -786,14 +794,14 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
-                          num_items, O,
+                          num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
-                       num_items, COUNTER,
+                       num_items, tile_group, COUNTER,
                        CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])  # fmt: skip
     else:
@@ -802,7 +810,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
-                          num_items, O,
+                          num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
@@ -810,14 +818,14 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
                           causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
-                          num_items, O,
+                          num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
-                       num_items, COUNTER,
+                       num_items, tile_group, COUNTER,
                        CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
@@ -890,7 +898,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
                 left_offset=0, tanh_scale=1.0, SLOPES=lse2, stride_slopes_b=0, alibi_offset=0,
                 SINK_LOGITS=lse2, WINDOW=False, SOFTCAP=False, ALIBI=False,
-                SINKS=False, CU_Q=lse2, CU_K=lse2, TILES=lse2, num_items=0, O=lse2,
+                SINKS=False, CU_Q=lse2, CU_K=lse2, TILES=lse2, num_items=0, tile_group=1,
+                O=lse2,
                 stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=0,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
@@ -905,8 +914,10 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
         args.update(packed["args"])
-        table, items = tile_table(*packed["cu_host"], consumers * SUB_M, causal, lse2.device)
-        args.update(TILES=table, num_items=items)
+        table, items = tile_table(*packed["cu_host"], consumers * SUB_M, causal, lse2.device,
+                                  VARLEN_BY_SEQUENCE)  # fmt: skip
+        group = items if VARLEN_TILE_GROUP is None else min(VARLEN_TILE_GROUP, items)
+        args.update(TILES=table, num_items=items, tile_group=max(group, 1))
         tiles = items * h
     # A static round robin only without a band or packed sequences: it gives tiles of very
     # unequal work to the same programs (measured, causal: 454 against 618 TFLOPS at 16k,
@@ -932,23 +943,41 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     return grid, args, 4
 
 
-def tile_table(cu_q, cu_k, block_m: int, causal: bool, device) -> tuple[torch.Tensor, int]:
+# Packed sequences' work order (tile_table, _tile). VARLEN_BY_SEQUENCE: the tiles of one
+# sequence stay together (sequences by their heaviest tile, then its tiles heaviest first),
+# else all tiles heaviest first; VARLEN_TILE_GROUP tiles at a time for every head in turn
+# (None: all of them, the whole list for head 0 first, then head 1...).
+VARLEN_BY_SEQUENCE = True
+VARLEN_TILE_GROUP: int | None = 8
+
+
+def tile_table(cu_q, cu_k, block_m: int, causal: bool, device,
+               by_sequence: bool = False) -> tuple[torch.Tensor, int]:  # fmt: skip
     """Packed sequences' query tiles as the kernel takes them (``TILES``): int32 (sequence,
     tile) pairs for every tile that holds a query row, the heaviest first (the most keys to
     visit; ties in sequence order), and their count. Launching these and no more leaves out
     the programs a (longest sequence x batch) grid spends on tiles past each sequence's end
     (most of them with lengths as uneven as a packed batch's), and the order starts the long
-    tiles first, which finishes a causal batch sooner."""
+    tiles first, which finishes a causal batch sooner. ``by_sequence``: sequences in the
+    order of their heaviest tile, each one's tiles together, heaviest first (causal tiles of
+    one sequence differ in weight: sorted by weight alone, the programs running at once read
+    many sequences' keys)."""
     work = []
     for b in range(len(cu_q) - 1):
         sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        tiles = []
         for m in range(cdiv(sq, block_m)):
             keys = sk
             if causal:
                 keys = min(sk, max(0, min((m + 1) * block_m, sq) + sk - sq))
-            work.append((-keys, b, m))
+            tiles.append((-keys, b, m))
+        if by_sequence and tiles:
+            heaviest = min(tiles)[0]
+            work += [(heaviest, b, keys, m) for keys, b, m in tiles]
+        else:
+            work += [(keys, b, 0, m) for keys, b, m in tiles]
     work.sort()
-    pairs = [x for _, b, m in work for x in (b, m)]
+    pairs = [x for _, b, _, m in work for x in (b, m)]
     return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
 
 
