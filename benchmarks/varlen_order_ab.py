@@ -1,8 +1,9 @@
 """A/B of the packed (varlen) Hopper forward's work order, in one process on an sm90 GPU.
 
 The work list (``hopper_fwd.tile_table``) is either every tile heaviest first or grouped by
-sequence (``VARLEN_BY_SEQUENCE``); the kernel takes ``VARLEN_TILE_GROUP`` tiles at a time for
-every head in turn (None: the whole list per head). Each order runs the varlen suite's mix
+sequence (``VARLEN_BY_SEQUENCE``); the kernel takes ``VARLEN_TILE_GROUP`` (causal:
+``VARLEN_TILE_GROUP_CAUSAL``) tiles at a time for every head in turn (None: the whole list
+per head); each order here sets both. Each order runs the varlen suite's mix
 (``diyfa.bench.suites.varlen_lengths(65536, 128, 8192)``, bf16) at d128 (16 / 4 heads) and
 d64 (32 / 32), causal and not: its output first checked against the first order's (the same
 kernel over the same tiles: bitwise equal), then timed (``triton.testing.do_bench`` medians,
@@ -36,6 +37,11 @@ ORDERS = {  # label: (VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP)
 }
 
 
+def _set(by_sequence: bool, group: int | None) -> None:
+    hopper_fwd.VARLEN_BY_SEQUENCE = by_sequence
+    hopper_fwd.VARLEN_TILE_GROUP = hopper_fwd.VARLEN_TILE_GROUP_CAUSAL = group
+
+
 def main() -> int:
     from triton.testing import do_bench
 
@@ -50,7 +56,8 @@ def main() -> int:
     total, longest = sum(lengths), max(lengths)
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip
-    before = hopper_fwd.VARLEN_BY_SEQUENCE, hopper_fwd.VARLEN_TILE_GROUP
+    before = (hopper_fwd.VARLEN_BY_SEQUENCE, hopper_fwd.VARLEN_TILE_GROUP,
+              hopper_fwd.VARLEN_TILE_GROUP_CAUSAL)  # fmt: skip
     rows = []
     with open(a.out, "w") as f:
         for d, h, hk in ((128, 16, 4), (64, 32, 32)):
@@ -70,21 +77,22 @@ def main() -> int:
                            tokens=total)  # fmt: skip
                 first, times = None, {name: [] for name in ORDERS}
                 for name, (by_seq, group) in ORDERS.items():
-                    hopper_fwd.VARLEN_BY_SEQUENCE, hopper_fwd.VARLEN_TILE_GROUP = by_seq, group
+                    _set(by_seq, group)
                     out = fwd()
                     if first is None:
                         first = out
                     row[f"{name}_equal"] = bool(torch.equal(out, first))
                 for _ in range(a.rounds):
                     for name, (by_seq, group) in ORDERS.items():
-                        hopper_fwd.VARLEN_BY_SEQUENCE, hopper_fwd.VARLEN_TILE_GROUP = by_seq, group
+                        _set(by_seq, group)
                         times[name].append(do_bench(fwd, rep=a.rep, return_mode="median"))
                 for name, ms in times.items():
                     row[name] = round(flops / (statistics.median(ms) * 1e-3) / 1e12, 1)
                 rows.append(row)
                 f.write(json.dumps({**env, **row}) + "\n")
                 print(json.dumps(row), flush=True)
-    hopper_fwd.VARLEN_BY_SEQUENCE, hopper_fwd.VARLEN_TILE_GROUP = before
+    (hopper_fwd.VARLEN_BY_SEQUENCE, hopper_fwd.VARLEN_TILE_GROUP,
+     hopper_fwd.VARLEN_TILE_GROUP_CAUSAL) = before  # fmt: skip
     print(f"\npacked forward work order, TFLOPS ({env['gpu']}, triton {env['triton']})")
     for r in rows:
         cells = "  ".join(f"{n} {r[n]}{'' if r[n + '_equal'] else ' (DIFFERS)'}" for n in ORDERS)

@@ -916,7 +916,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
         args.update(packed["args"])
         table, items = tile_table(*packed["cu_host"], consumers * SUB_M, causal, lse2.device,
                                   VARLEN_BY_SEQUENCE)  # fmt: skip
-        group = items if VARLEN_TILE_GROUP is None else min(VARLEN_TILE_GROUP, items)
+        group = VARLEN_TILE_GROUP_CAUSAL if causal else VARLEN_TILE_GROUP
+        group = items if group is None else min(group, items)
         args.update(TILES=table, num_items=items, tile_group=max(group, 1))
         tiles = items * h
     # A static round robin only without a band or packed sequences: it gives tiles of very
@@ -943,12 +944,19 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     return grid, args, 4
 
 
-# Packed sequences' work order (tile_table, _tile). VARLEN_BY_SEQUENCE: the tiles of one
+# Packed sequences' work order (tile_table, _tile). VARLEN_BY_SEQUENCE: causal tiles of one
 # sequence stay together (sequences by their heaviest tile, then its tiles heaviest first),
-# else all tiles heaviest first; VARLEN_TILE_GROUP tiles at a time for every head in turn
-# (None: all of them, the whole list for head 0 first, then head 1...).
+# else all tiles heaviest first (without the causal band a sequence's tiles weigh the same:
+# together either way); VARLEN_TILE_GROUP(_CAUSAL) tiles at a time for every head in turn
+# (None: all of them, the whole list for head 0 first, then head 1...). H200, bf16, the
+# varlen suite's 29 sequences (benchmarks/varlen_order_ab.py,
+# benchmarks/results/2026-11-24_h200_varlen-order-ab_6ef1185.jsonl), TFLOPS of the old order
+# (heaviest first, whole list per head) against by sequence in groups of 32: d128 GQA 16/4
+# causal 346.5 / 393.3, not causal 545.2 / 493.2 (groups of 8: 509.7); d64 causal 278.0 /
+# 278.1, not causal 394.3 / 380.2. So groups for causal calls only.
 VARLEN_BY_SEQUENCE = True
-VARLEN_TILE_GROUP: int | None = 8
+VARLEN_TILE_GROUP: int | None = None
+VARLEN_TILE_GROUP_CAUSAL: int | None = 32
 
 
 def tile_table(cu_q, cu_k, block_m: int, causal: bool, device,
