@@ -207,8 +207,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
             qk = _tanh(qk * tanh_scale, PRECISION)
         qk = qk * qk_scale
         if ALIBI:
-            qk = qk - slope2[:, None] * tl.abs(qpos[:, None] + alibi_offset
-                                               - offs_n[None, :]).to(tl.float32)  # fmt: skip
+            qk = qk - slope2[:, None] * tl.abs((qpos + alibi_offset).to(tl.float32)[:, None]
+                                               - offs_n.to(tl.float32)[None, :])  # fmt: skip
         keep = n_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= qpos[:, None] + causal_offset)

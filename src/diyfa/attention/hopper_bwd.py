@@ -445,9 +445,10 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         # scaled (base 2). P^T = 2^(scores - lse).
         if SOFTCAP:
             st = _tanh(st * tanh_scale)
-        if ALIBI:
-            dist = offs_m[None, :] + alibi_offset - offs_k[:, None]
-            pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist).to(gl.float32) - lse[None, :])
+        if ALIBI:  # (positions in fp32: see portable._alibi)
+            dist = ((offs_m + alibi_offset).to(gl.float32)[None, :]
+                    - offs_k.to(gl.float32)[:, None])  # fmt: skip
+            pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist) - lse[None, :])
         else:
             pt = gl.exp2(st * qk_scale - lse[None, :])
         if SOFTCAP:  # d tanh: the score's gradient reaches q.k times (1 - t^2)

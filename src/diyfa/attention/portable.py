@@ -151,8 +151,11 @@ def _tanh(x, PRECISION: tl.constexpr):
 
 @triton.jit
 def _alibi(offs_q, offs_k, slope2, alibi_offset):
-    """ALiBi's bias in base 2, to subtract: slope * log2(e) * |i + sk - sq - j|."""
-    return slope2 * tl.abs(offs_q + alibi_offset - offs_k).to(tl.float32)
+    """ALiBi's bias in base 2, to subtract: slope * log2(e) * |i + sk - sq - j|. The row and
+    column indices (broadcast vectors) go to fp32 first, so each score costs an add, not an
+    integer-to-float conversion (as slow as an exponential on sm90: the MUFU-rate pipe);
+    exact below 2^24 positions."""
+    return slope2 * tl.abs((offs_q + alibi_offset).to(tl.float32) - offs_k.to(tl.float32))
 
 
 @triton.jit
