@@ -45,11 +45,12 @@ positive softmax_scale, TMA's alignment rules; sliding windows, softcap, ALiBi a
 attention sinks (compile-time flags, the portable kernels' formulas), a value head dim below
 q's, packed sequences without variants (``VARLEN``: a host-made list of the tiles that hold
 rows, rows offset by cu_seqlens, O by a masked store), and fp8 (e4m3) q, k, v with descales
-for plain attention (``FP8``: V transposed on the host, P through shared memory, the fp8
-sums as ``FP8_PROMOTION`` says). "auto" takes what ``prefer`` does not pass over (its
-docstring has the measurements). The backward is the Gluon one (hopper_bwd.py) where it
-measured faster (``hopper_bwd.auto_mode``), else the portable kernel's, which reads the same
-LSE. Everything else runs on the portable family.
+for plain attention (``FP8``: V transposed per call by a small Triton kernel,
+``transpose_v``; P through shared memory, 2^8 times larger (``P_SHIFT``); the fp8 sums as
+``fp8_mode`` says, each mode with its launch config, ``fp8_config``). "auto" takes what
+``prefer`` does not pass over (its docstring has the measurements). The backward is the
+Gluon one (hopper_bwd.py) where it measured faster (``hopper_bwd.auto_mode``), else the
+portable kernel's, which reads the same LSE. Everything else runs on the portable family.
 """
 
 from __future__ import annotations
