@@ -150,11 +150,11 @@ def test_supports_takes(kwargs):
 
 
 @pytest.mark.parametrize("env, backend, kwargs, want", [
-    (None, "auto", dict(), "hopper-kernel-dq"),
+    (None, "auto", dict(), "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096), "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096, causal=True), "hopper-atomic"),
     (None, "auto", dict(d=80, deterministic=True), "hopper-kernel-dq"),
-    (None, "auto", dict(causal=True), "hopper-kernel-dq"),
+    (None, "auto", dict(causal=True), "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096, deterministic=True), "hopper-kernel-dq"),
     (None, "auto", dict(d=64, sk=4096, causal=True, deterministic=True), "hopper-kernel-dq"),
     ("1", "auto", dict(d=64, sk=4096), "hopper-atomic"),
@@ -179,8 +179,8 @@ def test_supports_takes(kwargs):
         "named-det-alibi", "named-sinks", "named-value-dim"])
 def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     """"auto" runs the Gluon backward where it measured faster (hopper_bwd.auto_mode: the
-    kernel-dQ (deterministic) path above d64 and when asked for, the atomic dQ at d64 from
-    4096 keys or causal); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
+    atomic dQ above d64 and at d64 from 4096 keys or causal, the kernel-dQ (deterministic)
+    path when asked for); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
     wherever it applies; naming the family runs it with the atomic dQ unless deterministic.
     The variants (window, softcap, ALiBi, sinks) run in it when named or enabled; "auto"
     runs them in the deterministic path (measured faster)."""
@@ -268,7 +268,9 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     args = seen["args"]
     assert seen["fn"] is hopper_bwd._attn_bwd_hopper and seen["num_warps"] == 4
     assert seen["grid"] == (-(-sk // 128), b * hk)
-    assert args["DQ_ATOMIC"] is (not deterministic)
+    # 0: the portable dQ kernel first; 2: the atomic dQ with a column half per consumer
+    # every step (head dims padding to 128: hopper_bwd.DQ_SPLIT)
+    assert args["DQ_ATOMIC"] == (0 if deterministic else 2)
     assert args["kv_group"] == 4 and args["seqlen_q"] == sq and args["seqlen_k"] == sk
     assert args["causal_offset"] == sk - sq and args["sm_scale"] == 0.25
     qd, kd, dod, dkd = args["q_desc"], args["k_desc"], args["do_desc"], args["dk_desc"]
@@ -451,10 +453,12 @@ def test_tma_ready_refuses_broadcast_and_odd_strides():
 
 
 def test_auto_mode_by_head_dim_band_and_keys(monkeypatch):
-    """What "auto" runs for the backward: the deterministic path (portable dQ kernel +
-    Gluon dK/dV) at head dims 72..128 and whenever asked for; the atomic dQ at d64 with the
-    causal band, and without it from ATOMIC_D64_KEYS keys, the portable backward below
-    (equal GPU time, lighter host path)."""
+    """What "auto" runs for the backward: the atomic dQ at head dims 72..128 (split by
+    columns between the consumers: measured faster than the deterministic path at every
+    shape) and at d64 with the causal band, and without it from ATOMIC_D64_KEYS keys, the
+    portable backward below (equal GPU time, lighter host path); the deterministic path
+    (portable dQ kernel + Gluon dK/dV) whenever asked for, and for packed sequences at
+    72..128."""
     monkeypatch.delenv("DIYFA_HOPPER_BWD", raising=False)
     keys = hopper_bwd.ATOMIC_D64_KEYS
 
@@ -465,7 +469,8 @@ def test_auto_mode_by_head_dim_band_and_keys(monkeypatch):
 
     assert mode(64, False, keys // 2) is None and mode(64, False, keys) == "atomic"
     assert mode(64, True, keys // 2) == "atomic"
-    assert mode(128, False, keys // 2) == "kernel-dq" and mode(128, True, keys) == "kernel-dq"
+    assert mode(128, False, keys // 2) == "atomic" and mode(128, True, keys) == "atomic"
+    assert mode(96, True, keys // 4) == "atomic"
     assert mode(128, False, keys, deterministic=True) == "kernel-dq"
     assert mode(64, False, keys, deterministic=True) == "kernel-dq"
     assert mode(64, False, keys // 2, deterministic=True) is None

@@ -141,6 +141,10 @@ BWD_CONFIGS = {
     64: (64, 2, 240, 24),
     128: (64, 2, 240, 24),
 }
+# Atomic dQ at d128: every step each consumer computes a column half of dQ (True), or the
+# consumers take turns computing all of it (False; d64 always does). A config's fifth
+# field, when given, overrides this.
+DQ_SPLIT = True
 
 
 def auto_mode(p: Problem) -> str | None:
@@ -184,7 +188,15 @@ def auto_mode(p: Problem) -> str | None:
     portable / kernel-dq / atomic: sliding window 1023 265 / 297 / 241, ALiBi 327 / 377 /
     265, sinks 347 / 420 / 310); so does softcap since the statistics moved to shared memory
     (226 / 220 / 206 then; with tanh.approx, 2026-11-24, 302 / 303 / 217; since, portable
-    300 against 320, benchmarks/results/2026-11-24_h200_flash_variants-fa4_3f3876a.jsonl)."""
+    300 against 320, benchmarks/results/2026-11-24_h200_flash_variants-fa4_3f3876a.jsonl).
+
+    Since the atomic dQ at d128 is split by columns between the consumers every step
+    (``DQ_SPLIT``, 2026-11-24; H200, bf16, benchmarks/hopper_bwd_ab.py, kernel TFLOPS,
+    benchmarks/results/2026-11-24_h200_bwd-dq-split-ab_f1d60cd-wip.txt), it beats the deterministic
+    path at every shape measured: 2 x 16 x 8192 506 / 495 (turns: 446), causal 477 / 448
+    (425); 4 x 16 x 4096 458 / 439, causal 427 / 368; 16 x 16 x 1024 391 / 362, causal 279 /
+    266. So plain d72..128 calls take "atomic" too; the variants and packed sequences at
+    d72..128 keep the deterministic path (not timed with the split yet)."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
@@ -198,7 +210,8 @@ def auto_mode(p: Problem) -> str | None:
         return None
     window = p.window_left >= 0 or p.window_right > 0
     variant = window or p.softcap or p.alibi_slopes is not None or p.sinks is not None
-    if p.deterministic or variant or wide:
+    packed_wide = wide and p.cu_seqlens_q is not None  # (split dQ not timed packed yet)
+    if p.deterministic or variant or packed_wide:
         return "kernel-dq"
     return "atomic"
 
@@ -487,7 +500,32 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         dv, dk, _p, _ds, _q, _do = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p16, dsa, q_smem,
                                                                do_smem))
         mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
-        if DQ_ATOMIC:
+        if DQ_ATOMIC == 2:
+            # (d128, DQ_SPLIT) Every step, each consumer computes its own column half of the
+            # query block's dQ = dS K (K = 128 keys: both consumers' dS^T halves as the
+            # transposed A operand, K from both buffers), FlashAttention-3's division, and
+            # adds it to the workspace by a TMA reduce-add; the buffer rules are the turns'
+            # (below): ds buffer it % 2 is rewritten two steps on, after the partner has
+            # passed step it + 1's ds_ready (so its step-it product is done).
+            SPLIT2: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
+            HALF2: gl.constexpr = HEAD_DIM // SPLIT2
+            gl.static_assert(SPLIT2 == CONSUMERS, "a column half per consumer")
+            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+            tile = C * SPLIT2 + it % 2  # its two tiles in turn
+            tma.store_wait(1)  # the reduce-add of two steps back has read this tile
+            gl.thread_barrier()
+            dq = gl.zeros([BLOCK_M, HALF2], gl.float32, h_layout)
+            for c in gl.static_range(CONSUMERS):
+                ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
+                k_half = _tile2d(k_bufs, c).slice(C * HALF2, HALF2, dim=1)
+                dq = warpgroup_mma(ds_t, k_half, dq, use_acc=c > 0, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            _tile2d(dq_bufs, tile).store(dq)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's part is written before the issue
+            _tma_reduce_add(dq_desc, [tb, off_h, q_start + row0, C * HALF2],
+                            dq_bufs.index(tile))  # fmt: skip
+        elif DQ_ATOMIC:
             if it % 2 == C:
                 # The consumers take turns: this one multiplies the whole block's dS (both
                 # halves, K = 128 keys) by K into the query block's dQ and adds it to the
@@ -718,7 +756,10 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     if packed is not None:
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     dpad = head_dim_pad(d)
-    block_m, stages, c_regs, l_regs = config or BWD_CONFIGS[dpad]
+    block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[dpad]
+    # atomic dQ: 2 = every step a column half per consumer (d128, DQ_SPLIT), 1 = turns
+    split = rest[0] if rest else DQ_SPLIT
+    dq_mode = (2 if split and dpad == CONSUMERS * 64 else 1) if dq_atomic else 0
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
                 k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
                 dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
@@ -729,7 +770,7 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 stride_dks=0, stride_dkh=0, stride_dvs=0, stride_dvh=0, head_dim=d, VARLEN=False,
                 causal_offset=causal_offset,
                 qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
-                sm_scale=softmax_scale, CAUSAL=causal, DQ_ATOMIC=dq_atomic, STAGES=stages,
+                sm_scale=softmax_scale, CAUSAL=causal, DQ_ATOMIC=dq_mode, STAGES=stages,
                 CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, left_offset=0, tanh_scale=1.0,
                 SLOPES=lse2, stride_slopes_b=0, alibi_offset=0, WINDOW=False, SOFTCAP=False,
                 ALIBI=False)  # fmt: skip
