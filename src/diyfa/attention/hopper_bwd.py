@@ -2,8 +2,9 @@
 
 Status: runs on H200 (tests/test_hopper_bwd.py's GPU tests: the gradient matrix against
 float64, both dQ modes, bitwise determinism). "auto" runs it where it measured faster than
-the portable backward (:func:`auto_mode`: the deterministic path at head dims 72..128,
-for the variants and when asked for, the atomic dQ at d64); ``backend="hopper"``
+the portable backward (:func:`auto_mode`: the atomic dQ for plain attention, the
+deterministic path for the variants, packed sequences at d72..128 and when asked for);
+``backend="hopper"``
 runs it wherever :func:`supports` allows, with the atomic dQ unless ``deterministic=True``.
 Every other call, and every problem :func:`supports` refuses, takes the portable backward.
 
@@ -37,7 +38,11 @@ What the kernel does
       Registers are moved to them from the loader (``setmaxnreg``).
 
       Atomic dQ mode only: each consumer writes its 64 rows of dS^T to a shared (128 keys,
-      BLOCK_M) buffer (two of them, alternating by step) and arrives on ``ds_ready``; the
+      BLOCK_M) buffer (two of them, alternating by step) and arrives on ``ds_ready``. At
+      d128 (``DQ_SPLIT``, the kernel's ``DQ_ATOMIC == 2``) both consumers then wait for the
+      whole dS^T and each computes one 64-column half of the query block's dQ = dS K every
+      step, reduce-added from its own two fp32 tiles in turn (FlashAttention-3's division;
+      2026-11-24, +11-21% over the turns below). Otherwise (d64) the
       consumers take turns (step ``it`` is consumer ``it % 2``'s) computing the query
       block's whole dQ = dS K (K = 128 keys: dS^T as the transposed A operand, K from both
       consumers' buffers), one column half at a time, each stored to the consumer's own
@@ -60,8 +65,8 @@ Two dQ modes (``atomic_dq``; ``backend="hopper"`` takes the atomic one unless
       5 matmuls per block pair. The order of the additions varies: dQ is not bitwise
       reproducible (dK and dV are). "auto"'s default where it measured faster.
     - kernel dQ (deterministic): the portable dQ kernel (which also writes delta) runs first,
-      then this kernel without dQ. Bitwise-reproducible, 7 matmuls per block pair: 9-15%
-      slower than the atomic mode on an H200, but 14% faster for causal calls at d128.
+      then this kernel without dQ. Bitwise-reproducible, 7 matmuls per block pair: 2-14%
+      slower than the atomic mode with the split dQ at d128 on an H200 (:func:`auto_mode`).
 
 Variants: the forward's sliding window (query blocks wholly outside the band skipped by
 :func:`_kv_program`, the band's edges masked), softcap (the scores recomputed through the
