@@ -146,10 +146,15 @@ BWD_CONFIGS = {
     64: (64, 2, 240, 24),
     128: (64, 2, 240, 24),
 }
-# Atomic dQ at d128: every step each consumer computes a column half of dQ (True), or the
-# consumers take turns computing all of it (False; d64 always does). A config's fifth
-# field, when given, overrides this.
+# Atomic dQ: every step each consumer computes a column half of dQ (True), or the
+# consumers take turns computing all of it (False). A config's fifth field, when given,
+# overrides these. At d64 the halves are 32 columns wide, and measured slower (H200, bf16,
+# benchmarks/hopper_bwd_ab.py,
+# benchmarks/results/2026-11-24_h200_bwd-dq-split-d64-ab_2e59141-wip.txt, TFLOPS turns /
+# halves: 1 x 32 x 16k 448 / 390, causal 455 / 389; 4 x 32 x 4096 424 / 366, causal 384 /
+# 330; 16 x 32 x 1024 335 / 308, causal 250 / 225): d64 keeps the turns.
 DQ_SPLIT = True
+DQ_SPLIT_D64 = False
 
 
 def auto_mode(p: Problem) -> str | None:
@@ -413,9 +418,9 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    # dQ's column pieces: the workspace descriptor's block width
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1],
-        instr_shape=[16, HEAD_DIM // (2 if HEAD_DIM > 64 else 1), 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, dq_desc.block_type.shape[3], 16])
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -712,11 +717,13 @@ def tma_ready(t4: torch.Tensor) -> bool:
 _DQ_STANDINS: dict = {}
 
 
-def _dq_desc(dq_acc: torch.Tensor, block_m: int, dpad: int, dq_atomic: bool):
+def _dq_desc(dq_acc: torch.Tensor, block_m: int, dpad: int, dq_atomic: bool,
+             halves: bool = False):
     """The TMA descriptor of the atomic mode's fp32 dQ workspace, blocks of BLOCK_M rows x
-    one column half (64 columns at d128; the whole 64 at d64); without atomic dQ, one over
-    a small stand-in of the same block shape (the kernel reads nothing through it)."""
-    cols = dpad // 2 if dpad > 64 else dpad
+    one column half (64 columns at d128; the whole 64 at d64 unless ``halves``); without
+    atomic dQ, one over a small stand-in of the same block shape (the kernel reads nothing
+    through it)."""
+    cols = dpad // 2 if dpad > 64 or halves else dpad
     if not dq_atomic:
         key = (dq_acc.device, block_m, cols)
         dq_acc = _DQ_STANDINS.get(key)
@@ -762,13 +769,15 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     dpad = head_dim_pad(d)
     block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[dpad]
-    # atomic dQ: 2 = every step a column half per consumer (d128, DQ_SPLIT), 1 = turns
-    split = rest[0] if rest else DQ_SPLIT
-    dq_mode = (2 if split and dpad == CONSUMERS * 64 else 1) if dq_atomic else 0
+    # atomic dQ: 2 = every step a column half per consumer (DQ_SPLIT at d128, DQ_SPLIT_D64
+    # at d64: halves of 32 columns), 1 = turns
+    split = rest[0] if rest else (DQ_SPLIT if dpad > 64 else DQ_SPLIT_D64)
+    dq_mode = (2 if split else 1) if dq_atomic else 0
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
                 k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
                 dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
-                LSE=lse2, DELTA=delta, dq_desc=_dq_desc(dq_acc, block_m, dpad, dq_atomic),
+                LSE=lse2, DELTA=delta, dq_desc=_dq_desc(dq_acc, block_m, dpad, dq_atomic,
+                                                          dq_mode == 2),
                 heads=h, kv_group=h // k4.shape[1],
                 seqlen_q=sq, seqlen_k=sk, total_q=0, CU_Q=lse2, CU_K=lse2, TILES=lse2, DK=dk4,
                 DV=dv4,
