@@ -164,7 +164,8 @@ def test_supports_takes(kwargs):
     (None, "hopper", dict(deterministic=True), "hopper-kernel-dq"),
     (None, "hopper", dict(d=256), "portable"),
     ("1", "auto", dict(d=256), "portable"),
-    (None, "auto", dict(variant=dict(window_left=100)), "hopper-kernel-dq"),
+    (None, "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
+    (None, "auto", dict(d=64, sk=4096, variant=dict(window_left=100)), "hopper-kernel-dq"),
     (None, "auto", dict(variant=dict(softcap=30.0), causal=True), "hopper-kernel-dq"),
     ("1", "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
     (None, "hopper", dict(variant=dict(softcap=30.0)), "hopper-atomic"),
@@ -175,7 +176,7 @@ def test_supports_takes(kwargs):
 ], ids=["auto-d128", "auto-d64", "auto-d64-causal", "auto-d80-det", "auto-d128-causal",
         "auto-d64-det", "auto-d64-causal-det", "enabled-d64",
         "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256",
-        "auto-window", "auto-softcap", "enabled-window", "named-softcap",
+        "auto-window", "auto-window-d64", "auto-softcap", "enabled-window", "named-softcap",
         "named-det-alibi", "named-sinks", "named-value-dim"])
 def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     """"auto" runs the Gluon backward where it measured faster (hopper_bwd.auto_mode: the
@@ -183,7 +184,8 @@ def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     path when asked for); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
     wherever it applies; naming the family runs it with the atomic dQ unless deterministic.
     The variants (window, softcap, ALiBi, sinks) run in it when named or enabled; "auto"
-    runs them in the deterministic path (measured faster)."""
+    runs softcap and ALiBi (and every variant at d64) in the deterministic path, a window
+    or sinks at d72..128 with the atomic dQ (each measured faster)."""
     deterministic = kwargs.pop("deterministic", False)
     variant = kwargs.pop("variant", {})
     if env is None:

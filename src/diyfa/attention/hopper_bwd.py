@@ -205,8 +205,13 @@ def auto_mode(p: Problem) -> str | None:
     benchmarks/results/2026-11-24_h200_bwd-dq-split-ab_f1d60cd-wip.txt), it beats the deterministic
     path at every shape measured: 2 x 16 x 8192 506 / 495 (turns: 446), causal 477 / 448
     (425); 4 x 16 x 4096 458 / 439, causal 427 / 368; 16 x 16 x 1024 391 / 362, causal 279 /
-    266. So plain d72..128 calls take "atomic" too; the variants and packed sequences at
-    d72..128 keep the deterministic path (not timed with the split yet)."""
+    266. So plain d72..128 calls take "atomic" too. Packed sequences there keep the
+    deterministic path (varlen suite, benchmarks/results/*_flash_varlen-bwd-split_620284d:
+    d128 GQA 451 atomic against 439, causal 384 against 426), and so do softcap and ALiBi
+    (variants suite, 8k d128 causal, ..._flash_variants-bwd-split_3dbec91.jsonl: softcap
+    276 against 319, ALiBi 276 against 337), while a window or sinks take the atomic dQ at
+    d72..128 (window 1023 343 against 331, sinks 463 against 442; d64 variants keep the
+    deterministic path, measured before the split)."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
@@ -220,8 +225,9 @@ def auto_mode(p: Problem) -> str | None:
         return None
     window = p.window_left >= 0 or p.window_right > 0
     variant = window or p.softcap or p.alibi_slopes is not None or p.sinks is not None
-    packed_wide = wide and p.cu_seqlens_q is not None  # (split dQ not timed packed yet)
-    if p.deterministic or variant or packed_wide:
+    packed_wide = wide and p.cu_seqlens_q is not None  # (causal: slower with the split dQ)
+    heavy = p.softcap or p.alibi_slopes is not None  # (slower with the split dQ)
+    if p.deterministic or packed_wide or heavy or (variant and not wide):
         return "kernel-dq"
     return "atomic"
 
