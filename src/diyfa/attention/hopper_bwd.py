@@ -2,8 +2,9 @@
 
 Status: runs on H200 (tests/test_hopper_bwd.py's GPU tests: the gradient matrix against
 float64, both dQ modes, bitwise determinism). "auto" runs it where it measured faster than
-the portable backward (:func:`auto_mode`: the atomic dQ for plain attention, the
-deterministic path for the variants, packed sequences at d72..128 and when asked for);
+the portable backward (:func:`auto_mode`: the atomic dQ for plain attention and, at
+d72..128, a window or sinks; the deterministic path for softcap, ALiBi, packed sequences at
+d72..128, the variants at d64 and when asked for);
 ``backend="hopper"``
 runs it wherever :func:`supports` allows, with the atomic dQ unless ``deterministic=True``.
 Every other call, and every problem :func:`supports` refuses, takes the portable backward.
@@ -517,12 +518,13 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                                                                do_smem))
         mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
         if DQ_ATOMIC == 2:
-            # (d128, DQ_SPLIT) Every step, each consumer computes its own column half of the
-            # query block's dQ = dS K (K = 128 keys: both consumers' dS^T halves as the
-            # transposed A operand, K from both buffers), FlashAttention-3's division, and
-            # adds it to the workspace by a TMA reduce-add; the buffer rules are the turns'
-            # (below): ds buffer it % 2 is rewritten two steps on, after the partner has
-            # passed step it + 1's ds_ready (so its step-it product is done).
+            # (DQ_SPLIT at d128; DQ_SPLIT_D64, off, at d64) Every step, each consumer computes
+            # its own column half of the query block's dQ = dS K (K = 128 keys: both
+            # consumers' dS^T halves as the transposed A operand, K from both buffers),
+            # FlashAttention-3's division, and adds it to the workspace by a TMA reduce-add;
+            # the buffer rules are the turns' (below): ds buffer it % 2 is rewritten two steps
+            # on, after the partner has passed step it + 1's ds_ready (so its step-it product
+            # is done).
             SPLIT2: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
             HALF2: gl.constexpr = HEAD_DIM // SPLIT2
             gl.static_assert(SPLIT2 == CONSUMERS, "a column half per consumer")
