@@ -402,6 +402,29 @@ def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, 
 
 
 @gluon.jit
+def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, layout):
+    """Column piece ``piece`` of a query block's dQ = dS K (the piece's width: the
+    workspace descriptor's block; K = every consumer's 64 keys, dS^T from ``ds_all`` as the
+    transposed A operand), stored to fp32 tile ``tile`` of ``dq_bufs`` and added to the
+    workspace by a TMA reduce-add at query row ``row``; the caller has made sure that
+    tile's previous reduce-add is done."""
+    CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
+    SUB_N: gl.constexpr = k_bufs.type.shape[3]
+    BLOCK_M: gl.constexpr = ds_all.type.shape[1]
+    WIDTH: gl.constexpr = dq_desc.block_type.shape[3]
+    dq = gl.zeros([BLOCK_M, WIDTH], gl.float32, layout)
+    for c in gl.static_range(CONSUMERS):
+        ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
+        k_piece = _tile2d(k_bufs, c).slice(piece * WIDTH, WIDTH, dim=1)
+        dq = warpgroup_mma(ds_t, k_piece, dq, use_acc=c > 0, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    _tile2d(dq_bufs, tile).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's part is written before the issue
+    _tma_reduce_add(dq_desc, [tb, off_h, row, piece * WIDTH], dq_bufs.index(tile))
+
+
+@gluon.jit
 def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads,
                   kv_group,
@@ -526,23 +549,13 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             # on, after the partner has passed step it + 1's ds_ready (so its step-it product
             # is done).
             SPLIT2: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
-            HALF2: gl.constexpr = HEAD_DIM // SPLIT2
             gl.static_assert(SPLIT2 == CONSUMERS, "a column half per consumer")
             mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
             tile = C * SPLIT2 + it % 2  # its two tiles in turn
             tma.store_wait(1)  # the reduce-add of two steps back has read this tile
             gl.thread_barrier()
-            dq = gl.zeros([BLOCK_M, HALF2], gl.float32, h_layout)
-            for c in gl.static_range(CONSUMERS):
-                ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
-                k_half = _tile2d(k_bufs, c).slice(C * HALF2, HALF2, dim=1)
-                dq = warpgroup_mma(ds_t, k_half, dq, use_acc=c > 0, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            _tile2d(dq_bufs, tile).store(dq)
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's part is written before the issue
-            _tma_reduce_add(dq_desc, [tb, off_h, q_start + row0, C * HALF2],
-                            dq_bufs.index(tile))  # fmt: skip
+            _dq_piece(ds_all, k_bufs, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0,
+                      h_layout)  # fmt: skip
         elif DQ_ATOMIC:
             if it % 2 == C:
                 # The consumers take turns: this one multiplies the whole block's dS (both
@@ -559,21 +572,11 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                 # consumer goes on; its previous turn's reductions (two steps back) must
                 # have read those buffers first.
                 SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
-                HALF: gl.constexpr = HEAD_DIM // SPLIT
                 tma.store_wait(0)
                 gl.thread_barrier()
                 for h in gl.static_range(SPLIT):
-                    dq = gl.zeros([BLOCK_M, HALF], gl.float32, h_layout)
-                    for c in gl.static_range(CONSUMERS):
-                        ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
-                        k_half = _tile2d(k_bufs, c).slice(h * HALF, HALF, dim=1)
-                        dq = warpgroup_mma(ds_t, k_half, dq, use_acc=c > 0, is_async=True)
-                    dq = warpgroup_mma_wait(0, deps=(dq,))
-                    _tile2d(dq_bufs, C * SPLIT + h).store(dq)
-                    fence_async_shared()
-                    gl.thread_barrier()  # every thread's part is written before the issue
-                    _tma_reduce_add(dq_desc, [tb, off_h, q_start + row0, h * HALF],
-                                    dq_bufs.index(C * SPLIT + h))  # fmt: skip
+                    _dq_piece(ds_all, k_bufs, dq_bufs, C * SPLIT + h, h, dq_desc, tb, off_h,
+                              q_start + row0, h_layout)  # fmt: skip
 
     # Epilogue: a packed sequence's last block by masked stores, every other one by TMA.
     # (The plain kernel passes a literal False: a run-time flag there, even one always
