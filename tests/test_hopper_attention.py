@@ -456,3 +456,67 @@ def test_packed_tile_table_lists_tiles_with_rows_heaviest_first():
     assert table.view(-1, 2).tolist() == [[0, 3], [0, 2], [0, 1], [0, 0], [1, 1], [1, 0]]
     table, n = tile_table(cu_q, cu_k, 128, False, "cpu", by_sequence=True)
     assert table.view(-1, 2).tolist() == [[2, 0], [2, 1], [1, 0], [1, 1], [3, 0], [4, 0]]
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _tiles_by_hand(cu_q, cu_k, block_m, causal, by_sequence):
+    """The forward's work list, tile by tile: (sequence, tile), sorted by (weight, ...)."""
+    work = []
+    for b in range(len(cu_q) - 1):
+        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        keys = [min(sk, max(0, min((m + 1) * block_m, sq) + sk - sq)) if causal else sk
+                for m in range(_cdiv(sq, block_m))]  # fmt: skip
+        for m, n in enumerate(keys):
+            work.append(((-max(keys), b, -n, m) if by_sequence else (-n, b, 0, m), b, m))
+    return [[b, m] for _, b, m in sorted(work)]
+
+
+def _kv_blocks_by_hand(cu_q, cu_k, block_n, block_m, causal):
+    """The backward's work list: (sequence, key block) by the query blocks that visit it."""
+    work = []
+    for b in range(len(cu_q) - 1):
+        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        for n in range(_cdiv(sk, block_n)):
+            m_lo = max(n * block_n - (sk - sq), 0) // block_m if causal else 0
+            work.append((-max(_cdiv(sq, block_m) - m_lo, 0), b, n))
+    return [[b, n] for _, b, n in sorted(work)]
+
+
+def test_packed_work_tables_match_a_tile_by_tile_count():
+    """The work lists (numpy, kept per lengths) against a tile-by-tile count over random
+    packed batches: empty sequences, lengths around the block sizes, more keys than queries
+    and fewer; the same lengths give the kept table back, other lengths another."""
+    import random
+
+    from diyfa.attention.hopper_bwd import kv_table
+    from diyfa.attention.hopper_fwd import tile_table
+
+    rng = random.Random(7)
+    for _ in range(300):
+        lens_q = [rng.choice([0, 1, 63, 64, 65, 127, 128, 129, rng.randint(0, 900)])
+                  for _ in range(rng.randint(0, 7))]  # fmt: skip
+        lens_k = [n if rng.random() < 0.5 else rng.choice([0, 5, 128, rng.randint(0, 900)])
+                  for n in lens_q]  # fmt: skip
+        cu_q, cu_k = [0], [0]
+        for a, b in zip(lens_q, lens_k, strict=True):
+            cu_q.append(cu_q[-1] + a)
+            cu_k.append(cu_k[-1] + b)
+        for causal in (False, True):
+            for block_m in (64, 128, 192):
+                for by_seq in (False, True):
+                    table, n = tile_table(cu_q, cu_k, block_m, causal, "cpu", by_seq)
+                    want = _tiles_by_hand(cu_q, cu_k, block_m, causal, by_seq)
+                    assert table.dtype == torch.int32 and n == len(want)
+                    assert table.view(-1, 2).tolist() == want, (cu_q, cu_k, block_m, causal)
+                for block_n in (64, 128):
+                    table, n = kv_table(cu_q, cu_k, block_n, block_m, causal, "cpu")
+                    want = _kv_blocks_by_hand(cu_q, cu_k, block_n, block_m, causal)
+                    assert table.dtype == torch.int32 and n == len(want)
+                    assert table.view(-1, 2).tolist() == want, (cu_q, cu_k, block_n, causal)
+    cu = (0, 300, 1000)
+    first = tile_table(cu, cu, 128, True, "cpu", True)[0]
+    assert tile_table(list(cu), list(cu), 128, True, "cpu", True)[0] is first  # kept
+    assert tile_table((0, 300, 1001), (0, 300, 1001), 128, True, "cpu", True)[0] is not first

@@ -289,7 +289,13 @@ for d in (64, 128, 256):
         if d > 64:  # a smaller value head dim (MLA's 192 / 128 at d256's padding)
             vd = hf.compile_for_hopper(d, torch.bfloat16, causal, value_dim=d // 2)
             assert vd.metadata.shared <= 227 * 1024
-        assert "cp.async.bulk.tensor.4d.global.shared" not in packed.asm["ptx"]  # O: masked
+        # O by TMA for a consumer's rows that all lie in the sequence (masked stores else)
+        assert "cp.async.bulk.tensor.4d.global.shared" in packed.asm["ptx"]
+        if d == 128 and not causal:  # VARLEN_O_TMA off: masked stores only
+            hf.VARLEN_O_TMA = False
+            masked = hf.compile_for_hopper(d, torch.bfloat16, causal, **{"packed": True})
+            hf.VARLEN_O_TMA = True
+            assert "cp.async.bulk.tensor.4d.global.shared" not in masked.asm["ptx"]
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(k.asm["ptx"])
         done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
@@ -308,8 +314,9 @@ def test_hopper_kernel_compiles_the_variants():
     causal with all four flags since the causal tiles are handed out by a counter,
     2026-11-24: the SASS has its STL/LDL at the program's start and per tile, none between
     the loop's wgmmas), and runs the hardware's tanh (the softcap) where the plain kernel
-    has none; its packed-sequence build compiles and stores O
-    without TMA (a masked store: a tile's rows past its sequence belong to the next one).
+    has none; its packed-sequence build compiles and stores O by TMA where a consumer's rows
+    all lie in the sequence (with VARLEN_O_TMA off, by masked stores only: a tile's rows
+    past its sequence belong to the next one).
     In a fresh process (see test_hopper_attention)."""
     import json
     import os
@@ -322,7 +329,7 @@ def test_hopper_kernel_compiles_the_variants():
     assert done.returncode == 0, done.stderr[-3000:]
     plain = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_VARIANTS.replace(
         'variants=("WINDOW", "SOFTCAP", "ALIBI", "SINKS")', "variants=()").replace(
-        "packed=True", "packed=False").replace("not in packed", "in packed")], env=env,
+        "packed=True", "packed=False")], env=env,
         capture_output=True, text=True, timeout=900)  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
     for r, r0 in zip(json.loads(done.stdout.strip().splitlines()[-1]),

@@ -130,6 +130,7 @@ from diyfa.attention.hopper_fwd import (
     cu_host,
     head_dim_pad,
     variant_args,
+    work_table,
 )
 from diyfa.attention.hopper_fwd import supports as forward_supports
 from diyfa.attention.problem import Problem
@@ -751,16 +752,8 @@ def kv_table(cu_q, cu_k, block_n: int, block_m: int, causal: bool,
     blocks to visit, causal bottom-right; ties in sequence order), and their count. A
     (longest sequence x batch) grid would spend most of its programs past the short
     sequences' ends, and this order starts the long blocks first (as the forward's
-    ``tile_table``)."""
-    work = []
-    for b in range(len(cu_q) - 1):
-        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        for n in range(cdiv(sk, block_n)):
-            m_lo = max(n * block_n - (sk - sq), 0) // block_m if causal else 0
-            work.append((-max(cdiv(sq, block_m) - m_lo, 0), b, n))
-    work.sort()
-    pairs = [x for _, b, n in work for x in (b, n)]
-    return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
+    ``tile_table``; built and kept by ``hopper_fwd.work_table``)."""
+    return work_table("kv", tuple(cu_q), tuple(cu_k), block_m, block_n, causal, False, device)
 
 
 def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,

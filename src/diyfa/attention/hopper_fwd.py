@@ -587,8 +587,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
                 k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
                 v_smem = _v_operand(v_bufs, prev, FP8)
-                if VARLEN:
-                    _clear_foreign_rows(v_smem, seqlen_k_t - (j - 1) * BLOCK_N)
+                # (Block j - 1 < n - 1 lies before the sequence's last key: no foreign rows.)
                 s_tok, s_tok2 = _issue_s(q_smem, k_t,
                                          gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
                                          HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
@@ -629,16 +628,25 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
         if VARLEN:
-            # (heads, total_q) LSE; O by a masked store: a TMA store would also write the
-            # rows past this sequence's end, which are the next sequence's.
+            # (heads, total_q) LSE. O: a TMA store would also write the rows past this
+            # sequence's end, which are the next sequence's; so a consumer whose 64 rows all
+            # lie in the sequence stores them by TMA (VARLEN == 2, _O_STORE_TMA), and the
+            # last rows of a sequence go by a masked store.
             gl.store(LSE + off_h.to(gl.int64) * total_q + q_start + offs_m, lse2,
                      mask=offs_m < seqlen_q_t)  # fmt: skip
-            rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
-            cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-            o_ptrs = (O + (q_start + rows).to(gl.int64)[:, None] * stride_os + off_h * stride_oh
-                      + cols[None, :])  # fmt: skip
-            gl.store(o_ptrs, (acc / l_o[:, None]).to(dtype),
-                     mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
+            if VARLEN == 2 and HEAD_DIM_V == HEAD_DIM and row0 + SUB_M <= seqlen_q_t:
+                q_smem.store((acc / l_o[:, None]).to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [0, off_h, q_start + row0, 0],
+                                                q_bufs.index(qb))  # fmt: skip
+                tma.store_wait(0)
+            else:
+                rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
+                cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+                o_ptrs = (O + (q_start + rows).to(gl.int64)[:, None] * stride_os
+                          + off_h * stride_oh + cols[None, :])  # fmt: skip
+                gl.store(o_ptrs, (acc / l_o[:, None]).to(dtype),
+                         mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
         else:
             off_bh = off_b.to(gl.int64) * heads + off_h
             gl.store(LSE + off_bh * seqlen_q_t + offs_m, lse2, mask=offs_m < seqlen_q_t)
@@ -956,6 +964,9 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
 # causal 346.5 / 393.3, not causal 545.2 / 493.2 (groups of 8: 509.7); d64 causal 278.0 /
 # 278.1, not causal 394.3 / 380.2. So groups for causal calls only.
 VARLEN_BY_SEQUENCE = True
+# Packed sequences' O: by TMA for a consumer's 64 rows that all lie in the sequence (the
+# kernel's VARLEN == 2), a masked store for the rest; False: masked stores only (VARLEN == 1).
+VARLEN_O_TMA = True
 VARLEN_TILE_GROUP: int | None = None
 VARLEN_TILE_GROUP_CAUSAL: int | None = 32
 
@@ -970,24 +981,46 @@ def tile_table(cu_q, cu_k, block_m: int, causal: bool, device,
     tiles first, which finishes a causal batch sooner. ``by_sequence``: sequences in the
     order of their heaviest tile, each one's tiles together, heaviest first (causal tiles of
     one sequence differ in weight: sorted by weight alone, the programs running at once read
-    many sequences' keys)."""
-    work = []
-    for b in range(len(cu_q) - 1):
-        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        tiles = []
-        for m in range(cdiv(sq, block_m)):
-            keys = sk
-            if causal:
-                keys = min(sk, max(0, min((m + 1) * block_m, sq) + sk - sq))
-            tiles.append((-keys, b, m))
-        if by_sequence and tiles:
-            heaviest = min(tiles)[0]
-            work += [(heaviest, b, keys, m) for keys, b, m in tiles]
-        else:
-            work += [(keys, b, 0, m) for keys, b, m in tiles]
-    work.sort()
-    pairs = [x for _, b, _, m in work for x in (b, m)]
-    return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
+    many sequences' keys). Kept per lengths (:func:`work_table`: the layers of a model share
+    one batch's lengths)."""
+    return work_table("q", tuple(cu_q), tuple(cu_k), block_m, 0, causal, by_sequence, device)
+
+
+@functools.lru_cache(maxsize=64)
+def work_table(kind: str, cu_q: tuple, cu_k: tuple, block_m: int, block_n: int, causal: bool,
+               by_sequence: bool, device) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """The packed kernels' work lists on ``device``, built with numpy (the Python loops they
+    replace took 0.2-0.35 ms per call on the CI machine for 29 sequences, about 2.5x that on
+    the H200's host, while the GPU waited: the checks' read of the lengths has drained it)
+    and kept for the next call with the same lengths (the kernels only read them). ``kind``
+    "q": the forward's query tiles (:func:`tile_table`); "kv": the backward's key blocks
+    (``hopper_bwd.kv_table``), weighed by the query blocks they visit."""
+    import numpy as np
+
+    cq, ck = np.asarray(cu_q, dtype=np.int64), np.asarray(cu_k, dtype=np.int64)
+    sq, sk = np.diff(cq), np.diff(ck)
+    per = -(-(sq if kind == "q" else sk) // (block_m if kind == "q" else block_n))
+    b = np.repeat(np.arange(len(per)), per)
+    first = np.cumsum(per) - per
+    idx = np.arange(len(b)) - np.repeat(first, per)  # tile (or key block) within its sequence
+    sqb, skb = sq[b], sk[b]
+    if kind == "q":  # keys the tile visits (causal: bottom-right)
+        weight = skb
+        if causal:
+            weight = np.minimum(skb, np.maximum(0, np.minimum((idx + 1) * block_m, sqb)
+                                                + skb - sqb))  # fmt: skip
+    else:  # query blocks the key block is visited by
+        m_lo = np.maximum(idx * block_n - (skb - sqb), 0) // block_m if causal else 0
+        weight = np.maximum(-(-sqb // block_m) - m_lo, 0)
+    neg = -weight
+    if by_sequence:  # sequences by their heaviest tile, a sequence's tiles together
+        heaviest = np.zeros(len(per), dtype=np.int64)
+        np.minimum.at(heaviest, b, neg)
+        order = np.lexsort((idx, neg, b, heaviest[b]))
+    else:
+        order = np.lexsort((idx, b, neg))
+    pairs = np.stack((b[order], idx[order]), axis=1).reshape(-1).astype(np.int32)
+    return torch.from_numpy(pairs).to(device), len(order)
 
 
 _NO_COUNTER: dict = {}
@@ -1177,7 +1210,8 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
         bounds = (0, 1000, 2000, 3000, 4096)
         pack = dict(batch=4, seqlen_q=1096, seqlen_k=1096, cu_host=(bounds, bounds),
                     args=dict(CU_Q=cu, CU_K=cu, O=out, stride_os=out.stride(0),
-                              stride_oh=out.stride(1), total_q=4096, VARLEN=True))  # fmt: skip
+                              stride_oh=out.stride(1), total_q=4096,
+                              VARLEN=2 if VARLEN_O_TMA else 1))  # fmt: skip
     v = q if value_dim is None else torch.empty(2, 16, 4096, value_dim, dtype=dtype)
     o, fp8_args = v, None
     if fp8:
@@ -1261,7 +1295,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=cu_host(p),
                   args=dict(CU_Q=p.cu_seqlens_q, CU_K=p.cu_seqlens_k, O=out,
                             stride_os=out.stride(0), stride_oh=out.stride(1),
-                            total_q=p.total_q, VARLEN=True))  # fmt: skip
+                            total_q=p.total_q, VARLEN=2 if VARLEN_O_TMA else 1))  # fmt: skip
     grid, args, num_warps = hopper_args(
         view(q), view(k), view(v), view(out), lse2, 0, p.softmax_scale * LOG2E, p.causal,
         kernel_limits(q.device.index)["sm_count"], config, None, packed)  # fmt: skip

@@ -1,0 +1,192 @@
+"""Where a packed (varlen) call's time goes, in one process on a GPU: host, kernels, the call.
+
+The packed entry points read the cumulative lengths to the host (the checks: one device
+synchronisation per call), so whatever the host does after that read runs while the GPU
+waits: a benchmark that times the call (``triton.testing.do_bench``, as ``diyfa bench``)
+counts it, and so does a training step. For the varlen suite's mix
+(``diyfa.bench.suites.varlen_lengths(65536, 128, 8192)``, bf16; d128 16 / 4 heads and d64
+32 / 32, causal and not), forward and backward ("auto"), and the same tokens as 16 x 4096
+equal-length batches, this prints per call:
+
+- ``host_us``: the call's wall time on the host with the GPU idle before it (the checks'
+  read then waits for nothing), median of 20;
+- ``kernels_ms``: the GPU time of the call's kernels (``torch.profiler``, summed over 10
+  calls);
+- ``call_ms``: ``do_bench`` of the call (L2 flushed before each repetition), as the suites
+  time it; TFLOPS from it by the published convention (causal per sequence).
+
+``--ab`` also runs the packed calls with the work lists built by the Python loops they had
+before 2026-11-24 (``hopper_fwd.tile_table`` / ``hopper_bwd.kv_table``: "old-tables") and
+with the packed forward's O by masked stores only (``hopper_fwd.VARLEN_O_TMA`` off:
+"masked-o").
+
+Usage (device): python3 benchmarks/varlen_host.py [--out varlen_host.jsonl] [--ab]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
+
+import diyfa  # noqa: E402
+from diyfa.attention import hopper_bwd, hopper_fwd  # noqa: E402
+from diyfa.bench.suites import varlen_lengths  # noqa: E402
+from diyfa.flops import attention_flops  # noqa: E402
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _old_tile_table(cu_q, cu_k, block_m, causal, device, by_sequence=False):
+    """hopper_fwd.tile_table as it was (Python loops, a new tensor per call)."""
+    work = []
+    for b in range(len(cu_q) - 1):
+        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        tiles = []
+        for m in range(_cdiv(sq, block_m)):
+            keys = sk
+            if causal:
+                keys = min(sk, max(0, min((m + 1) * block_m, sq) + sk - sq))
+            tiles.append((-keys, b, m))
+        if by_sequence and tiles:
+            heaviest = min(tiles)[0]
+            work += [(heaviest, b, keys, m) for keys, b, m in tiles]
+        else:
+            work += [(keys, b, 0, m) for keys, b, m in tiles]
+    work.sort()
+    pairs = [x for _, b, _, m in work for x in (b, m)]
+    return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
+
+
+def _old_kv_table(cu_q, cu_k, block_n, block_m, causal, device):
+    """hopper_bwd.kv_table as it was."""
+    work = []
+    for b in range(len(cu_q) - 1):
+        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        for n in range(_cdiv(sk, block_n)):
+            m_lo = max(n * block_n - (sk - sq), 0) // block_m if causal else 0
+            work.append((-max(_cdiv(sq, block_m) - m_lo, 0), b, n))
+    work.sort()
+    pairs = [x for _, b, n in work for x in (b, n)]
+    return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
+
+
+def _host_us(fn, n: int = 20) -> float:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _kernels_ms(fn, n: int = 10) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+             for e in prof.key_averages())  # fmt: skip
+    return us / n / 1e3
+
+
+def main() -> int:
+    from triton.testing import do_bench
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="varlen_host.jsonl")
+    ap.add_argument("--ab", action="store_true")
+    a = ap.parse_args()
+    lengths = varlen_lengths(65536, 128, 8192)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    total, longest = sum(lengths), max(lengths)
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=__import__("triton").__version__)  # fmt: skip
+    new_tables = (hopper_fwd.tile_table, hopper_bwd.kv_table)
+    rows = []
+    with open(a.out, "w") as f:
+        for d, h, hk in ((128, 16, 4), (64, 32, 32)):
+            g = torch.Generator(device="cuda").manual_seed(d)
+
+            def rnd(*shape, g=g):
+                return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+            qp, kp, vp = rnd(total, h, d), rnd(total, hk, d), rnd(total, hk, d)
+            qe, ke, ve = (t.view(16, 4096, -1, d).transpose(1, 2) for t in (qp, kp, vp))
+            for causal in (False, True):
+                def flops(mode, equal, causal=causal, h=h, d=d):
+                    kw = dict(causal=causal, mode=mode, convention="published")
+                    if equal:
+                        return attention_flops(16, h, 4096, 4096, d, **kw)
+                    return sum(attention_flops(1, h, n, n, d, **kw) for n in lengths)
+
+                runs = ["equal", "packed"]
+                if a.ab:
+                    runs += ["packed-old-tables", "packed-masked-o"]
+                for name in runs:
+                    if name == "packed-old-tables":
+                        hopper_fwd.tile_table, hopper_bwd.kv_table = _old_tile_table, _old_kv_table
+                    hopper_fwd.VARLEN_O_TMA = name != "packed-masked-o"
+                    if name == "equal":
+                        q, k, v = (t.detach().requires_grad_() for t in (qe, ke, ve))
+
+                        def call(q=q, k=k, v=v, causal=causal):
+                            return diyfa.flash_attention(q, k, v, causal=causal)
+                    else:
+                        q, k, v = (t.detach().requires_grad_() for t in (qp, kp, vp))
+
+                        def call(q=q, k=k, v=v, causal=causal):
+                            return diyfa.flash_attention_varlen(q, k, v, cu, cu, longest, longest,
+                                                                causal=causal)  # fmt: skip
+                    out = call()
+                    dout = torch.randn_like(out)
+
+                    def bwd(out=out, q=q, k=k, v=v, dout=dout):
+                        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+                    def fwd(call=call):
+                        with torch.no_grad():
+                            return call()
+
+                    bwd()
+                    for mode, fn in (("fwd", fwd), ("bwd", bwd)):
+                        row = dict(d=d, heads=h, kv_heads=hk, causal=causal, run=name,
+                                   mode=mode, host_us=round(_host_us(fn), 1),
+                                   kernels_ms=round(_kernels_ms(fn), 4))  # fmt: skip
+                        ms = do_bench(fn, rep=100, return_mode="median")
+                        fl = flops(mode, name == "equal")
+                        row.update(call_ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1),
+                                   kernel_tflops=round(fl / row["kernels_ms"] / 1e9, 1))
+                        rows.append(row)
+                        f.write(json.dumps({**env, **row}) + "\n")
+                        print(json.dumps(row), flush=True)
+                    hopper_fwd.tile_table, hopper_bwd.kv_table = new_tables
+    print(f"\npacked vs equal-length calls ({env['gpu']}, torch {env['torch']}, "
+          f"triton {env['triton']})")
+    print(f"{'case':28s} {'run':18s} {'host us':>8s} {'kernels ms':>10s} {'call ms':>8s} "
+          f"{'TFLOPS':>7s} {'kernel TFLOPS':>13s}")
+    for r in rows:
+        case = f"{r['mode']} d{r['d']} h{r['heads']}/{r['kv_heads']}"
+        case += " causal" if r["causal"] else ""
+        print(f"{case:28s} {r['run']:18s} {r['host_us']:8.1f} {r['kernels_ms']:10.3f} "
+              f"{r['call_ms']:8.3f} {r['tflops']:7.1f} {r['kernel_tflops']:13.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
