@@ -12,6 +12,8 @@ equal-length batches, this prints per call:
   read then waits for nothing), median of 20;
 - ``kernels_ms``: the GPU time of the call's kernels (``torch.profiler``, summed over 10
   calls);
+- ``idle_us`` (forward): the GPU's idle time between the lengths' copy landing on the host
+  and the attention kernel's start, each call queued behind other work (profiler);
 - ``call_ms``: ``do_bench`` of the call (L2 flushed before each repetition), as the suites
   time it; TFLOPS from it by the published convention (causal per sequence).
 
@@ -104,6 +106,33 @@ def _kernels_ms(fn, n: int = 10) -> float:
     return us / n / 1e3
 
 
+def _idle_us(fn, n: int = 10) -> float | None:
+    """The GPU's idle time per call between the lengths' copy to the host landing and the
+    attention kernel starting (what a packed call's host work after its wait costs), median
+    over ``n`` calls queued behind a 256 MB fill each (the GPU busy when the call starts, as
+    under do_bench); None without such a copy (equal-length calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fill = torch.empty(2**26, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fill.zero_()
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                    key=lambda e: e.time_range.start)  # fmt: skip
+    gaps, landed = [], None
+    for e in events:
+        if "Memcpy DtoH" in e.name:
+            landed = e.time_range.end
+        elif landed is not None and "_attn_" in e.name:
+            gaps.append(e.time_range.start - landed)
+            landed = None
+    return statistics.median(gaps) if gaps else None
+
+
 def main() -> int:
     from triton.testing import do_bench
 
@@ -167,7 +196,8 @@ def main() -> int:
                     for mode, fn in (("fwd", fwd), ("bwd", bwd)):
                         row = dict(d=d, heads=h, kv_heads=hk, causal=causal, run=name,
                                    mode=mode, host_us=round(_host_us(fn), 1),
-                                   kernels_ms=round(_kernels_ms(fn), 4))  # fmt: skip
+                                   kernels_ms=round(_kernels_ms(fn), 4),
+                                   idle_us=_idle_us(fn) if mode == "fwd" else None)  # fmt: skip
                         ms = do_bench(fn, rep=100, return_mode="median")
                         fl = flops(mode, name == "equal")
                         row.update(call_ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1),
@@ -178,13 +208,15 @@ def main() -> int:
                     hopper_fwd.tile_table, hopper_bwd.kv_table = new_tables
     print(f"\npacked vs equal-length calls ({env['gpu']}, torch {env['torch']}, "
           f"triton {env['triton']})")
-    print(f"{'case':28s} {'run':18s} {'host us':>8s} {'kernels ms':>10s} {'call ms':>8s} "
-          f"{'TFLOPS':>7s} {'kernel TFLOPS':>13s}")
+    print(f"{'case':28s} {'run':18s} {'host us':>8s} {'idle us':>8s} {'kernels ms':>10s} "
+          f"{'call ms':>8s} {'TFLOPS':>7s} {'kernel TFLOPS':>13s}")
     for r in rows:
         case = f"{r['mode']} d{r['d']} h{r['heads']}/{r['kv_heads']}"
         case += " causal" if r["causal"] else ""
-        print(f"{case:28s} {r['run']:18s} {r['host_us']:8.1f} {r['kernels_ms']:10.3f} "
-              f"{r['call_ms']:8.3f} {r['tflops']:7.1f} {r['kernel_tflops']:13.1f}")
+        idle = "-" if r["idle_us"] is None else f"{r['idle_us']:.1f}"
+        print(f"{case:28s} {r['run']:18s} {r['host_us']:8.1f} {idle:>8s} "
+              f"{r['kernels_ms']:10.3f} {r['call_ms']:8.3f} {r['tflops']:7.1f} "
+              f"{r['kernel_tflops']:13.1f}")
     return 0
 
 

@@ -110,9 +110,10 @@ def test_keys_of_a_sequence_without_queries_get_zero_gradients():
 def test_varlen_hopper_path_by_head_dim(monkeypatch):
     """On an H100/H200 (capability set by hand here) the Hopper family takes packed
     sequences up to d128 under "auto" (d256 is not timed: portable, saying why); at d64 its
-    "auto" forward is the portable kernel's (measured faster) and its backward the Gluon one
-    where hopper_bwd.auto_mode picks it (plain attention's rule: at d64 the atomic dQ, the
-    deterministic path when asked for; at d72..128 the deterministic path); with a window
+    "auto" forward is the Hopper kernel too (the portable one's until 2026-11-24, measured
+    faster then) and its backward the Gluon one where hopper_bwd.auto_mode picks it (plain
+    attention's rule: at d64 the atomic dQ, the deterministic path when asked for; at
+    d72..128 the deterministic path); with a window
     (or softcap, ALiBi, sinks) the family refuses them."""
     import dataclasses
     import types
@@ -131,7 +132,7 @@ def test_varlen_hopper_path_by_head_dim(monkeypatch):
         forward=lambda *a: ran.append("portable")))
     monkeypatch.setattr(hopper_fwd, "hopper_forward", lambda *a: ran.append("hopper"))
     family.forward(q, k, v, p)
-    assert ran == ["portable"]  # d64: the portable forward inside the Hopper family
+    assert ran == ["hopper"]  # d64: the Hopper forward (measured faster since 2026-11-24)
     assert hopper_bwd.supports(p) is None  # the Gluon backward takes them
     assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True)) == "atomic"
     assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True, deterministic=True)) == (
@@ -187,9 +188,9 @@ def _bad(over):
     (lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"][None]), ValueError, "cu_seqlens_k must be 1-D"),
     (lambda a: dict(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)),
      ValueError, "cu_seqlens_q must start at 0 and end at the packed rows \\(7\\), got 0 .. 6"),
-    (lambda a: dict(cu_seqlens_k=torch.tensor([0, 5, 4, 7], dtype=torch.int32, device=DEVICE)),
-     ValueError, "must end at the packed rows|non-decreasing"),
-    (lambda a: dict(cu_seqlens_k=torch.tensor([0, 6, 5, 7], dtype=torch.int32,
+    (lambda a: dict(cu_seqlens_k=torch.tensor([0, 5, 6], dtype=torch.int32, device=DEVICE)),
+     ValueError, "cu_seqlens_k must start at 0 and end at the packed rows \\(7\\), got 0 .. 6"),
+    (lambda a: dict(cu_seqlens_k=torch.tensor([0, 8, 7], dtype=torch.int32,
                                               device=DEVICE)), ValueError, "non-decreasing"),
     (lambda a: dict(max_seqlen_q=3), ValueError,
      "max_seqlen_q=3 is less than the longest sequence in cu_seqlens_q \\(4\\)"),
@@ -209,6 +210,49 @@ def _bad(over):
 def test_varlen_bad_input_is_a_clear_error(over, err, match):
     with pytest.raises(err, match=match):
         diyfa.flash_attention_varlen(**_bad(over))
+
+
+@pytest.mark.parametrize("family", ["portable", "hopper", "hopper-named"])
+@pytest.mark.parametrize("bad", ["max-short", "decreasing", "no-keys-claimed"])
+def test_varlen_lengths_are_checked_before_any_launch(family, bad, monkeypatch):
+    """The checks copy the lengths to the host without waiting (checks.HostLengths: nothing
+    read yet when they return); every family's forward and backward reads and checks them
+    before it launches anything, the Hopper forward after setting its launch up and before
+    any early return (max_seqlen_k 0 against sequences that have keys). Kernel launches are
+    stubbed to fail: the ValueError must come first."""
+    import dataclasses
+
+    from diyfa.attention import checks, hopper_bwd, hopper_fwd, portable
+
+    q, k, v, cu_q, cu_k = _packed([3, 4], [5, 2], 4, 2, 128, torch.bfloat16)
+    max_q, max_k = 4, 5
+    if bad == "max-short":
+        max_k, match = 4, "max_seqlen_k=4 is less than the longest sequence"
+    elif bad == "decreasing":
+        cu_k, match = torch.tensor([0, 8, 7], dtype=torch.int32, device=DEVICE), "non-decreasing"
+    else:
+        max_k, match = 0, "max_seqlen_k=0 is less than the longest sequence"
+    p = checks.check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                   softmax_scale=None)  # fmt: skip
+    assert isinstance(p.cu_host, checks.HostLengths) and p.cu_host._values is None
+    p = dataclasses.replace(p, capability=(9, 0), aligned16=True)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a kernel was launched before the lengths were checked")
+
+    for module in (portable, hopper_fwd, hopper_bwd):
+        monkeypatch.setattr(module, "launch", no_launch, raising=False)
+    monkeypatch.setattr(portable, "_launch", no_launch)
+    monkeypatch.setattr(hopper_fwd, "kernel_limits", lambda index: {"sm_count": 132})
+    fam = {"portable": portable.FAMILY, "hopper": hopper_fwd.FAMILY,
+           "hopper-named": hopper_fwd.FAMILY.named}[family]  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        fam.forward(q, k, v, p)
+    p = dataclasses.replace(p, cu_host=checks.check_varlen_inputs(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=True, softmax_scale=None).cu_host)
+    out, lse2 = torch.zeros(7, 4, 128, dtype=torch.bfloat16), torch.zeros(4, 7)
+    with pytest.raises(ValueError, match=match):
+        fam.backward(out, q, k, v, out, lse2, p)
 
 
 @pytest.mark.gpu

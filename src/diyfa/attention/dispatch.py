@@ -9,6 +9,11 @@ the reason it cannot, in words), ``forward(q, k, v, problem) -> (out, lse2)`` an
 ``named``: the Family that runs when the family is asked for by name, where that differs
 from what "auto" runs (a kernel not yet measured or run on a GPU stays out of "auto" while
 tests and benchmarks can still force it).
+Packed sequences' lengths reach the host without a wait (``checks.HostLengths``); a
+family's forward and backward read and check them on entry, before anything runs, unless
+the family says ``late_lengths``: its forward then reads them itself before its first
+launch and before any early return (the Hopper forward, to set its launch up while the
+copy waits behind the GPU's queue).
 ``lse2`` is the base-2 log-sum-exp per query row, (batch, heads, seqlen_q) fp32, -inf for a
 row that sees no key.
 
@@ -55,6 +60,13 @@ class Family:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     prefer: Callable[[Problem], str | None] | None = None
     named: Family | None = None
+    late_lengths: bool = False
+
+    def __post_init__(self):
+        # Packed lengths are read and checked on entry (see the module docstring).
+        if not self.late_lengths:
+            object.__setattr__(self, "forward", _lengths_first(self.forward, 3))
+        object.__setattr__(self, "backward", _lengths_first(self.backward, 6))
 
     def auto_reason(self, problem: Problem) -> str | None:
         """Why "auto" passes this family over for ``problem`` (None: it takes it)."""
@@ -62,6 +74,23 @@ class Family:
         if reason is None and self.prefer is not None:
             reason = self.prefer(problem)
         return reason
+
+
+def _lengths_first(fn: Callable, at: int) -> Callable:
+    """``fn`` (whose problem is positional argument ``at``) after reading and checking a
+    packed problem's lengths (checks.packed_lengths: ValueError for lengths that do not fit
+    the tensors)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        problem = args[at] if len(args) > at else kwargs["problem"]
+        if problem.cu_host is not None:
+            from diyfa.attention.checks import packed_lengths
+
+            packed_lengths(problem)
+        return fn(*args, **kwargs)
+
+    return run
 
 
 @functools.cache

@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch
-from diyfa.attention import portable
+from diyfa.attention.checks import HostLengths, packed_lengths
 from diyfa.attention.dispatch import Family
 from diyfa.attention.portable import empty_lse, replay_key
 from diyfa.attention.problem import Problem
@@ -895,8 +895,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     # against 391 TFLOPS, b4 h32 4096 d64, fp8_hopper_ab)
     if fp8 is not None:
         config = config or fp8_config(head_dim_pad(d))
-    config = config or default_config(head_dim_pad(d), sk if not variants and packed is None
-                                      else 0, causal)  # fmt: skip
+    # (packed sequences: the longest one's keys)
+    config = config or default_config(head_dim_pad(d), sk if not variants else 0, causal)
     cfg = Config(*config)
     consumers, block_n = cfg.consumers, cfg.block_n
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
@@ -923,7 +923,11 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
         args.update(packed["args"])
-        table, items = tile_table(*packed["cu_host"], consumers * SUB_M, causal, lse2.device,
+        # (the lengths' values: read and checked here, once the rest is set up)
+        lengths = packed["cu_host"]
+        if isinstance(lengths, HostLengths):
+            lengths = lengths.values()
+        table, items = tile_table(*lengths, consumers * SUB_M, causal, lse2.device,
                                   VARLEN_BY_SEQUENCE)  # fmt: skip
         group = VARLEN_TILE_GROUP_CAUSAL if causal else VARLEN_TILE_GROUP
         group = items if group is None else min(group, items)
@@ -1272,9 +1276,11 @@ _REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
 
 
 def cu_host(p: Problem) -> tuple:
-    """Packed sequences' cumulative lengths on the host, (cu_q, cu_k): the checks' copy, or
-    read back (one synchronisation) for a problem built without it."""
-    return p.cu_host or (tuple(p.cu_seqlens_q.tolist()), tuple(p.cu_seqlens_k.tolist()))
+    """Packed sequences' cumulative lengths on the host, (cu_q, cu_k): the checks' copy
+    (waited for and checked, ``checks.HostLengths``), or read back (one synchronisation)
+    for a problem built without it."""
+    return packed_lengths(p) or (tuple(p.cu_seqlens_q.tolist()),
+                                 tuple(p.cu_seqlens_k.tolist()))  # fmt: skip
 
 
 def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
@@ -1284,15 +1290,20 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     out = torch.empty((p.total_q, p.heads, p.head_dim_v), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((p.heads, p.total_q), dtype=torch.float32, device=q.device)
     # (max_seqlen_* may exceed every length: test the rows too; TMA takes no empty tensor.)
+    # This family reads the lengths late (Family.late_lengths): here before an early return,
+    # else in hopper_args once the launch is set up.
     if p.seqlen_k == 0 or k.shape[0] == 0:  # no sequence has a key
+        cu_host(p)
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.total_q == 0 or p.batch * p.heads == 0:
+        cu_host(p)
         return out, lse2
 
     def view(t):  # (total, heads, d) -> (1, heads, total, d)
         return t.unsqueeze(0).transpose(1, 2)
 
-    packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=cu_host(p),
+    lengths = cu_host(p) if p.cu_host is None else p.cu_host
+    packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=lengths,
                   args=dict(CU_Q=p.cu_seqlens_q, CU_K=p.cu_seqlens_k, O=out,
                             stride_os=out.stride(0), stride_oh=out.stride(1),
                             total_q=p.total_q, VARLEN=2 if VARLEN_O_TMA else 1))  # fmt: skip
@@ -1358,8 +1369,8 @@ def prefer(p: Problem) -> str | None:
     - Packed sequences at head dims above 128 (not timed). At d128 (GQA 16/4) this kernel
       is ahead (H200, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
       benchmarks/results/2026-11-23_h200_inference_*.jsonl: 516 / 426 TFLOPS full / causal
-      against 462 / 399); at d64 the family keeps them (its Gluon backward is faster there)
-      but its forward runs the portable kernel's (:func:`auto_forward`).
+      against 462 / 399); at d64 the family keeps them too (its Gluon backward is faster
+      there, and since 2026-11-24 its forward: :func:`auto_forward`).
     - A value head dim other than q's: passes its GPU test (H200,
       benchmarks/results/2026-11-23_h200_gpu-tests-hopper-fwd_34dc924.txt) but has not been
       timed against the portable kernel yet.
@@ -1381,14 +1392,12 @@ def prefer(p: Problem) -> str | None:
 
 
 def auto_forward(q, k, v, problem: Problem):
-    """"auto"'s forward for this family: this kernel, except packed sequences at head dims
-    <= 64, which run the portable forward (measured faster there: H200, 29 sequences of
-    128..7626 tokens, bf16, benchmarks/results/2026-11-24_h200_flash_varlen-hopper-bwd_b0e7171
-    .jsonl: 421 / 364 TFLOPS full / causal against 397 / 319) while their backward takes the
-    Gluon one where :func:`backward` finds it faster (causal: 270 against 226); the portable
-    forward writes the same base-2 LSE in the same (heads, total_q) layout."""
-    if problem.cu_seqlens_q is not None and head_dim_pad(problem.head_dim) == 64:
-        return portable.FAMILY.forward(q, k, v, problem)
+    """"auto"'s forward for this family: this kernel. (Packed sequences at head dims <= 64 ran
+    the portable forward until 2026-11-24, measured faster then; since the packed kernel
+    takes its config by the longest sequence (three consumers from 4096 keys without the
+    causal band) and its work lists by sequence, it leads there too: H200, 29 sequences of
+    128..7626 tokens, bf16, kernel TFLOPS Hopper / portable 484.5 / 441.2, causal 428.5 /
+    401.4, benchmarks/results/2026-11-24_h200_varlen-late-lengths_*.txt.)"""
     return hopper_forward(q, k, v, problem)
 
 
@@ -1408,7 +1417,9 @@ def backward_named(do, q, k, v, out, lse2, problem: Problem):
     return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=True)
 
 
+# (late_lengths: packed sequences' lengths are read in _packed_forward, once its launch is
+# set up.)
 FAMILY = Family("hopper", supports=supports, forward=auto_forward, backward=backward,
-                prefer=prefer,
+                prefer=prefer, late_lengths=True,
                 named=Family("hopper", supports=supports, forward=hopper_forward,
-                             backward=backward_named))  # fmt: skip
+                             backward=backward_named, late_lengths=True))  # fmt: skip

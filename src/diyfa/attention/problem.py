@@ -83,10 +83,10 @@ class Problem:
     # v_descale), each (1,) (per tensor) or (batch, kv_heads) contiguous: a stored value times
     # its descale is the real one. The output is bf16. Forward only.
     descales: tuple | None = None
-    # Packed sequences: the cumulative lengths as the checks read them to the host
-    # ((cu_seqlens_q values, cu_seqlens_k values)), for launch planning; None when unknown
-    # (tracing).
-    cu_host: tuple | None = None
+    # Packed sequences: the cumulative lengths on their way to the host (checks.HostLengths,
+    # whose values() waits for them and checks them; or a (cu_seqlens_q values, cu_seqlens_k
+    # values) pair), for the checks and launch planning; None when unknown (tracing).
+    cu_host: object | None = None
 
     @property
     def out_dtype(self) -> torch.dtype:
