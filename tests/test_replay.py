@@ -99,3 +99,44 @@ def test_gpu_replay_passes_over_another_alignment(monkeypatch):
     got = diyfa.flash_attention(odd(q), k, v, backend="portable")
     assert runs == [True, False]
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shared_cu", [True, False], ids=["one-cu", "two-cu"])
+def test_gpu_packed_forward_replays_per_lengths(causal, shared_cu, monkeypatch):
+    """The packed Hopper forward keeps its launch per shapes and lengths: a second call with
+    the same lengths (other tensors, other cu_seqlens tensors holding them) replays it and
+    gives bitwise the first call's result on the same values; a call with other lengths
+    but the same shapes takes the full path, and is right (against the calls of a fresh
+    process: the replays forgotten)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper forward needs an sm90 GPU")
+    runs = count_replays(monkeypatch)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    total, h, hk, d = 1000, 4, 2, 128
+    q, k, v = (torch.randn(total, n, d, generator=g).to("cuda", torch.bfloat16)
+               for n in (h, hk, hk))  # fmt: skip
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                            device="cuda")  # fmt: skip
+
+    def call(lengths, q=q, k=k, v=v):
+        cu_q = cu(lengths)
+        cu_k = cu_q if shared_cu else cu(lengths)
+        return diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 700, 700, causal=causal,
+                                            backend="hopper")  # fmt: skip
+
+    a, b = [300, 700], [650, 350]
+    _launcher.forget_replays()
+    first = call(a)
+    runs.clear()
+    again = call(a, q.clone(), k.clone(), v.clone())
+    assert runs == [True], runs
+    assert torch.equal(again, first)
+    other = call(b)
+    assert runs == [True], runs  # no launch kept for these lengths: the full path
+    _launcher.forget_replays()
+    assert torch.equal(other, call(b))
+    assert torch.equal(first, call(a))

@@ -923,16 +923,6 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
         args.update(packed["args"])
-        # (the lengths' values: read and checked here, once the rest is set up)
-        lengths = packed["cu_host"]
-        if isinstance(lengths, HostLengths):
-            lengths = lengths.values()
-        table, items = tile_table(*lengths, consumers * SUB_M, causal, lse2.device,
-                                  VARLEN_BY_SEQUENCE)  # fmt: skip
-        group = VARLEN_TILE_GROUP_CAUSAL if causal else VARLEN_TILE_GROUP
-        group = items if group is None else min(group, items)
-        args.update(TILES=table, num_items=items, tile_group=max(group, 1))
-        tiles = items * h
     # A static round robin only without a band or packed sequences: it gives tiles of very
     # unequal work to the same programs (measured, causal: 454 against 618 TFLOPS at 16k,
     # d128), and an LPT order over every head (heaviest tiles of all heads first, snake
@@ -951,6 +941,18 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
         # 560.1 / 540.9, 1024 413.9 / 364.4; d256 16k 682.3 / 671.8, 4096 577.8 / 568.4.
         args.update(DYNAMIC=True, COUNTER=torch.zeros(1, dtype=torch.int32,
                                                       device=lse2.device))  # fmt: skip
+    if packed is not None:
+        # The lengths' values, read and checked here, once everything else is set up (the
+        # packed call's host work after this read runs while the GPU waits).
+        lengths = packed["cu_host"]
+        if isinstance(lengths, HostLengths):
+            lengths = lengths.values()
+        table, items = tile_table(*lengths, consumers * SUB_M, causal, lse2.device,
+                                  VARLEN_BY_SEQUENCE)  # fmt: skip
+        group = VARLEN_TILE_GROUP_CAUSAL if causal else VARLEN_TILE_GROUP
+        group = items if group is None else min(group, items)
+        args.update(TILES=table, num_items=items, tile_group=max(group, 1))
+        tiles = items * h
     grid = (min(tiles, num_sms * cfg.per_sm) if persistent else tiles,)
     if not persistent:  # one tile per program: a second Q buffer would never be used
         args["Q_BUFS"] = 1
@@ -966,12 +968,16 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
 # benchmarks/results/2026-11-24_h200_varlen-order-ab_6ef1185.jsonl), TFLOPS of the old order
 # (heaviest first, whole list per head) against by sequence in groups of 32: d128 GQA 16/4
 # causal 346.5 / 393.3, not causal 545.2 / 493.2 (groups of 8: 509.7); d64 causal 278.0 /
-# 278.1, not causal 394.3 / 380.2. So groups for causal calls only.
+# 278.1, not causal 394.3 / 380.2. So groups for causal calls only, then. Those timings
+# held the host's Python work list (the GPU waited for it: work_table); timed by the kernels
+# alone (profiler, 3 rounds, 2026-11-24, benchmarks/results/*_varlen-ab3_6c08dbf.txt),
+# groups of 32 lead without the band too: d128 655.4 against 643.3 for the whole list per
+# head (groups of 8: 639.0), d64 477.6 against 468.6 (465.7). So 32 for both.
 VARLEN_BY_SEQUENCE = True
 # Packed sequences' O: by TMA for a consumer's 64 rows that all lie in the sequence (the
 # kernel's VARLEN == 2), a masked store for the rest; False: masked stores only (VARLEN == 1).
 VARLEN_O_TMA = True
-VARLEN_TILE_GROUP: int | None = None
+VARLEN_TILE_GROUP: int | None = 32
 VARLEN_TILE_GROUP_CAUSAL: int | None = 32
 
 
@@ -1303,15 +1309,43 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
         return t.unsqueeze(0).transpose(1, 2)
 
     lengths = cu_host(p) if p.cu_host is None else p.cu_host
+    cu_q, cu_k = p.cu_seqlens_q, p.cu_seqlens_k
+    roles = key = None
+    if config is None and q.is_cuda and isinstance(lengths, HostLengths):
+        # A call with the shapes and lengths of one before (the layers of a model share a
+        # batch's lengths; so do a benchmark's repetitions) replays that call's launch
+        # (_launcher.Replay): after the lengths' read only the replay is left to do.
+        roles = dict(q=q, k=k, v=v, out=out, lse=lse2,
+                     counter=torch.zeros(1, dtype=torch.int32, device=q.device), cu_q=cu_q)
+        if cu_k is not cu_q:
+            roles["cu_k"] = cu_k
+        key = (p.heads, p.kv_heads, p.head_dim, p.head_dim_v, p.dtype, p.causal,
+               p.softmax_scale, p.seqlen_q, p.seqlen_k, p.total_q, k.shape[0], p.q_strides,
+               p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
+               VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
+               lengths.values())  # (the wait)  # fmt: skip
+        replay = _PACKED_REPLAYS.get(key)
+        if replay is not None and replay.run(roles):
+            return out, lse2
     packed = dict(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, cu_host=lengths,
-                  args=dict(CU_Q=p.cu_seqlens_q, CU_K=p.cu_seqlens_k, O=out,
-                            stride_os=out.stride(0), stride_oh=out.stride(1),
-                            total_q=p.total_q, VARLEN=2 if VARLEN_O_TMA else 1))  # fmt: skip
+                  args=dict(CU_Q=cu_q, CU_K=cu_k, O=out, stride_os=out.stride(0),
+                            stride_oh=out.stride(1), total_q=p.total_q,
+                            VARLEN=2 if VARLEN_O_TMA else 1))  # fmt: skip
     grid, args, num_warps = hopper_args(
         view(q), view(k), view(v), view(out), lse2, 0, p.softmax_scale * LOG2E, p.causal,
         kernel_limits(q.device.index)["sm_count"], config, None, packed)  # fmt: skip
-    launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
+    kernel = launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
+    if roles is not None and args["DYNAMIC"] and not compiling_only():
+        roles["counter"] = args["COUNTER"]
+        replay = Replay.record([(_attn_fwd_hopper, kernel, grid, args)], roles,
+                               (args["TILES"],))  # fmt: skip
+        _PACKED_REPLAYS.put(key, replay)
     return out, lse2
+
+
+# Packed calls' launches, kept per shapes and lengths (the work list, kept by work_table,
+# is a constant of the replay).
+_PACKED_REPLAYS = ReplayCache()
 
 
 # --------------------------------------------------------------------------------------------
