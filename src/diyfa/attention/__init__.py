@@ -197,8 +197,9 @@ def flash_attention_varlen(
             :func:`flash_attention` (per sequence; alibi_slopes (batch, heads) per sequence;
             the Gluon backward's atomic dQ is the one part that is not deterministic).
 
-    The lengths are read to the host and checked against the tensors before any kernel runs
-    (one device synchronisation per call). Programs past a sequence's end exit at once.
+    The lengths are copied to the host (one wait per call, for the copy, as late as the
+    kernels allow: the host's work before it overlaps the GPU's queue) and checked against
+    the tensors before any kernel runs. Programs past a sequence's end exit at once.
     """
     check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
