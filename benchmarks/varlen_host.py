@@ -1,8 +1,8 @@
 """Where a packed (varlen) call's time goes, in one process on a GPU: host, kernels, the call.
 
-The packed entry points read the cumulative lengths to the host (the checks: one device
-synchronisation per call), so whatever the host does after that read runs while the GPU
-waits: a benchmark that times the call (``triton.testing.do_bench``, as ``diyfa bench``)
+The packed entry points wait for the cumulative lengths to reach the host (one wait per
+call: ``checks.HostLengths``), so whatever the host does after that wait runs while the GPU
+idles: a benchmark that times the call (``triton.testing.do_bench``, as ``diyfa bench``)
 counts it, and so does a training step. For the varlen suite's mix
 (``diyfa.bench.suites.varlen_lengths(65536, 128, 8192)``, bf16; d128 16 / 4 heads and d64
 32 / 32, causal and not), forward and backward ("auto"), and the same tokens as 16 x 4096
@@ -17,10 +17,10 @@ equal-length batches, this prints per call:
 - ``call_ms``: ``do_bench`` of the call (L2 flushed before each repetition), as the suites
   time it; TFLOPS from it by the published convention (causal per sequence).
 
-``--ab`` also runs the packed calls with the work lists built by the Python loops they had
-before 2026-11-24 (``hopper_fwd.tile_table`` / ``hopper_bwd.kv_table``: "old-tables") and
-with the packed forward's O by masked stores only (``hopper_fwd.VARLEN_O_TMA`` off:
-"masked-o").
+``--ab`` also runs the packed calls with the packed forward's O by masked stores only
+(``hopper_fwd.VARLEN_O_TMA`` off: "masked-o"). (At commit 5447834 it also ran the work
+lists built by the Python loops they had before, "old-tables":
+benchmarks/results/2026-11-24_h200_varlen-host_5447834.txt.)
 
 Usage (device): python3 benchmarks/varlen_host.py [--out varlen_host.jsonl] [--ab]
 """
@@ -38,47 +38,9 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
-from diyfa.attention import hopper_bwd, hopper_fwd  # noqa: E402
-from diyfa.bench.suites import varlen_lengths  # noqa: E402
+from diyfa.attention import hopper_fwd  # noqa: E402
+from diyfa.bench.suites import varlen_mix  # noqa: E402
 from diyfa.flops import attention_flops  # noqa: E402
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _old_tile_table(cu_q, cu_k, block_m, causal, device, by_sequence=False):
-    """hopper_fwd.tile_table as it was (Python loops, a new tensor per call)."""
-    work = []
-    for b in range(len(cu_q) - 1):
-        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        tiles = []
-        for m in range(_cdiv(sq, block_m)):
-            keys = sk
-            if causal:
-                keys = min(sk, max(0, min((m + 1) * block_m, sq) + sk - sq))
-            tiles.append((-keys, b, m))
-        if by_sequence and tiles:
-            heaviest = min(tiles)[0]
-            work += [(heaviest, b, keys, m) for keys, b, m in tiles]
-        else:
-            work += [(keys, b, 0, m) for keys, b, m in tiles]
-    work.sort()
-    pairs = [x for _, b, _, m in work for x in (b, m)]
-    return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
-
-
-def _old_kv_table(cu_q, cu_k, block_n, block_m, causal, device):
-    """hopper_bwd.kv_table as it was."""
-    work = []
-    for b in range(len(cu_q) - 1):
-        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        for n in range(_cdiv(sk, block_n)):
-            m_lo = max(n * block_n - (sk - sq), 0) // block_m if causal else 0
-            work.append((-max(_cdiv(sq, block_m) - m_lo, 0), b, n))
-    work.sort()
-    pairs = [x for _, b, n in work for x in (b, n)]
-    return torch.tensor(pairs, dtype=torch.int32).to(device), len(work)
 
 
 def _host_us(fn, n: int = 20) -> float:
@@ -140,13 +102,9 @@ def main() -> int:
     ap.add_argument("--out", default="varlen_host.jsonl")
     ap.add_argument("--ab", action="store_true")
     a = ap.parse_args()
-    lengths = varlen_lengths(65536, 128, 8192)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")  # fmt: skip
-    total, longest = sum(lengths), max(lengths)
+    lengths, cu, total, longest = varlen_mix()
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip
-    new_tables = (hopper_fwd.tile_table, hopper_bwd.kv_table)
     rows = []
     with open(a.out, "w") as f:
         for d, h, hk in ((128, 16, 4), (64, 32, 32)):
@@ -166,10 +124,8 @@ def main() -> int:
 
                 runs = ["equal", "packed"]
                 if a.ab:
-                    runs += ["packed-old-tables", "packed-masked-o"]
+                    runs += ["packed-masked-o"]
                 for name in runs:
-                    if name == "packed-old-tables":
-                        hopper_fwd.tile_table, hopper_bwd.kv_table = _old_tile_table, _old_kv_table
                     hopper_fwd.VARLEN_O_TMA = name != "packed-masked-o"
                     if name == "equal":
                         q, k, v = (t.detach().requires_grad_() for t in (qe, ke, ve))
@@ -205,7 +161,7 @@ def main() -> int:
                         rows.append(row)
                         f.write(json.dumps({**env, **row}) + "\n")
                         print(json.dumps(row), flush=True)
-                    hopper_fwd.tile_table, hopper_bwd.kv_table = new_tables
+                    hopper_fwd.VARLEN_O_TMA = True
     print(f"\npacked vs equal-length calls ({env['gpu']}, torch {env['torch']}, "
           f"triton {env['triton']})")
     print(f"{'case':28s} {'run':18s} {'host us':>8s} {'idle us':>8s} {'kernels ms':>10s} "

@@ -25,7 +25,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
 from diyfa.attention import hopper_fwd  # noqa: E402
-from diyfa.bench.suites import varlen_lengths  # noqa: E402
+from diyfa.bench.suites import varlen_mix  # noqa: E402
 from diyfa.flops import attention_flops  # noqa: E402
 
 ORDERS = {  # label: (VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP)
@@ -50,10 +50,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rep", type=int, default=60)
     a = ap.parse_args()
-    lengths = varlen_lengths(65536, 128, 8192)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")  # fmt: skip
-    total, longest = sum(lengths), max(lengths)
+    lengths, cu, total, longest = varlen_mix()
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip
     before = (hopper_fwd.VARLEN_BY_SEQUENCE, hopper_fwd.VARLEN_TILE_GROUP,

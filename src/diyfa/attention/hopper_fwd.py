@@ -630,7 +630,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if VARLEN:
             # (heads, total_q) LSE. O: a TMA store would also write the rows past this
             # sequence's end, which are the next sequence's; so a consumer whose 64 rows all
-            # lie in the sequence stores them by TMA (VARLEN == 2, _O_STORE_TMA), and the
+            # lie in the sequence stores them by TMA (VARLEN == 2: VARLEN_O_TMA), and the
             # last rows of a sequence go by a masked store.
             gl.store(LSE + off_h.to(gl.int64) * total_q + q_start + offs_m, lse2,
                      mask=offs_m < seqlen_q_t)  # fmt: skip

@@ -401,6 +401,17 @@ def varlen_lengths(total: int, lo: int, hi: int, seed: int = 0) -> tuple[int, ..
     return tuple(out)
 
 
+def varlen_mix(device="cuda"):
+    """The varlen suite's mix as the A/B scripts use it: (lengths, int32 cumulative lengths
+    on ``device``, total tokens, longest length)."""
+    import torch
+
+    lengths = varlen_lengths(65536, 128, 8192)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device=device)  # fmt: skip
+    return lengths, cu, sum(lengths), max(lengths)
+
+
 def _varlen(target: str, quick: bool) -> Plan | None:
     if target != "flash":
         return None
