@@ -126,6 +126,7 @@ from diyfa.attention.hopper_fwd import (
     _seq,
     _tanh,
     _tile2d,
+    alibi_flag,
     bhsd_view,
     cu_host,
     head_dim_pad,
@@ -500,9 +501,20 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         if SOFTCAP:
             st = _tanh(st * tanh_scale)
         if ALIBI:  # (positions in fp32: see portable._alibi)
-            dist = ((offs_m + alibi_offset).to(gl.float32)[None, :]
-                    - offs_k.to(gl.float32)[:, None])  # fmt: skip
-            pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist) - lse[None, :])
+            # As the forward does: a step whose keys all lie on one side of every query's
+            # diagonal j = i + alibi_offset splits the distance into a key term, sign *
+            # slope2 * (j - key0), and a query term, -sign * slope2 * (i + alibi_offset -
+            # key0), taken off with the LSE (one add per score where |distance| costs four).
+            left = key0 + SUB_N - 1 <= row0 + alibi_offset
+            if (ALIBI == 2) & (left | (key0 >= row0 + BLOCK_M - 1 + alibi_offset)):
+                sign_slope = gl.where(left, slope2, -slope2)
+                key_term = (offs_k - key0).to(gl.float32) * sign_slope
+                query_term = (offs_m + (alibi_offset - key0)).to(gl.float32) * sign_slope
+                pt = gl.exp2(st * qk_scale + key_term[:, None] - (lse + query_term)[None, :])
+            else:
+                dist = ((offs_m + alibi_offset).to(gl.float32)[None, :]
+                        - offs_k.to(gl.float32)[:, None])  # fmt: skip
+                pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist) - lse[None, :])
         else:
             pt = gl.exp2(st * qk_scale - lse[None, :])
         if SOFTCAP:  # d tanh: the score's gradient reaches q.k times (1 - t^2)
@@ -794,6 +806,8 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 ALIBI=False)  # fmt: skip
     if variants:
         args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
+        if args["ALIBI"]:  # (the backward's own rule: hopper_fwd.ALIBI_SPLIT_DIMS_BWD)
+            args["ALIBI"] = alibi_flag(dpad, backward=True)
     grid = (cdiv(sk, BLOCK_N), b * k4.shape[1])
     if packed is not None:
         args.update(packed["args"])
@@ -821,8 +835,9 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     flags = {name: True for name in variants}
     if "WINDOW" in flags:
         flags["left_offset"] = -1000
-    if "ALIBI" in flags:
-        flags.update(SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)
+    if "ALIBI" in flags:  # (the flag's value as bwd_args gives it)
+        flags.update(ALIBI=alibi_flag(head_dim_pad(head_dim), backward=True),
+                     SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)  # fmt: skip
     pack = None
     if packed:
         q, kv, stats, dq_acc = q[:1], kv[:1], stats[0], dq_acc[:1]

@@ -415,26 +415,42 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_offset, qk_scale,
-                  tanh_scale, slope2, alibi_offset, need_mask,
+def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, left_offset,
+                  qk_scale, tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
                   ALIBI: gl.constexpr, P_SHIFT: gl.constexpr):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
     SOFTCAP, the scores become tanh(q.k * tanh_scale) (qk_scale then carries softcap *
-    log2(e)); ALIBI, they are scaled here and get -slope2 * |i + alibi_offset - j| (base 2);
-    then the masks (``need_mask``: the block straddles the end of the keys, the causal
-    diagonal or the left window's edge). P_SHIFT: the running max is kept P_SHIFT below the
-    true one, so p (and l) come out 2^P_SHIFT times larger, at no cost (fp8: P's e4m3
-    rounding needs its small values away from underflow); m + log2(l) is the LSE either
-    way."""
+    log2(e)); ALIBI, they are scaled here and get -slope2 * |i + alibi_offset - j| (base 2;
+    ``row0``: the first of the rows ``offs_m``); then the masks (``need_mask``: the block
+    straddles the end of the keys, the causal diagonal or the left window's edge). P_SHIFT:
+    the running max is kept P_SHIFT below the true one, so p (and l) come out 2^P_SHIFT times
+    larger, at no cost (fp8: P's e4m3 rounding needs its small values away from underflow);
+    m + log2(l) is the LSE either way."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
     if ALIBI:
-        dist = offs_m[:, None] + (alibi_offset - start_n) - cols[None, :]
-        s = s * qk_scale - slope2 * gl.abs(dist).to(gl.float32)
+        # A block wholly on one side of the diagonal j = i + alibi_offset (every key of it
+        # left of every row's, or right of it) splits -slope2 * |i + alibi_offset - j| into a
+        # column term, sign * slope2 * (j - start_n), added to the scores here, and a row term,
+        # -sign * slope2 * (i + alibi_offset - start_n), added to the row's max and taken off
+        # in the exponential's argument (one add per score where |distance| costs four); both
+        # measured from the block's first key, small where the probabilities are not. A
+        # block across the diagonal takes the distances themselves.
+        BLOCK_N: gl.constexpr = s.shape[1]
+        SUB_M: gl.constexpr = offs_m.shape[0]
+        left = start_n + BLOCK_N - 1 <= row0 + alibi_offset
+        if (ALIBI == 2) & (left | (start_n >= row0 + SUB_M - 1 + alibi_offset)):
+            sign_slope = gl.where(left, slope2, -slope2)
+            s = s * qk_scale + (cols.to(gl.float32) * sign_slope)[None, :]
+            row_term = (offs_m + (alibi_offset - start_n)).to(gl.float32) * -sign_slope
+        else:
+            dist = offs_m[:, None] + (alibi_offset - start_n) - cols[None, :]
+            s = s * qk_scale - slope2 * gl.abs(dist).to(gl.float32)
+            row_term = offs_m.to(gl.float32) * 0.0
     if need_mask:
         # Column c of the block is key start_n + c: visible iff c <= the row's last key
         # (and, with a left window, c >= the row's first key).
@@ -447,14 +463,14 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, seqlen_k, causal_offset, left_of
         if WINDOW:
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
-    if ALIBI:  # already base 2 and scaled
-        m_new = gl.maximum(m_i, gl.max(s, 1) - P_SHIFT)
+    if ALIBI:  # already base 2 and scaled, but for the row term
+        m_new = gl.maximum(m_i, gl.max(s, 1) + row_term - P_SHIFT)
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale - P_SHIFT)
     # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     if ALIBI:
-        p = gl.exp2(s - m_use[:, None])
+        p = gl.exp2(s - (m_use - row_term)[:, None])
     else:
         p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
@@ -573,7 +589,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
             mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
             p, m_i, l_i, alpha = _softmax_step(
-                s, m_i, l_i, lo * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
+                s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale_t, tanh_scale, slope2, alibi_offset,
                 (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
                 P_SHIFT)
@@ -596,7 +612,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
                 p, m_i, l_i, alpha = _softmax_step(
-                    s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k_t, causal_offset_t, left_offset,
+                    s, m_i, l_i, j * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t,
+                    left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
                     P_SHIFT)
@@ -1164,6 +1181,28 @@ def _plain(p: Problem) -> bool:
             and p.alibi_slopes is None and p.sinks is None)  # fmt: skip
 
 
+# ALiBi's bias in the kernels (the ALIBI flag: 2, else 1): for a block of keys wholly on one
+# side of the diagonal, a per-key and a per-row term (one add per score) instead of the
+# distances (four instructions per score); blocks across the diagonal take the distances.
+# H200, bf16, 1 x 16 x 8192, kernel TFLOPS split / distances (plain attention), 2026-11-24,
+# benchmarks/results/2026-11-24_h200_alibi-split-ab_95d85c4-wip.txt: forward d128 causal
+# 520.0 / 487.6 (635.1), not causal 591.7 / 510.4 (705.7); d64 causal 344.7 / 292.3 (418.1),
+# not 379.8 / 311.6 (446.2); backward d128 causal 387.7 / 336.7 (480.1), not 455.8 / 449.3
+# (539.2); d64 causal 272.2 / 276.3, not 329.8 / 345.4. So the split for the forward at
+# padded head dims ALIBI_SPLIT_DIMS and the backward at ALIBI_SPLIT_DIMS_BWD (hopper_bwd);
+# d256 keeps the distances (not timed; with the split, its all-variants build spilled 112
+# bytes and one GPU test's sink gradient came out one bf16 step past the 3x bound).
+ALIBI_SPLIT = True
+ALIBI_SPLIT_DIMS = (64, 128)
+ALIBI_SPLIT_DIMS_BWD = (128,)
+
+
+def alibi_flag(head_dim_padded: int, backward: bool = False) -> int:
+    """The kernels' ALIBI value for a padded head dim: 2 (the split bias) or 1 (distances)."""
+    dims = ALIBI_SPLIT_DIMS_BWD if backward else ALIBI_SPLIT_DIMS
+    return 2 if ALIBI_SPLIT and head_dim_padded in dims else 1
+
+
 def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
     """(upper causal offset, qk_scale, CAUSAL flag, variant kernel arguments) of a problem,
     with the portable kernels' conventions: the band i + sk - sq - left <= j <= i + sk - sq +
@@ -1185,7 +1224,8 @@ def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
     if softcap:
         variants.update(SOFTCAP=True, tanh_scale=p.softmax_scale / p.softcap)
     if alibi:
-        variants.update(ALIBI=True, SLOPES=p.alibi_slopes, alibi_offset=p.causal_offset,
+        variants.update(ALIBI=alibi_flag(head_dim_pad(p.head_dim)), SLOPES=p.alibi_slopes,
+                        alibi_offset=p.causal_offset,
                         stride_slopes_b=p.alibi_slopes.stride(0) if p.alibi_slopes.dim() == 2
                         else 0)  # fmt: skip
     if p.sinks is not None:
@@ -1212,6 +1252,8 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
     flags = {name: True for name in variants}
     if "WINDOW" in flags:
         flags["left_offset"] = -1000
+    if "ALIBI" in flags:  # (the flag's value as variant_args gives it)
+        flags["ALIBI"] = alibi_flag(head_dim_pad(head_dim))
     pack = None
     if packed:
         q, lse = q[:1], lse[0]
