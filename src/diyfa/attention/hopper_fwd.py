@@ -42,9 +42,11 @@ the TMA unit. What does not fit these rules goes to the portable kernel (``suppo
 Scope (``supports``): sm90, fp16/bf16, head dims 64..256 that are multiples of 8 (computed
 as 64, 128 or 256: TMA zero-fills the columns past the head dim and clips them on store),
 positive softmax_scale, TMA's alignment rules; sliding windows, softcap, ALiBi and
-attention sinks (compile-time flags, the portable kernels' formulas), a value head dim below
-q's, packed sequences without variants (``VARLEN``: a host-made list of the tiles that hold
-rows, rows offset by cu_seqlens, O by a masked store), and fp8 (e4m3) q, k, v with descales
+attention sinks (compile-time flags, the portable kernels' formulas; ALiBi's bias split by
+side of the diagonal, ``alibi_flag``), a value head dim below q's, packed sequences without
+variants (``VARLEN``: a host-made list of the tiles that hold rows, kept per lengths, rows
+offset by cu_seqlens, O by TMA where a consumer's rows lie in the sequence and by a masked
+store at its end; the launch replayed per lengths), and fp8 (e4m3) q, k, v with descales
 for plain attention (``FP8``: V transposed per call by a small Triton kernel,
 ``transpose_v``; P through shared memory, 2^8 times larger (``P_SHIFT``); the fp8 sums as
 ``fp8_mode`` says, each mode with its launch config, ``fp8_config``). "auto" takes what
