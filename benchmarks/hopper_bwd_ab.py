@@ -30,11 +30,15 @@ def main() -> int:
     ap.add_argument("--shapes", default="2x16x8192x64,4x16x4096x64")
     ap.add_argument("--configs", default="64,2,240,24;64,3,240,24;64,4,240,24")
     ap.add_argument("--atomic", type=int, default=1)
+    ap.add_argument("--dq-rows", default="", help="e.g. 0,1: each config with the atomic dQ's "
+                    "rows permuted (1) or not (0) (hopper_bwd.DQ_ROWS_PERMUTED)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "hopper_bwd_ab.jsonl"))  # fmt: skip
     a = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";") if c]
+    rows_flags = [bool(int(x)) for x in a.dq_rows.split(",") if x] or [None]
+    configs = [(c, f) for c in configs for f in rows_flags]
     rows = []
     with open(a.out, "w") as out:
         for shape_s in a.shapes.split(","):
@@ -49,8 +53,11 @@ def main() -> int:
                 lse2 = lse / 0.6931471805599453
                 flops = 4 * b * h * s * s * d * 2.5 / (2 if causal else 1)
                 ref = None
-                for cfg in configs:
+                for cfg, rows_flag in configs:
                     name = "-".join(map(str, cfg))
+                    if rows_flag is not None:
+                        hopper_bwd.DQ_ROWS_PERMUTED = rows_flag
+                        name += f"-rows{int(rows_flag)}"
                     run = functools.partial(hopper_bwd.hopper_backward, do, q, k, v, o, lse2,
                                             problem, config=cfg, atomic_dq=bool(a.atomic))
                     try:
@@ -79,7 +86,8 @@ def main() -> int:
                     out.flush()
                     rows.append(rec)
                     print(rec, flush=True)
-    print("\nshape causal | " + " | ".join("-".join(map(str, c)) for c in configs))
+    print("\nshape causal | " + " | ".join(
+        "-".join(map(str, c)) + ("" if f is None else f"-rows{int(f)}") for c, f in configs))
     for shape_s in a.shapes.split(","):
         for causal in (False, True):
             line = [f"{r['tflops']:.0f}" if "tflops" in r else "err" for r in rows

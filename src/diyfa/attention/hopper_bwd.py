@@ -158,6 +158,16 @@ BWD_CONFIGS = {
 # 330; 16 x 32 x 1024 335 / 308, causal 250 / 225): d64 keeps the turns.
 DQ_SPLIT = True
 DQ_SPLIT_D64 = False
+# The atomic dQ's fp32 tiles go to shared memory with their rows permuted within groups of 8
+# (row 8a + 4b + c at 8a + 2c + b: conflict-free 8-byte stores into the 128-byte swizzle; the
+# workspace keeps that order and _finish undoes it). Not for packed sequences, whose blocks
+# start anywhere in the workspace.
+DQ_ROWS_PERMUTED = True
+
+
+def dq_rows_permuted(dq_atomic: bool, packed: bool) -> bool:
+    """Whether the kernel writes the atomic dQ workspace with its rows permuted (_finish)."""
+    return DQ_ROWS_PERMUTED and dq_atomic and not packed
 
 
 def auto_mode(p: Problem) -> str | None:
@@ -404,7 +414,8 @@ def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, 
 
 
 @gluon.jit
-def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, layout):
+def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, layout,
+              PERMUTE: gl.constexpr):
     """Column piece ``piece`` of a query block's dQ = dS K (the piece's width: the
     workspace descriptor's block; K = every consumer's 64 keys, dS^T from ``ds_all`` as the
     transposed A operand), stored to fp32 tile ``tile`` of ``dq_bufs`` and added to the
@@ -420,6 +431,13 @@ def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, lay
         k_piece = _tile2d(k_bufs, c).slice(piece * WIDTH, WIDTH, dim=1)
         dq = warpgroup_mma(ds_t, k_piece, dq, use_acc=c > 0, is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
+    if PERMUTE:
+        # Row r = 8a + 4b + c of the block goes to row 8a + 2c + b (DQ_ROWS_PERMUTED; _finish
+        # puts them back): a register relabelling, after which each half-warp's 8-byte stores
+        # (4 rows x 8 columns) fall on 8 distinct 16-byte bank groups of the 128-byte swizzle
+        # instead of 4, twice each (ncu: those stores took twice their ideal wavefronts).
+        dq = dq.reshape([BLOCK_M // 8, 2, 4, WIDTH]).permute((0, 2, 1, 3))
+        dq = dq.reshape([BLOCK_M, WIDTH])
     _tile2d(dq_bufs, tile).store(dq)
     fence_async_shared()
     gl.thread_barrier()  # every thread's part is written before the issue
@@ -436,7 +454,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                   alibi_offset,
                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                  C: gl.constexpr):
+                  DQ_ROWS: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: keys [n0 + 64 C, n0 + 64 C + 64) of the program's block."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
@@ -568,7 +586,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             tma.store_wait(1)  # the reduce-add of two steps back has read this tile
             gl.thread_barrier()
             _dq_piece(ds_all, k_bufs, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0,
-                      h_layout)  # fmt: skip
+                      h_layout, DQ_ROWS)  # fmt: skip
         elif DQ_ATOMIC:
             if it % 2 == C:
                 # The consumers take turns: this one multiplies the whole block's dS (both
@@ -589,7 +607,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                 gl.thread_barrier()
                 for h in gl.static_range(SPLIT):
                     _dq_piece(ds_all, k_bufs, dq_bufs, C * SPLIT + h, h, dq_desc, tb, off_h,
-                              q_start + row0, h_layout)  # fmt: skip
+                              q_start + row0, h_layout, DQ_ROWS)  # fmt: skip
 
     # Epilogue: a packed sequence's last block by masked stores, every other one by TMA.
     # (The plain kernel passes a literal False: a run-time flag there, even one always
@@ -613,7 +631,8 @@ def _bwd_consumer0(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                    alibi_offset,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+                   DQ_ROWS: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
@@ -621,7 +640,7 @@ def _bwd_consumer0(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                   alibi_offset, CAUSAL,
-                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, 0)  # fmt: skip
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 0)  # fmt: skip
 
 
 @gluon.jit
@@ -633,7 +652,8 @@ def _bwd_consumer1(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                    alibi_offset,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+                   DQ_ROWS: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
@@ -641,7 +661,7 @@ def _bwd_consumer1(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                   alibi_offset, CAUSAL,
-                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, 1)  # fmt: skip
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 1)  # fmt: skip
 
 
 @gluon.jit
@@ -653,7 +673,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                      CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                     VARLEN: gl.constexpr):
+                     VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
     """Grid (cdiv(seqlen_k, 128), batch * kv_heads) (packed sequences: below), launched with
     num_warps=4 (consumer 0); the partitions add 4 warps (consumer 1) and 1 loader warp.
     Descriptors are 4-D over (batch, heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M,
@@ -710,7 +730,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                           alibi_offset,
-                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN)),
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
         (_bwd_consumer1, (dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs,
                           k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready,
                           done, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
@@ -718,7 +738,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                           alibi_offset,
-                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN)),
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
                        v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, heads, kv_group,
                        seqlen_q, seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K,
@@ -803,12 +823,14 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 sm_scale=softmax_scale, CAUSAL=causal, DQ_ATOMIC=dq_mode, STAGES=stages,
                 CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, left_offset=0, tanh_scale=1.0,
                 SLOPES=lse2, stride_slopes_b=0, alibi_offset=0, WINDOW=False, SOFTCAP=False,
-                ALIBI=False)  # fmt: skip
+                ALIBI=False, DQ_ROWS=False)  # fmt: skip
     if variants:
         args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
         if args["ALIBI"]:  # (the backward's own rule: hopper_fwd.ALIBI_SPLIT_DIMS_BWD)
             args["ALIBI"] = alibi_flag(dpad, backward=True)
     grid = (cdiv(sk, BLOCK_N), b * k4.shape[1])
+    # (the atomic dQ's rows in the workspace permuted within groups of 8: _dq_piece, _finish)
+    args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
     if packed is not None:
         args.update(packed["args"])
         table, items = kv_table(*packed["cu_host"], BLOCK_N, block_m, causal, lse2.device)
@@ -912,15 +934,16 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         dq_acc = torch.zeros(shape, dtype=torch.float32, device=q.device)
     else:  # (the kernel reads nothing through it)
         dq_acc = stats
+    permuted = dq_rows_permuted(atomic_dq, varlen)
     key = None if config is not None else portable.replay_key(
-        "hopper-bwd", q, p, do.stride(), do.dtype, atomic_dq)  # fmt: skip
+        "hopper-bwd", q, p, do.stride(), do.dtype, atomic_dq, permuted)  # fmt: skip
     roles = None
     if key is not None:
         roles = dict(q=q, k=k, v=v, out=out, lse=lse2, do=do, delta=stats, dk=dk, dv=dv)
         roles["dq_acc" if atomic_dq else "dq"] = dq_acc if atomic_dq else dq
         replay = _REPLAYS.get(key)
         if replay is not None and replay.run(roles):
-            return _finish(dq, dq_acc, p) if atomic_dq else dq, dk, dv
+            return _finish(dq, dq_acc, p, permuted) if atomic_dq else dq, dk, dv
     launched = []
     if not atomic_dq:
         # The portable dQ kernel (a fixed order per row; it also writes delta), then this
@@ -946,19 +969,35 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     launched.append((_attn_bwd_hopper, kernel, grid, args))
     if roles is not None and not compiling_only() and None not in launched:
         _REPLAYS.put(key, Replay.record(launched, roles, tuple(_DQ_STANDINS.values())))
-    return _finish(dq, dq_acc, p) if atomic_dq else dq, dk, dv
+    return _finish(dq, dq_acc, p, permuted) if atomic_dq else dq, dk, dv
 
 
 _REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
 
 
-def _finish(dq: torch.Tensor, dq_acc: torch.Tensor, p: Problem) -> torch.Tensor:
-    """dQ from the atomic mode's fp32 workspace: scaled, cast, written into ``dq``."""
+def _finish(dq: torch.Tensor, dq_acc: torch.Tensor, p: Problem,
+            permuted: bool = False) -> torch.Tensor:  # fmt: skip
+    """dQ from the atomic mode's fp32 workspace: scaled, cast, written into ``dq``;
+    ``permuted``: the workspace holds row 8a + 4b + c of each group of 8 at 8a + 2c + b
+    (:func:`dq_rows_permuted`), put back here (one pass for whole groups, the last partial
+    group gathered)."""
     if p.cu_seqlens_q is not None:  # (1, heads, total, dpad) -> (total, heads, d)
         torch.mul(dq_acc[0, :, :, : p.head_dim].transpose(0, 1), p.softmax_scale, out=dq)
         return dq
-    torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale,
-              out=bhsd_view(dq, p.layout))  # fmt: skip
+    out = bhsd_view(dq, p.layout)
+    if not permuted:
+        torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale, out=out)
+        return dq
+    b, h, rows, dpad = dq_acc.shape
+    whole = p.seqlen_q // 8 * 8
+    if whole:  # (group, b, c) in the true order is (group, c, b) in the workspace
+        src = dq_acc.view(b, h, rows // 8, 4, 2, dpad).transpose(3, 4)
+        torch.mul(src[:, :, : whole // 8, :, :, : p.head_dim], p.softmax_scale,
+                  out=out[:, :, :whole].unflatten(2, (whole // 8, 2, 4)))  # fmt: skip
+    if whole < p.seqlen_q:
+        tail = torch.arange(whole, p.seqlen_q)
+        at = (tail // 8 * 8 + tail % 4 * 2 + tail % 8 // 4).to(dq_acc.device)
+        out[:, :, whole:] = dq_acc[:, :, at, : p.head_dim] * p.softmax_scale
     return dq
 
 
