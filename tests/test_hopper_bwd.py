@@ -294,6 +294,8 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
         assert dqd.base.dtype == torch.float32 and list(dqd.block_shape) == [1, 1, block_m, 64]
         assert dq.shape == q.shape and (dq == 0.5).all()  # 2.0 x the scale
     assert args["VARLEN"] is False
+    # the atomic dQ's workspace rows permuted (hopper_bwd.dq_rows_permuted; _finish undoes it)
+    assert args["DQ_ROWS"] is (not deterministic)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
@@ -340,6 +342,7 @@ def test_host_path_builds_the_packed_launch(deterministic, monkeypatch):
     assert seen["grid"] == (5, hk)
     assert args["TILES"].tolist() == [2, 0, 2, 1, 0, 0, 2, 2, 3, 0]  # (sequence, block)
     assert args["VARLEN"] is True and args["CAUSAL"] is True
+    assert args["DQ_ROWS"] is False  # (packed blocks start anywhere in the workspace)
     assert args["seqlen_q"] == 260 and args["seqlen_k"] == 260 and args["total_q"] == total
     assert args["CU_Q"] is p.cu_seqlens_q and args["CU_K"] is p.cu_seqlens_k
     assert list(args["q_desc"].shape) == [1, h, total, d]
