@@ -39,6 +39,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
 from diyfa.attention import hopper_fwd  # noqa: E402
+from diyfa.bench.results import environment  # noqa: E402
 from diyfa.bench.suites import varlen_mix  # noqa: E402
 from diyfa.flops import attention_flops  # noqa: E402
 
@@ -103,8 +104,7 @@ def main() -> int:
     ap.add_argument("--ab", action="store_true")
     a = ap.parse_args()
     lengths, cu, total, longest = varlen_mix()
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=__import__("triton").__version__)  # fmt: skip
+    env = environment()
     rows = []
     with open(a.out, "w") as f:
         for d, h, hk in ((128, 16, 4), (64, 32, 32)):

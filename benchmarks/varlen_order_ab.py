@@ -25,6 +25,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
 from diyfa.attention import hopper_fwd  # noqa: E402
+from diyfa.bench.results import environment  # noqa: E402
 from diyfa.bench.suites import varlen_mix  # noqa: E402
 from diyfa.flops import attention_flops  # noqa: E402
 
@@ -51,8 +52,7 @@ def main() -> int:
     ap.add_argument("--rep", type=int, default=60)
     a = ap.parse_args()
     lengths, cu, total, longest = varlen_mix()
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=__import__("triton").__version__)  # fmt: skip
+    env = environment()
     before = (hopper_fwd.VARLEN_BY_SEQUENCE, hopper_fwd.VARLEN_TILE_GROUP,
               hopper_fwd.VARLEN_TILE_GROUP_CAUSAL)  # fmt: skip
     rows = []

@@ -795,8 +795,9 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
              packed: dict | None = None) -> tuple[tuple, dict, int]:
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views; ``dq_acc``
     is the fp32 workspace (atomic dQ) or any tensor (kernel dQ: not read). ``qk_scale`` and
-    ``variants`` as the forward's :func:`~diyfa.attention.hopper_fwd.variant_args` gives them
-    (default: softmax_scale * log2(e), no variant); the sinks' entries are dropped (the LSE
+    ``variants`` as :func:`~diyfa.attention.hopper_fwd.variant_args` gives them with
+    ``backward=True`` (default: softmax_scale * log2(e), no variant); the sinks' entries are
+    dropped (the LSE
     holds them). ``packed`` (packed sequences: the views are batch-of-one): the sequence
     count, longest lengths and the VARLEN kernel arguments (:func:`hopper_backward`)."""
     b, h, sq, d = q4.shape
@@ -826,8 +827,6 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 ALIBI=False, DQ_ROWS=False)  # fmt: skip
     if variants:
         args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
-        if args["ALIBI"]:  # (the backward's own rule: hopper_fwd.ALIBI_SPLIT_DIMS_BWD)
-            args["ALIBI"] = alibi_flag(dpad, backward=True)
     grid = (cdiv(sk, BLOCK_N), b * k4.shape[1])
     # (the atomic dQ's rows in the workspace permuted within groups of 8: _dq_piece, _finish)
     args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
@@ -952,7 +951,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     else:
         delta(o4, do4, launched, res=stats)
     # The forward's band, scales and flags (plain attention: no flag; sinks: the LSE has them).
-    upper, qk_scale, causal, variants = variant_args(p)
+    upper, qk_scale, causal, variants = variant_args(p, backward=True)
     dk4, dv4 = view(dk), view(dv)
     packed = None
     if varlen:  # dK / dV's last block of a sequence by masked stores: their (total, h, d) form

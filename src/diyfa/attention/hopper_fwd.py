@@ -1205,11 +1205,12 @@ def alibi_flag(head_dim_padded: int, backward: bool = False) -> int:
     return 2 if ALIBI_SPLIT and head_dim_padded in dims else 1
 
 
-def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
+def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, dict]:
     """(upper causal offset, qk_scale, CAUSAL flag, variant kernel arguments) of a problem,
     with the portable kernels' conventions: the band i + sk - sq - left <= j <= i + sk - sq +
     right (causal: right 0); softcap folds softcap * log2(e) into qk_scale and scale / softcap
-    into tanh_scale; ALiBi's distance is bottom-right aligned whatever the band."""
+    into tanh_scale; ALiBi's distance is bottom-right aligned whatever the band (its flag's
+    value for the forward or, ``backward``, the Gluon backward: :func:`alibi_flag`)."""
     # A side wider than both sequences never binds: dropped, so the offsets stay int32 (a
     # window of 2**40 would turn the kernel's block counters into int64).
     bound = p.seqlen_q + p.seqlen_k
@@ -1226,7 +1227,8 @@ def variant_args(p: Problem) -> tuple[int, float, bool, dict]:
     if softcap:
         variants.update(SOFTCAP=True, tanh_scale=p.softmax_scale / p.softcap)
     if alibi:
-        variants.update(ALIBI=alibi_flag(head_dim_pad(p.head_dim)), SLOPES=p.alibi_slopes,
+        variants.update(ALIBI=alibi_flag(head_dim_pad(p.head_dim), backward),
+                        SLOPES=p.alibi_slopes,
                         alibi_offset=p.causal_offset,
                         stride_slopes_b=p.alibi_slopes.stride(0) if p.alibi_slopes.dim() == 2
                         else 0)  # fmt: skip
