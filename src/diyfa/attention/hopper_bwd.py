@@ -350,9 +350,12 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
                                         kv_ready.index(0), k_bufs.index(c))  # fmt: skip
         tma.async_copy_global_to_shared(v_desc, [tb, off_hk, k_start + n0 + c * SUB_N, 0],
                                         kv_ready.index(0), v_bufs.index(c))  # fmt: skip
+    # Step it: query head off_h, query block m_lo + mi (advanced at the step's end: no
+    # division by num_m per step, as in the consumers).
+    off_h = off_hk * kv_group
+    mi = 0
     for it in range(kv_group * num_m):
-        off_h = off_hk * kv_group + it // num_m
-        row0 = (m_lo + it % num_m) * BLOCK_M
+        row0 = (m_lo + mi) * BLOCK_M
         s = it % STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first
         # lap's waits on "empty" pass at once.
@@ -377,6 +380,10 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
                                         q_bufs.index(s))  # fmt: skip
         tma.async_copy_global_to_shared(do_desc, [tb, off_h, q_start + row0, 0],
                                         ready.index(s), do_bufs.index(s))  # fmt: skip
+        mi += 1
+        if mi == num_m:
+            mi = 0
+            off_h += 1
 
 
 @gluon.jit
@@ -488,22 +495,29 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
     dk = gl.zeros([SUB_N, HEAD_DIM], gl.float32, layout=d_layout)
     dv = gl.zeros([SUB_N, HEAD_DIM], gl.float32, layout=d_layout)
     mbarrier.wait(kv_ready.index(0), 0)
+    # Step it: query head off_h, query block m_lo + mi, advanced at the step's end (a
+    # division by num_m per step sat on the softmax's path: ncu, 2026-11-24).
+    off_h = off_hk * kv_group
+    mi = 0
     for it in range(kv_group * num_m):
-        off_h = off_hk * kv_group + it // num_m
-        row0 = (m_lo + it % num_m) * BLOCK_M
+        row0 = (m_lo + mi) * BLOCK_M
         offs_m = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
-        m_ok = offs_m < seqlen_q
         slope2 = 0.0
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
 
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        # The block's row statistics came with Q and dO (the loader's cp.async). A row past
-        # seqlen_q (the next head's or sequence's, or zeros past the end), or one that saw
-        # no key in the forward (LSE -inf), gets LSE +inf: P = 0 for it.
+        # The block's row statistics came with Q and dO (the loader's cp.async). Rows past
+        # seqlen_q come zero-filled, as do their Q and dO (TMA): P^T = 1 there but dO = 0
+        # and delta = dP^T = 0, so they add nothing to dV, dK or dQ. A row that saw no key in
+        # the forward (LSE -inf) has every key masked in every step that holds it (the masks
+        # below). Packed sequences: the rows past the sequence are the next one's, and get
+        # LSE +inf (P = 0) and delta 0. (No per-row selects otherwise: ncu, 2026-11-24.)
         lse = lse_bufs.index(s).load(query_layout)
-        lse = gl.where(m_ok & (lse != float("-inf")), lse, float("inf"))
+        if VARLEN:
+            m_ok = offs_m < seqlen_q
+            lse = gl.where(m_ok & (lse != float("-inf")), lse, float("inf"))
         q_smem = _tile2d(q_bufs, s)
         do_smem = _tile2d(do_bufs, s)
         q_t = q_smem.permute((1, 0))
@@ -553,7 +567,9 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         # is computed from the fp32 P^T (as the portable kernel does).
         p16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
-        delta = gl.where(m_ok, delta_bufs.index(s).load(query_layout), 0.0)
+        delta = delta_bufs.index(s).load(query_layout)
+        if VARLEN:
+            delta = gl.where(m_ok, delta, 0.0)
         dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
         if SOFTCAP:
             ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
@@ -608,6 +624,10 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                 for h in gl.static_range(SPLIT):
                     _dq_piece(ds_all, k_bufs, dq_bufs, C * SPLIT + h, h, dq_desc, tb, off_h,
                               q_start + row0, h_layout, DQ_ROWS)  # fmt: skip
+        mi += 1
+        if mi == num_m:
+            mi = 0
+            off_h += 1
 
     # Epilogue: a packed sequence's last block by masked stores, every other one by TMA.
     # (The plain kernel passes a literal False: a run-time flag there, even one always
