@@ -417,6 +417,18 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 
 
 @gluon.jit
+def _row_sums(p):
+    """Each thread's partial sums of the rows of ``p`` (a wgmma accumulator): the columns a
+    thread holds are 8 j + 2 (lane % 4) + e, so summing over j and e adds only its own
+    registers; shape (rows, 4), one partial per lane of the quad that shares a row. The
+    running row sums stay split so (FlashAttention-4 does the same): the shuffles of a full
+    row reduction, per block, are left to the epilogue (ncu against FA4, 2026-11-24)."""
+    ROWS: gl.constexpr = p.shape[0]
+    COLS: gl.constexpr = p.shape[1]
+    return gl.sum(gl.sum(p.reshape([ROWS, COLS // 8, 4, 2]), 3), 1)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, left_offset,
                   qk_scale, tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -476,7 +488,9 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     else:
         p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    # (l_i: the per-lane partial sums of _row_sums)
+    alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
+    l_i = l_i * alpha_l[:, None] + _row_sums(p)
     return p, m_new, l_i, alpha
 
 
@@ -524,8 +538,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     Q_BUFS: gl.constexpr = q_bufs.type.shape[0] // CONSUMERS
-    pin = gl.allocate_shared_memory(gl.float32, [SUB_M],
-                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    pin = gl.allocate_shared_memory(gl.float32, [SUB_M, 4],
+                                    gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     it = 0
     lap = 0
@@ -562,12 +576,13 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if WINDOW:
             left_masked = gl.cdiv(gl.maximum(row0 + SUB_M - 1 + left_offset, 0), BLOCK_N)
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([SUB_M], gl.float32, layout=row_layout)
+        # the row sums as per-lane partials (_row_sums), added up in the epilogue
+        l_i = _row_sums(gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout))
         if SINKS:  # the head's sink logit joins every row's denominator (it has no value)
             sink2 = gl.load(SINK_LOGITS + off_h).to(gl.float32) * 1.4426950408889634
             m_i = gl.zeros([SUB_M], gl.float32, layout=row_layout) + sink2
             m_i -= P_SHIFT
-            l_i = gl.full([SUB_M], 2.0**P_SHIFT, gl.float32, layout=row_layout)
+            l_i += 2.0**P_SHIFT / 4  # (a quarter per partial: the sum is exact)
         slope2 = 0.0
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
@@ -643,6 +658,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         # Epilogue: O / l through this consumer's Q buffer (every S of the tile is done) by
         # TMA, which clips rows past seqlen_q and columns past the head dim; LSE (base 2) per
         # row. Then the loader may bring the next tile's Q into the buffer.
+        l_i = gl.convert_layout(gl.sum(l_i, 1), row_layout)
         empty = l_i == 0.0
         lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
