@@ -101,6 +101,7 @@ class Config(NamedTuple):
     pin: int = 0  # 1: hold the wait for P V after the softmax (see _consumer)
     q_bufs: int = 1  # Q buffers per consumer: with 2 the next tile's Q loads during this one
     dynamic: int = 0  # 1: causal calls persistent too, tiles handed out by an atomic counter
+    pingpong: int = 0  # 1: the consumers issue their products in turns (named barriers)
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -134,7 +135,14 @@ SHORT_KEYS_D64 = 2048  # "auto" leaves head dims <= 64 below this many keys to t
 # backward 265 / 347 against 182 / 318), b4 h8 fp16 (2^25) on the portable kernels (forward 216
 # against 157, backward 218 against 120-163).
 SHORT_WORK_D64 = 2**28
-HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1)}
+# The three consumers issue their products in turns (pingpong; FlashAttention-3's warp-scheduler
+# barrier, as FlashAttention-4 runs it: ncu against FA4, 2026-11-24): H200, bf16, one process,
+# 3 interleaved rounds (benchmarks/results/2026-11-24_h200_hopper-fwd-pingpong-ab_17bc6f9-wip
+# .jsonl), TFLOPS without / with: 4096 keys 471 / 489, 16k 490 / 516, causal 16k 474 / 486
+# (causal 4096, which runs two consumers, 403 / 397). Two consumers: level at d64 (-1.7..+1.9%),
+# mixed at d128 (+0.9..+1.4% non-causal, -1.2..-3.3% causal), slower at d256 causal (-3..-6%):
+# three consumers only.
+HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1, pingpong=1)}
 
 
 def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False) -> Config:
@@ -416,6 +424,31 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
             mbarrier.arrive(q_ready.index(qb + c))  # no bytes: "nothing left"
 
 
+# The kernel's ORDER flags (Config.pin, Config.pingpong): how the consumers' waits and
+# product issues are ordered (see _consumer and _pingpong).
+ORDER_PIN = gl.constexpr(1)
+ORDER_PINGPONG = gl.constexpr(2)
+PINGPONG_BARRIER = gl.constexpr(12)  # consumer C's named barrier: 12 + C (Triton's: low ids)
+
+
+@gluon.jit
+def _pingpong(C: gl.constexpr, CONSUMERS: gl.constexpr, ARRIVE: gl.constexpr):
+    """FlashAttention-3's warp-scheduler barrier: consumer C waits on its named barrier
+    before issuing a block's products (``bar.sync``) and, once they are issued, lets the
+    next consumer issue its own (``bar.arrive`` on that one's barrier; 256 threads: the two
+    warpgroups). So the consumers' products queue in turns while the other one runs its
+    softmax."""
+    ids = gl.full([1], PINGPONG_BARRIER, gl.int32,
+                  layout=gl.BlockedLayout([1], [32], [4], [0]))  # fmt: skip
+    if ARRIVE:
+        gl.inline_asm_elementwise("bar.arrive $1, 256;\n\tmov.u32 $0, $1;", "=r,r",
+                                  [ids + (C + 1) % CONSUMERS], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+    else:
+        gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.u32 $0, $1;", "=r,r", [ids + C],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
 @gluon.jit
 def _row_sums(p):
     """Each thread's partial sums of the rows of ``p`` (a wgmma accumulator): the columns a
@@ -502,7 +535,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
               stride_os, stride_oh, DESCALE, total_q, head_dim,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-              VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr,
+              VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
               C: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
@@ -547,6 +580,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     if VARLEN:  # the host's list of tiles per head (tile_table)
         num_m = num_items
         total = num_items * heads
+    if ORDER & ORDER_PINGPONG:
+        if C == CONSUMERS - 1:  # consumer 0 issues first
+            _pingpong(C, CONSUMERS, True)
     t = gl.program_id(0)
     if DYNAMIC:  # the loader's work items, in its order; ``total``: no more
         mbarrier.wait(q_ready.index(C), 0)
@@ -600,9 +636,13 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             s_idx = it % STAGES
             mbarrier.wait(k_ready.index(s_idx), (it // STAGES) & 1)
             k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
+            if ORDER & ORDER_PINGPONG:
+                _pingpong(C, CONSUMERS, False)
             s_tok, s_tok2 = _issue_s(q_smem, k_t,
                                      gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
                                      HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
+            if ORDER & ORDER_PINGPONG:
+                _pingpong(C, CONSUMERS, True)
             s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
             mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
             p, m_i, l_i, alpha = _softmax_step(
@@ -621,10 +661,14 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
                 v_smem = _v_operand(v_bufs, prev, FP8)
                 # (Block j - 1 < n - 1 lies before the sequence's last key: no foreign rows.)
+                if ORDER & ORDER_PINGPONG:
+                    _pingpong(C, CONSUMERS, False)
                 s_tok, s_tok2 = _issue_s(q_smem, k_t,
                                          gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
                                          HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
                 acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
+                if ORDER & ORDER_PINGPONG:
+                    _pingpong(C, CONSUMERS, True)
                 s = _wait_s(s_tok, s_tok2, q_smem, k_t, 1, QK_HALVES)
                 mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
@@ -634,7 +678,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
                     P_SHIFT)
-                if PIN:
+                if ORDER & ORDER_PIN:
                     # ptxas schedules the wait for P_{j-1} V_{j-1} as early as it can, which
                     # is before this softmax (it only orders the wait among memory
                     # operations): a store of the row sums, which need every exponential,
@@ -649,7 +693,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             v_smem = _v_operand(v_bufs, g % STAGES, FP8)
             if VARLEN:
                 _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
+            if ORDER & ORDER_PINGPONG:
+                _pingpong(C, CONSUMERS, False)
             acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
+            if ORDER & ORDER_PINGPONG:
+                _pingpong(C, CONSUMERS, True)
             acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
             mbarrier.arrive(kv_empty.index(STAGES + g % STAGES))
             it += n - lo
@@ -724,13 +772,13 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
               stride_os, stride_oh, DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
               0)  # fmt: skip
 
 
@@ -743,13 +791,13 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
               stride_os, stride_oh, DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
               1)  # fmt: skip
 
 
@@ -762,13 +810,13 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                head_dim,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, PIN: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
               stride_os, stride_oh, DESCALE, total_q, head_dim,
-              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN, DYNAMIC,
+              CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
               2)  # fmt: skip
 
 
@@ -782,7 +830,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      SINKS: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
-                     PIN: gl.constexpr,
+                     ORDER: gl.constexpr,
                      Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
@@ -824,7 +872,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
@@ -832,7 +880,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
@@ -840,7 +888,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
@@ -856,7 +904,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
@@ -864,7 +912,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
-                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, PIN,
+                          CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
@@ -945,7 +993,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 SINKS=False, CU_Q=lse2, CU_K=lse2, TILES=lse2, num_items=0, tile_group=1,
                 O=lse2,
                 stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=0,
-                total_q=0, head_dim=o4.shape[3], VARLEN=False, PIN=bool(cfg.pin),
+                total_q=0, head_dim=o4.shape[3], VARLEN=False,
+                ORDER=ORDER_PIN.value * bool(cfg.pin) + ORDER_PINGPONG.value * bool(cfg.pingpong),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False)  # fmt: skip
     if variants:
