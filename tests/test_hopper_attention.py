@@ -155,6 +155,44 @@ def test_softmax_runs_while_p_v_does():
     assert "H W1 W0 M" in order["0"], order["0"]
 
 
+_SASS_TURNS = r"""
+import json, os, re, subprocess, sys, tempfile, torch, triton
+from diyfa.attention import hopper_fwd as hf
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+out = {}
+for name, cfg in (("three", hf.HOPPER_CONFIGS_LONG[64]), ("two", hf.HOPPER_CONFIGS[64])):
+    k = hf.compile_for_hopper(64, torch.bfloat16, False, config=cfg)
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                          check=True).stdout
+    seq = []
+    for m in re.finditer(r"BAR\.SYNC\.DEFER_BLOCKING (0x[cde]), 0x100|BAR\.ARV (0x[cde]), "
+                         r"0x100|HGMMA", sass):
+        t = "S" + m.group(1) if m.group(1) else ("A" + m.group(2) if m.group(2) else "H")
+        if not seq or seq[-1] != t:
+            seq.append(t)
+    out[name] = " ".join(seq)
+print(json.dumps(out))
+"""
+
+
+def test_three_consumers_issue_their_products_in_turns():
+    """The d64 three-consumer config's ping-pong (Config.pingpong), in the machine code
+    (cuobjdump of the sm90a cubin, no GPU): every group of products (HGMMA) is preceded by
+    a bar.sync on the consumer's own named barrier (12 + C) and followed by a bar.arrive on
+    the next consumer's, cyclically; the two-consumer config has no such barriers."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _SASS_TURNS], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seq = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "S0x" not in seq["two"] and "A0x" not in seq["two"], seq["two"]
+    for c in range(3):
+        own, nxt = f"0x{12 + c:x}", f"0x{12 + (c + 1) % 3:x}"
+        assert f"S{own} H A{nxt}" in seq["three"], (c, seq["three"])
+
+
 def _problem(b=2, h=4, hk=2, sq=300, sk=257, d=128, dtype=torch.bfloat16, layout="bhsd",
              scale=None, causal=False, **replace):
     """A Problem as check_inputs builds it, as if on an H100 (capability 9.0) unless
