@@ -261,8 +261,7 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                    0 if dv == d else dv, dropout_p, dropout_seed, descales)  # fmt: skip
 
 
-def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device,
-                      fake: bool = False) -> int:
+def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
     """Check one cumulative-lengths tensor (all but its values: :class:`HostLengths` reads
     and checks those); returns the number of sequences."""
     if not isinstance(cu, torch.Tensor):
@@ -339,11 +338,16 @@ class HostLengths:
         return self._values
 
 
+def host_lengths(cu_host) -> tuple[tuple, tuple] | None:
+    """A ``Problem.cu_host`` value's cumulative lengths, checked (:class:`HostLengths`: waited
+    for and checked once; a tuple pair as given; None as given)."""
+    return cu_host.values() if isinstance(cu_host, HostLengths) else cu_host
+
+
 def packed_lengths(problem) -> tuple[tuple, tuple] | None:
-    """A packed problem's cumulative lengths on the host, checked (:class:`HostLengths`; a
-    tuple pair as given); None when unknown (tracing) or not packed."""
-    cu = problem.cu_host
-    return cu.values() if isinstance(cu, HostLengths) else cu
+    """A packed problem's cumulative lengths on the host, checked (:func:`host_lengths`);
+    None when unknown (tracing) or not packed."""
+    return host_lengths(problem.cu_host)
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -371,9 +375,9 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                        softcap=softcap, fake=fake, dropout_p=dropout_p,
                        dropout_seed=dropout_seed)  # fmt: skip
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                              "max_seqlen_q", q.device, fake)  # fmt: skip
+                              "max_seqlen_q", q.device)  # fmt: skip
     batch_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
-                                "max_seqlen_k", q.device, fake)  # fmt: skip
+                                "max_seqlen_k", q.device)  # fmt: skip
     if batch != batch_k:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {batch} and {batch_k}")  # fmt: skip

@@ -76,7 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch
-from diyfa.attention.checks import HostLengths, packed_lengths
+from diyfa.attention.checks import HostLengths, host_lengths, packed_lengths
 from diyfa.attention.dispatch import Family
 from diyfa.attention.portable import empty_lse, replay_key
 from diyfa.attention.problem import Problem
@@ -1028,11 +1028,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     if packed is not None:
         # The lengths' values, read and checked here, once everything else is set up (the
         # packed call's host work after this read runs while the GPU waits).
-        lengths = packed["cu_host"]
-        if isinstance(lengths, HostLengths):
-            lengths = lengths.values()
-        table, items = tile_table(*lengths, consumers * SUB_M, causal, lse2.device,
-                                  VARLEN_BY_SEQUENCE)  # fmt: skip
+        table, items = tile_table(*host_lengths(packed["cu_host"]), consumers * SUB_M, causal,
+                                  lse2.device, VARLEN_BY_SEQUENCE)  # fmt: skip
         group = VARLEN_TILE_GROUP_CAUSAL if causal else VARLEN_TILE_GROUP
         group = items if group is None else min(group, items)
         args.update(TILES=table, num_items=items, tile_group=max(group, 1))
