@@ -86,10 +86,11 @@ def test_hopper_kernel_compiles_and_fits(dtype):
             # loop (read in the SASS, 2026-11-23): a bound, not zero.
             assert spilled <= 32, (where, r["ptxas"])
         elif consumers == 3:
-            # Three consumers at 160 registers (d64, long keys): 4 bytes spilled, 136 with
-            # the causal mask's per-row limits; measured faster all the same (hopper_fwd's
-            # HOPPER_CONFIGS_LONG). A bound, so that more shows up here.
-            assert spilled <= (136 if r["causal"] else 4), (where, r["ptxas"])
+            # Three consumers at 160 registers (d64, long keys): 12 bytes spilled (in the
+            # epilogue and the masked blocks' branch), 84 with the causal mask's per-row
+            # limits; measured faster all the same (hopper_fwd's HOPPER_CONFIGS_LONG). A
+            # bound, so that more shows up here.
+            assert spilled <= (84 if r["causal"] else 12), (where, r["ptxas"])
         else:
             assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (where, r["ptxas"])
 

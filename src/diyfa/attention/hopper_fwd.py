@@ -8,8 +8,8 @@ Why a second forward kernel
 
     - one *loader* warp issues TMA loads: the program's Q tiles once, then K and V blocks
       through a ring of ``STAGES`` shared-memory buffers (``k_ready``/``v_ready`` complete
-      when a block's bytes have landed, ``kv_empty`` when every consumer is done with it: K
-      after its S = Q K^T, V after its O += P V, so the next K loads early);
+      when a block's bytes have landed, ``k_empty``/``v_empty`` when every consumer is done
+      with it: K after its S = Q K^T, V after its O += P V, so the next K loads early);
     - ``CONSUMERS`` (2 or 3) *consumer* warpgroups, each owning 64 query rows of the
       program's tile. A consumer runs S = Q K^T and O += P V with asynchronous
       ``warpgroup_mma`` (Q, K and V from shared memory, P from registers) and keeps the
@@ -344,10 +344,19 @@ def _get_tile(slot):
 
 
 @gluon.jit
+def _stage(g, STAGES: gl.constexpr):
+    """Ring step ``g`` (>= 0) -> (stage, phase): g % STAGES and (g // STAGES) & 1, worked
+    out unsigned (a mask and a shift for a power-of-two ring; signed, each took four or five
+    uniform instructions per step: SASS read, 2026-11-24)."""
+    u = g.to(gl.uint32)
+    return (u % STAGES).to(gl.int32), ((u // STAGES) & 1).to(gl.int32)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-            kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-            left_offset, CU_Q, CU_K, TILES, num_items, tile_group, COUNTER, CAUSAL: gl.constexpr,
-            CONSUMERS: gl.constexpr,
+            k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
+            causal_offset, left_offset, CU_Q, CU_K, TILES, num_items, tile_group, COUNTER,
+            CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
             WINDOW: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
             DYNAMIC: gl.constexpr):
     """The loader warp: for each tile of this program, each consumer's Q block (once the
@@ -394,14 +403,14 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
         n = _num_blocks(row0, BLOCK_M, seqlen_q_t, seqlen_k_t, causal_offset_t, BLOCK_N,
                         CAUSAL)  # fmt: skip
         for j in range(_first_block(row0, left_offset, BLOCK_N, WINDOW), n):
-            s = it % STAGES
-            phase = ((it // STAGES) & 1) ^ 1
+            s, phase = _stage(it, STAGES)
+            phase ^= 1
             # K and V stages are freed separately (K after S = QK^T, V after O += PV).
-            mbarrier.wait(kv_empty.index(s), phase)
+            mbarrier.wait(k_empty.index(s), phase)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
                                             k_ready.index(s), k_bufs.index(s))  # fmt: skip
-            mbarrier.wait(kv_empty.index(STAGES + s), phase)
+            mbarrier.wait(v_empty.index(s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             if FP8:  # V^T: (batch, kv heads, dim, seqlen) blocks of (dim, BLOCK_N)
                 tma.async_copy_global_to_shared(v_desc, [tb, off_hk, 0, k_start + j * BLOCK_N],
@@ -528,7 +537,8 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
 
 
 @gluon.jit
-def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+              k_empty, v_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
@@ -633,8 +643,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
         if n > lo:
             # Block lo: S, softmax.
-            s_idx = it % STAGES
-            mbarrier.wait(k_ready.index(s_idx), (it // STAGES) & 1)
+            s_idx, phase = _stage(it, STAGES)
+            mbarrier.wait(k_ready.index(s_idx), phase)
             k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
             if ORDER & ORDER_PINGPONG:
                 _pingpong(C, CONSUMERS, False)
@@ -644,23 +654,31 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             if ORDER & ORDER_PINGPONG:
                 _pingpong(C, CONSUMERS, True)
             s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
-            mbarrier.arrive(kv_empty.index(s_idx))  # K_lo is no longer read
+            mbarrier.arrive(k_empty.index(s_idx))  # K_lo is no longer read
             p, m_i, l_i, alpha = _softmax_step(
                 s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale_t, tanh_scale, slope2, alibi_offset,
                 (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
                 P_SHIFT)
-            p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
+            # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P
+            # carried into the next iteration comes out, at three consumers (160 registers),
+            # as 16-bit registers whose halves ptxas swaps before the product (32 PRMT per
+            # block); a 32-bit P carried makes two consumers spill (SASS read, 2026-11-24).
+            LATE_P: gl.constexpr = CONSUMERS == 3
+            if not LATE_P:
+                p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
             for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
                 g = it + j - lo
-                s_idx = g % STAGES
-                prev = (g - 1) % STAGES
-                mbarrier.wait(k_ready.index(s_idx), (g // STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+                s_idx, phase = _stage(g, STAGES)
+                prev, prev_phase = _stage(g - 1, STAGES)
+                mbarrier.wait(k_ready.index(s_idx), phase)
+                mbarrier.wait(v_ready.index(prev), prev_phase)
                 k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
                 v_smem = _v_operand(v_bufs, prev, FP8)
                 # (Block j - 1 < n - 1 lies before the sequence's last key: no foreign rows.)
+                if LATE_P:
+                    p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, False)
                 s_tok, s_tok2 = _issue_s(q_smem, k_t,
@@ -670,7 +688,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, True)
                 s = _wait_s(s_tok, s_tok2, q_smem, k_t, 1, QK_HALVES)
-                mbarrier.arrive(kv_empty.index(s_idx))  # K_j is no longer read
+                mbarrier.arrive(k_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
                 p, m_i, l_i, alpha = _softmax_step(
                     s, m_i, l_i, j * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t,
@@ -685,21 +703,25 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     # keeps it here (SASS read, 2026-11-23).
                     pin.store(l_i)
                 acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
-                mbarrier.arrive(kv_empty.index(STAGES + prev))  # nor V_{j-1}
-                p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
+                mbarrier.arrive(v_empty.index(prev))  # nor V_{j-1}
+                if not LATE_P:
+                    p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
                 acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             g = it + n - 1 - lo
-            mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
-            v_smem = _v_operand(v_bufs, g % STAGES, FP8)
+            last, phase = _stage(g, STAGES)
+            mbarrier.wait(v_ready.index(last), phase)
+            v_smem = _v_operand(v_bufs, last, FP8)
             if VARLEN:
                 _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
+            if LATE_P:
+                p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
             if ORDER & ORDER_PINGPONG:
                 _pingpong(C, CONSUMERS, False)
             acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
             if ORDER & ORDER_PINGPONG:
                 _pingpong(C, CONSUMERS, True)
             acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
-            mbarrier.arrive(kv_empty.index(STAGES + g % STAGES))
+            mbarrier.arrive(v_empty.index(last))
             it += n - lo
         lap += 1
 
@@ -764,7 +786,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
 
 
 @gluon.jit
-def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+               k_empty, v_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
@@ -773,7 +796,8 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
                VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
-    _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+    _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+              k_empty, v_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
@@ -783,7 +807,8 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 
 
 @gluon.jit
-def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+               k_empty, v_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
@@ -792,7 +817,8 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
                VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
-    _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+    _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+              k_empty, v_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
@@ -802,7 +828,8 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
 
 
 @gluon.jit
-def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+               k_empty, v_empty,
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
@@ -811,7 +838,8 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
                VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
-    _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+    _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+              k_empty, v_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
@@ -852,46 +880,49 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
     # tile_ids[i]: the work item of Q buffer set i (_put_tile / _get_tile)
     tile_ids = gl.allocate_shared_memory(gl.int32, [Q_BUFS, 1],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # kv_empty[s]: K stage s is free; kv_empty[STAGES + s]: V stage s is free.
-    kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    # k_empty[s] / v_empty[s]: K / V stage s is free. (Triton lowers each arrival to a
+    # warpgroup barrier and one thread's arrive, "block-level semantics": two per block per
+    # consumer, read in the SASS, 2026-11-24.)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_BUFS * CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # one arrival per consumer
-        mbarrier.init(kv_empty.index(STAGES + i), count=CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     # (Argument tuples are written out in place: bound to a name first, their constexpr
     # members would reach the partitions as run-time values.)
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q,
+                          seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q,
+                          seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q,
+                          seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                       k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
+                       k_ready, v_ready, k_empty, v_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
                        num_items, tile_group, COUNTER,
                        CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC)),
@@ -899,23 +930,23 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
     else:
         gl.warp_specialize([
             (_consumer0, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q,
+                          seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                          kv_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
-                          causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
+                          k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q,
+                          seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                       k_ready, v_ready, kv_empty, tile_ids, batch_heads, heads, kv_group,
+                       k_ready, v_ready, k_empty, v_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
                        num_items, tile_group, COUNTER,
                        CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC)),
