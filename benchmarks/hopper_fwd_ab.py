@@ -11,7 +11,7 @@ Rows go to ``--out`` (JSON lines), a table to stdout.
 
 Usage (device): python3 benchmarks/hopper_fwd_ab.py --out $OUT/ab.jsonl
   [--configs "64:2,128,4,1,240,24;64:3,128,4,1,160,24"] [--dims 64,128,256] [--causal 0,1]
-  [--rounds 5]
+  [--seqlens 2048,8192] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def main() -> int:
                     help='"d:c,n,s,p,cr,lr;..." (default: HOPPER_CONFIGS)')  # fmt: skip
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--seqlens", default="", help="e.g. 2048,8192 (default: SHAPES)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
@@ -164,7 +165,10 @@ def main() -> int:
                 ok[cfg] = False
                 failed.append((d, cfg))
                 print(f"check d{d} {cfg}: {type(e).__name__}: {e}", flush=True)
-        for b, h, s in SHAPES[d]:
+        shapes = SHAPES[d]
+        if a.seqlens:  # FlashAttention's sweep at these lengths: 16k tokens, 2048 // d heads
+            shapes = [(16384 // int(n), 2048 // d, int(n)) for n in a.seqlens.split(",")]
+        for b, h, s in shapes:
             for causal in (bool(int(c)) for c in a.causal.split(",")):
                 good = [c for c in configs.get(d, []) if ok[c]]
                 row = time_shape(d, b, h, s, causal, dtype, good, fa4, a.warmup, a.rep, a.rounds)

@@ -98,7 +98,8 @@ class Config(NamedTuple):
     per_sm: int  # programs per SM when persistent; 0: one program per tile
     consumer_regs: int  # setmaxnreg of the consumers
     loader_regs: int  # ... and of the loader warp
-    pin: int = 0  # 1: hold the wait for P V after the softmax (see _consumer)
+    pin: int = 0  # hold the wait for P V after the softmax (_consumer): 1 by a shared-memory
+    # store, 2 by a global store that never runs (_pin)
     q_bufs: int = 1  # Q buffers per consumer: with 2 the next tile's Q loads during this one
     dynamic: int = 0  # 1: causal calls persistent too, tiles handed out by an atomic counter
     pingpong: int = 0  # 1: the consumers issue their products in turns (named barriers)
@@ -108,7 +109,7 @@ class Config(NamedTuple):
 HOPPER_CONFIGS = {
     64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2, dynamic=1),
     128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2, dynamic=1),
-    256: Config(2, 64, 2, 1, 240, 24, 0, q_bufs=1, dynamic=1),  # (two Q buffers would not fit)
+    256: Config(2, 64, 2, 1, 240, 24, 2, q_bufs=1, dynamic=1),  # (two Q buffers would not fit)
 }
 # From LONG_KEYS keys on, head dim 64 runs three consumers (192 query rows per tile): H200,
 # bf16, 2026-11-23 (benchmarks/results/*_hopper-fwd-pin-ab_1fc2b6f.jsonl): 490.6 against
@@ -120,7 +121,14 @@ HOPPER_CONFIGS = {
 # PIN keeps the wait for P V after the softmax (see _consumer): +2% at d128 (5 of 6
 # shapes), -2..-3% at d64 and mixed at d256 in the same run, so d128 only (the store also
 # brings a warpgroup barrier per block, which Triton adds before it: part of the effect and
-# of the cost).
+# of the cost). Pinned by a global store that never runs (pin 2, no barrier; H200, bf16,
+# one process, 3 rounds, 2026-11-24, benchmarks/results/*_hopper-fwd-pin2-ab_519a67b-wip
+# .jsonl): d256 16k 646.7 -> 681.2 TFLOPS, causal 651.7 -> 672.0, 4096 647.4 -> 653.1,
+# causal level (571.6 / 570.7); d64 -1..-13% (two or three consumers); d128 -1..-2.5%
+# against the shared-memory store (*_fwd-joint-pin2-ab_519a67b-wip.txt). A second run at
+# d256 (*_hopper-fwd-pin256-ab_519a67b-wip.jsonl), pin 0 / 1 / 2: 4096 641 / 662 / 657,
+# causal 569 / 579 / 582, 16k 657 / 675 / 675, causal 653 / 672 / 680. So d256 pins, by
+# the global store (within 1% of the shared one there; the side-by-side ran it).
 # Causal calls (handed out by the dynamic scheduler) measured otherwise: two consumers won
 # at 4096 keys (421.6 against 397.1 TFLOPS), three at 16k (470.4 against 452.6; H200, bf16,
 # benchmarks/results/2026-11-24_h200_hopper-fwd-dynamic-ab_78d922a-wip.jsonl), so causal
@@ -437,6 +445,7 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 # product issues are ordered (see _consumer and _pingpong).
 ORDER_PIN = gl.constexpr(1)
 ORDER_PINGPONG = gl.constexpr(2)
+ORDER_PIN_GLOBAL = gl.constexpr(4)
 PINGPONG_BARRIER = gl.constexpr(12)  # consumer C's named barrier: 12 + C (Triton's: low ids)
 
 
@@ -456,6 +465,15 @@ def _pingpong(C: gl.constexpr, CONSUMERS: gl.constexpr, ARRIVE: gl.constexpr):
     else:
         gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.u32 $0, $1;", "=r,r", [ids + C],
                                   dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _pin(x, PTR, seqlen_k):
+    """A store of ``x`` (the row sums) that never runs (``seqlen_k`` >= 0), for ptxas to
+    order the wait for P V after it (Config.pin 2, see ORDER_PIN in _consumer): to global
+    memory, so Triton adds no warpgroup barrier for it, and every element to ``PTR`` (no
+    address registers)."""
+    gl.store(PTR + gl.full_like(x, 0, dtype=gl.int32), x, mask=seqlen_k < 0)
 
 
 @gluon.jit
@@ -702,6 +720,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     # operations): a store of the row sums, which need every exponential,
                     # keeps it here (SASS read, 2026-11-23).
                     pin.store(l_i)
+                if ORDER & ORDER_PIN_GLOBAL:
+                    _pin(l_i, LSE, seqlen_k_t)
                 acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(v_empty.index(prev))  # nor V_{j-1}
                 if not LATE_P:
@@ -1025,7 +1045,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 O=lse2,
                 stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=0,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False,
-                ORDER=ORDER_PIN.value * bool(cfg.pin) + ORDER_PINGPONG.value * bool(cfg.pingpong),
+                ORDER=(ORDER_PIN.value * (cfg.pin == 1) + ORDER_PIN_GLOBAL.value * (cfg.pin == 2)
+                       + ORDER_PINGPONG.value * bool(cfg.pingpong)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False)  # fmt: skip
     if variants:
@@ -1214,7 +1235,8 @@ def fp8_config(head_dim_padded: int) -> Config:
     """The fp8 forward's launch config at a padded head dim (per its sums mode)."""
     if fp8_mode(head_dim_padded) == 4:
         return FP8_CONFIGS_UNPROMOTED[head_dim_padded]
-    return HOPPER_CONFIGS[head_dim_padded]
+    cfg = HOPPER_CONFIGS[head_dim_padded]
+    return cfg._replace(pin=0) if cfg.pin == 2 else cfg  # (pin 2: measured at 16 bits only)
 
 
 @triton.jit
