@@ -316,10 +316,11 @@ def test_descriptors_address_the_bhsd_view():
     assert grid == ((min(tiles, 132 * per_sm) if per_sm else tiles),)
     assert args2["Q_BUFS"] == cfg.q_bufs == 2  # persistent: the next tile's Q loads early
     assert not args2["DYNAMIC"]  # equal tiles: a static round robin
-    # three consumers at d64 from 4096 keys, causal from 16k
-    assert hf.default_config(64, 4096).consumers == 3
+    # three consumers at d64 from 2048 keys, causal from 8192
+    assert hf.default_config(64, 1024).consumers == 2
+    assert hf.default_config(64, 2048).consumers == 3
     assert hf.default_config(64, 4096, causal=True).consumers == 2
-    assert hf.default_config(64, 16384, causal=True).consumers == 3
+    assert hf.default_config(64, 8192, causal=True).consumers == 3
     grid, _, _ = hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, False, 4,
                                 (consumers, block_n, stages, 1, 240, 24))  # fmt: skip
     assert grid == (4,)  # persistent: one program per SM

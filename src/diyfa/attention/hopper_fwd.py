@@ -133,8 +133,12 @@ HOPPER_CONFIGS = {
 # at 4096 keys (421.6 against 397.1 TFLOPS), three at 16k (470.4 against 452.6; H200, bf16,
 # benchmarks/results/2026-11-24_h200_hopper-fwd-dynamic-ab_78d922a-wip.jsonl), so causal
 # calls take three consumers from 16k keys (8k is not measured).
-LONG_KEYS = 4096
-LONG_KEYS_CAUSAL = 16384
+# Both thresholds measured again at 2048 and 8192 keys (H200, bf16, one process, 3 rounds,
+# FlashAttention's sweep shapes, 2026-11-24, *_hopper-fwd-d64-keys-ab_393bf20.jsonl), two /
+# three consumers: 2048 keys 442.3 / 463.8 (causal 385.5 / 357.2), 8192 keys 453.2 / 504.1,
+# causal 437.2 / 471.8. So three from 2048 keys, causal from 8192.
+LONG_KEYS = 2048
+LONG_KEYS_CAUSAL = 8192
 SHORT_KEYS_D64 = 2048  # "auto" leaves head dims <= 64 below this many keys to the portable kernel
 # ... unless the call has at least this many (batch x heads x seqlen_q x seqlen_k) scores:
 # H200, 2026-11-24, commit 3f3876a (..._flash_fasweep-fa4_3f3876a.jsonl and
@@ -1590,7 +1594,7 @@ def auto_forward(q, k, v, problem: Problem):
     """"auto"'s forward for this family: this kernel. (Packed sequences at head dims <= 64 ran
     the portable forward until 2026-11-24, measured faster then; since the packed kernel
     takes its config by the longest sequence (three consumers from 4096 keys without the
-    causal band) and its work lists by sequence, it leads there too: H200, 29 sequences of
+    causal band then, 2048 now) and its work lists by sequence, it leads there too: H200, 29 sequences of
     128..7626 tokens, bf16, kernel TFLOPS Hopper / portable 484.5 / 441.2, causal 428.5 /
     401.4, benchmarks/results/2026-11-24_h200_varlen-late-lengths_*.txt.)"""
     return hopper_forward(q, k, v, problem)
