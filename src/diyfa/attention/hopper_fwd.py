@@ -1594,9 +1594,9 @@ def auto_forward(q, k, v, problem: Problem):
     """"auto"'s forward for this family: this kernel. (Packed sequences at head dims <= 64 ran
     the portable forward until 2026-11-24, measured faster then; since the packed kernel
     takes its config by the longest sequence (three consumers from 4096 keys without the
-    causal band then, 2048 now) and its work lists by sequence, it leads there too: H200, 29 sequences of
-    128..7626 tokens, bf16, kernel TFLOPS Hopper / portable 484.5 / 441.2, causal 428.5 /
-    401.4, benchmarks/results/2026-11-24_h200_varlen-late-lengths_*.txt.)"""
+    causal band then, 2048 now) and its work lists by sequence, it leads there too: H200,
+    29 sequences of 128..7626 tokens, bf16, kernel TFLOPS Hopper / portable 484.5 / 441.2,
+    causal 428.5 / 401.4, benchmarks/results/2026-11-24_h200_varlen-late-lengths_*.txt.)"""
     return hopper_forward(q, k, v, problem)
 
 
