@@ -767,3 +767,32 @@ def test_varlen_equal_suite_matches_the_varlen_mix():
                                                          m.causal)  # fmt: skip
         fe, fm = e.flops("fwd")["exact"], m.flops("fwd")["exact"]
         assert abs(fe - fm) <= 0.01 * fm, (e.label(), fe, fm)
+
+
+def test_sass_loops_lists_each_backward_branch_loop_with_its_opcodes():
+    """benchmarks/sass_loops.py's reading of cuobjdump's SASS: a loop is a branch back to an
+    earlier address (forward branches are not), its body every instruction from the target to
+    the branch, opcodes counted without predicates and modifiers, uniform ones apart."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "sass_loops.py"
+    spec = importlib.util.spec_from_file_location("sass_loops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sass = "\n".join(f"        /*{a:04x}*/  {ins} ;  /* 0x0 */" for a, ins in [
+        (0x00, "           MOV R1, c[0x0][0x28]"),
+        (0x10, "           HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT"),
+        (0x20, "           PRMT R2, R2, 0x5432, R2"),
+        (0x30, "      @!P4 BRA 0x10"),
+        (0x40, "           UIADD3 UR4, UR4, 0x1, URZ"),
+        (0x50, "           BAR.SYNC.DEFER_BLOCKING 0x2, 0x80"),
+        (0x60, "       @P0 BRA 0x0"),
+        (0x70, "           BRA 0x80"),
+    ])  # fmt: skip
+    found = mod.loops(sass, 1, 100)
+    assert [(r["start"], r["end"], r["n"]) for r in found] == [(0x0, 0x60, 7), (0x10, 0x30, 3)]
+    outer, inner = found
+    assert (inner["HGMMA"], inner["PRMT"], inner["BAR"], inner["uniform"]) == (1, 1, 0, 0)
+    assert (outer["HGMMA"], outer["BAR"], outer["uniform"]) == (1, 1, 1)
+    assert mod.loops(sass, 4, 100) == [outer]  # the inner one is shorter than 4
