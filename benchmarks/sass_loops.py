@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
-import triton
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
+from diyfa._compile import sass  # noqa: E402
 from diyfa.attention import hopper_bwd, hopper_fwd  # noqa: E402
 
 OPCODES = ("HGMMA", "MUFU", "F2FP", "PRMT", "SHFL", "BAR", "SYNCS", "IMAD", "R2UR", "STL", "LDL")
@@ -36,20 +33,14 @@ _LINE = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)")
 
 
 def sass_of(kind: str, head_dim: int, causal: bool, config: tuple | None) -> str:
-    """The kernel's SASS (cuobjdump -sass of the cubin ptxas made)."""
+    """The kernel's SASS (:func:`diyfa._compile.sass`)."""
     if kind == "fwd":
         cfg = hopper_fwd.Config(*config) if config else None
         kernel = hopper_fwd.compile_for_hopper(head_dim, torch.bfloat16, causal, config=cfg)
     else:
         kernel = hopper_bwd.compile_bwd_for_hopper(head_dim, torch.bfloat16, causal, True,
                                                    config=config)  # fmt: skip
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")  # fmt: skip
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    done = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True)
-    os.unlink(f.name)
-    return done.stdout
+    return sass(kernel)
 
 
 def loops(sass: str, shortest: int, longest: int) -> list[dict]:

@@ -120,17 +120,13 @@ def test_hopper_fp8_kernel_compiles_and_fits():
 
 
 _SASS_ORDER = r"""
-import json, os, re, subprocess, sys, tempfile, torch, triton
+import json, re, torch
+from diyfa._compile import sass as sass_of
 from diyfa.attention import hopper_fwd as hf
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = {}
 for pin in (0, 1):
-    k = hf.compile_for_hopper(128, torch.bfloat16, False,
-                              config=hf.HOPPER_CONFIGS[128]._replace(pin=pin))
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                          check=True).stdout
+    sass = sass_of(hf.compile_for_hopper(128, torch.bfloat16, False,
+                                         config=hf.HOPPER_CONFIGS[128]._replace(pin=pin)))
     seq = []
     for m in re.finditer(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([01])|MUFU\.EX2|HGMMA", sass):
         t = "W" + m.group(1) if m.group(1) else m.group(0)[0]
@@ -157,16 +153,12 @@ def test_softmax_runs_while_p_v_does():
 
 
 _SASS_TURNS = r"""
-import json, os, re, subprocess, sys, tempfile, torch, triton
+import json, re, torch
+from diyfa._compile import sass as sass_of
 from diyfa.attention import hopper_fwd as hf
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = {}
 for name, cfg in (("three", hf.HOPPER_CONFIGS_LONG[64]), ("two", hf.HOPPER_CONFIGS[64])):
-    k = hf.compile_for_hopper(64, torch.bfloat16, False, config=cfg)
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                          check=True).stdout
+    sass = sass_of(hf.compile_for_hopper(64, torch.bfloat16, False, config=cfg))
     seq = []
     for m in re.finditer(r"BAR\.SYNC\.DEFER_BLOCKING (0x[cde]), 0x100|BAR\.ARV (0x[cde]), "
                          r"0x100|HGMMA", sass):

@@ -40,3 +40,23 @@ def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = No
     if num_stages is not None:
         options["num_stages"] = num_stages
     return triton.compile(source(fn, signature, constants, attrs), target=target, options=options)
+
+
+def sass(kernel) -> str:
+    """The SASS of a ``CompiledKernel`` for sm90a (its cubin through the cuobjdump that
+    Triton bundles with ptxas), for reading the machine code without a GPU."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")  # fmt: skip
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    finally:
+        os.unlink(f.name)
