@@ -250,3 +250,77 @@ def test_replay_refuses_what_it_cannot_tell_apart(monkeypatch):
     assert ran == []
     assert replay.run(dict(x=other, y=x))
     assert ran[0][2][:2] == [other, x]
+
+
+def test_direct_replay_passes_the_c_launcher_what_tritons_wrapper_would(monkeypatch):
+    """A replay calls the compiled kernel's C launcher itself (``_launcher._Direct``): the
+    arguments must be those Triton's own Python launcher (Triton 3.6's descriptor-expanding
+    wrapper, used here as it is) passes, tensors by address; a descriptor's map is encoded
+    once per address; scratch memory or an unknown launcher shape leave the replay on
+    ``run_compiled``."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver as nv
+
+    from diyfa import _launcher
+    from diyfa._launcher import Replay
+
+    encoded = []
+
+    def encode(desc, meta):  # stands in for cuTensorMapEncodeTiled (needs the driver)
+        encoded.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), tuple(desc.block_shape)), *desc.shape,
+                *desc.strides]  # fmt: skip
+
+    monkeypatch.setattr(nv, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    ran = _recorded(monkeypatch)
+    got = []
+    _COPY = _copy_jit()
+    # _copy(X, Y, n, stride, BLOCK): X a descriptor, Y a pointer
+    inner = nv.wrap_handle_tensordesc(lambda *a: got.append(a),
+                                      {0: "tensordesc<fp16[32, 32]>", 1: "*fp16", 2: "i32",
+                                       3: "i32", 4: "constexpr"},
+                                      [dict(fp4_padded=False)])  # fmt: skip
+    kernel = SimpleNamespace(run=SimpleNamespace(launch=inner, global_scratch_size=0,
+                                                 profile_scratch_size=0,
+                                                 launch_cooperative_grid=False,
+                                                 launch_pdl=True),
+                             function=1234, packed_metadata=(4, 1, 0))  # fmt: skip
+    lay = gl.NVMMASharedLayout.get_default_for([32, 32], gl.float16)
+
+    def call():
+        x = torch.zeros(64, 64, dtype=torch.float16)
+        return x, torch.zeros(64, dtype=torch.float16)
+
+    x, y = call()
+    desc = GluonDescriptor.from_tensor(x, [32, 32], lay)
+    replay = Replay.record([(_COPY, kernel, (3, 2), dict(X=desc, Y=y, n=7, stride=3,
+                                                          BLOCK=32))],
+                           dict(x=x, y=y))  # fmt: skip
+    assert replay is not None and type(replay.launches[0][5]) is _launcher._Direct
+    calls = [call() for _ in range(3)]
+    for x2, y2 in calls + calls[:1]:
+        assert replay.run(dict(x=x2, y=y2))
+        # what Triton's launcher passes for the same call, tensors as their addresses
+        want = []
+        new = GluonDescriptor.from_tensor(x2, [32, 32], lay)
+        inner(3, 2, 1, 77, 1234, False, True, None, None, (4, 1, 0), None, None, None, new, y2,
+              7, 3, 32)  # fmt: skip
+        want = got.pop()
+        have = got.pop()
+        assert have == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in want)
+    assert ran == []  # nothing went through run_compiled
+    # one encoding per address: the recording's three calls, the fourth a kept map (the
+    # reference calls through `inner` encode every time)
+    assert encoded.count(calls[0][0].data_ptr()) == 2 + 1
+
+    # scratch memory, or a launcher of another shape: run_compiled as before
+    for run in (SimpleNamespace(**{**vars(kernel.run), "global_scratch_size": 64}),
+                SimpleNamespace(**{**vars(kernel.run), "launch": lambda *a: None})):
+        other = SimpleNamespace(run=run, function=1, packed_metadata=(4, 1, 0))
+        replay = Replay.record([(_COPY, other, (1,), dict(X=desc, Y=y, n=7, stride=3,
+                                                           BLOCK=32))],
+                               dict(x=x, y=y))  # fmt: skip
+        assert replay.launches[0][5] is None
+        assert replay.run(dict(x=x, y=y)) and ran[-1][0] is other

@@ -140,3 +140,37 @@ def test_gpu_packed_forward_replays_per_lengths(causal, shared_cu, monkeypatch):
     _launcher.forget_replays()
     assert torch.equal(other, call(b))
     assert torch.equal(first, call(a))
+
+
+@pytest.mark.gpu
+def test_gpu_plain_calls_reuse_their_checks(monkeypatch):
+    """A plain call on the GPU whose signature passed the checks before skips them
+    (checks.checked_before): the same Problem, no check_inputs; any difference the checks
+    look at (an option's type, an alignment, a dtype, the deterministic flag) or a variant
+    option takes the full checks, so bad input still gets its error."""
+    import diyfa.attention as attention
+    from diyfa.attention import checks
+
+    monkeypatch.setattr(checks, "_CHECKED", {})  # nothing checked before this test
+    calls = []
+    check = attention.check_inputs
+    monkeypatch.setattr(attention, "check_inputs",
+                        lambda *a, **kw: calls.append(1) or check(*a, **kw))  # fmt: skip
+    q, k, v, _ = (t.detach() for t in _inputs(0, "bhsd"))
+    want = diyfa.flash_attention(q, k, v, causal=True)
+    assert len(calls) == 1
+    for _ in range(2):
+        assert torch.equal(diyfa.flash_attention(q.clone(), k, v, causal=True), want)
+    assert len(calls) == 1  # checked once
+    with pytest.raises(TypeError, match="causal"):
+        diyfa.flash_attention(q, k, v, causal=1)  # equal to True, but not a bool
+    store = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    odd = store[1:].view(q.shape).copy_(q)  # 2 bytes past a 16-byte boundary
+    torch.testing.assert_close(diyfa.flash_attention(odd, k, v, causal=True), want)
+    with pytest.raises(TypeError, match="share a dtype"):
+        diyfa.flash_attention(q.half(), k, v, causal=True)
+    diyfa.flash_attention(q, k, v, causal=True, softcap=30.0)  # a variant: checked each time
+    diyfa.flash_attention(q, k, v, causal=True, softcap=30.0)
+    assert len(calls) == 1 + 5
+    with pytest.raises(ValueError, match="layout"):
+        diyfa.flash_attention(q, k, v, causal=True, layout=["bhsd"])  # unhashable: checked

@@ -23,6 +23,7 @@ compiled (diyfa's kernels read none).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -281,7 +282,9 @@ class Replay:
                     desc.base = None  # no reference to this call's tensors is kept
                 slots.append((i, role, desc, base.data_ptr() % 16 == 0))
                 template[i] = None
-            recorded.append((kernel, grid, launcher, template, tuple(slots)))
+            slots = tuple(slots)
+            recorded.append((kernel, grid, launcher, template, slots,
+                             _Direct.of(kernel, template, slots)))  # fmt: skip
         return cls(recorded, torch.cuda.current_device(), compile_knobs())
 
     def run(self, roles: dict) -> bool:
@@ -290,9 +293,15 @@ class Replay:
                 or compile_knobs() != self.knobs):  # fmt: skip
             return False
         runs = []
-        for kernel, grid, launcher, template, slots in self.launches:
+        for kernel, grid, launcher, template, slots, direct in self.launches:
             if not launcher.lean_ok():
                 return False
+            if direct is not None:
+                args = direct.args(roles)
+                if args is None:
+                    return False
+                runs.append((direct, grid, args))
+                continue
             values = template.copy()
             for i, role, desc, aligned in slots:
                 t = roles[role]
@@ -306,8 +315,120 @@ class Replay:
                 values[i] = t
             runs.append((kernel, grid, values))
         for kernel, grid, values in runs:
-            run_compiled(kernel, grid, self.device, values)
+            if type(kernel) is _Direct:
+                kernel.run(grid, self.device, values)
+            else:
+                run_compiled(kernel, grid, self.device, values)
         return True
+
+
+class _Direct:
+    """One recorded launch, made by calling the compiled kernel's C launcher itself.
+
+    Triton's Python launcher (``CudaLauncher``, Triton 3.6) sits between ``kernel.run`` and
+    its C ``launch``: per call it works out scratch buffers, walks every argument to expand
+    host TMA descriptors, and encodes each descriptor's ``CUtensorMap`` again in the driver;
+    the C code then asks the driver about every tensor's pointer (``cuPointerGetAttribute``)
+    after calling its ``data_ptr`` method. For a replay whose geometry is fixed, the
+    arguments are flattened once at recording (each descriptor into Triton's own expansion,
+    ``make_tensordesc_arg``: the map, then its shape and strides) and each call fills in its
+    tensors' addresses as integers (taken as they are) and the maps of their descriptors,
+    encoded once per address and kept (a map holds the address, shape, strides, block and
+    swizzle: all but the address fixed by the signature). Where the launcher is not that
+    shape (another Triton, scratch memory, a kernel object of a test) there is none and the
+    launch goes through ``run_compiled``.
+    """
+
+    __slots__ = ("launch", "head", "flat", "fills", "maps")
+
+    MAPS_KEPT = 8  # encoded maps kept per descriptor slot (addresses an allocator reuses)
+
+    def __init__(self, launch, head, flat, fills):
+        self.launch = launch  # the C entry point
+        self.head = head  # (function, cooperative, pdl, None, None, packed metadata, None x 3)
+        self.flat = flat  # the flattened argument list, None where a call's tensor goes
+        self.fills = fills  # (position, role, descriptor template or None, meta, aligned)
+        self.maps = [{} for _ in fills]
+
+    @classmethod
+    def of(cls, kernel, template: list, slots: tuple) -> _Direct | None:
+        if not DIRECT:
+            return None
+        run = getattr(kernel, "run", None)  # (the property loads the kernel: it has run)
+        launch = getattr(run, "launch", None)
+        if launch is None or getattr(run, "global_scratch_size", 1) or getattr(
+                run, "profile_scratch_size", 1):  # fmt: skip
+            return None
+        metas = {}
+        code = getattr(launch, "__code__", None)
+        if code is not None:  # Triton's wrapper expanding descriptors: its C launch inside
+            names = code.co_freevars
+            if code.co_name != "inner" or not {"launcher", "tensordesc_indices",
+                                                "tensordesc_meta"} <= set(names):  # fmt: skip
+                return None
+            cells = dict(zip(names, (c.cell_contents for c in launch.__closure__), strict=True))
+            launch = cells["launcher"]
+            metas = dict(zip(sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"],
+                             strict=True))  # fmt: skip
+        by_index = {i: (role, desc, aligned) for i, role, desc, aligned in slots}
+        flat, fills = [], []
+        for i, value in enumerate(template):
+            slot = by_index.get(i)
+            if i in metas:
+                if slot is None or slot[1] is None or metas[i] is None:
+                    return None  # a constant descriptor, or one Triton does not encode
+                role, desc, aligned = slot
+                fills.append((len(flat), role, desc, metas[i], aligned))
+                # the expansion's length and its geometry (a map, then shape and strides)
+                shape = list(desc.shape)
+                if metas[i]["fp4_padded"]:
+                    shape[-1] *= 2
+                flat.extend([None, *shape, *desc.strides])
+            elif slot is not None:
+                if slot[1] is not None:
+                    return None
+                fills.append((len(flat), slot[0], None, None, slot[2]))
+                flat.append(None)
+            else:
+                flat.append(value)
+        head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                kernel.packed_metadata, None, None, None)  # fmt: skip
+        return cls(launch, head, flat, tuple(fills))
+
+    def args(self, roles: dict) -> list | None:
+        """This call's flattened arguments, or None (a tensor aligned unlike the recording's)."""
+        flat = self.flat.copy()
+        for (pos, role, desc, meta, aligned), maps in zip(self.fills, self.maps, strict=True):
+            t = roles[role]
+            ptr = t.data_ptr()
+            if (ptr % 16 == 0) != aligned:
+                return None
+            if desc is None:
+                flat[pos] = ptr
+                continue
+            tmap = maps.get(ptr)
+            if tmap is None:
+                from triton.backends.nvidia.driver import make_tensordesc_arg
+
+                if len(maps) >= self.MAPS_KEPT:
+                    maps.clear()
+                copy = object.__new__(type(desc))
+                copy.__dict__.update(desc.__dict__)
+                copy.base = t
+                tmap = maps[ptr] = make_tensordesc_arg(copy, meta)[0]
+            flat[pos] = tmap
+        return flat
+
+    def run(self, grid: tuple, device: int, args: list) -> None:
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        self.launch(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), *self.head,
+                    *args)  # fmt: skip
+
+
+# Replays call the C launchers directly (_Direct); DIYFA_DIRECT_LAUNCH=0 keeps Triton's
+# Python launcher in between (for comparisons), read at import.
+DIRECT = os.environ.get("DIYFA_DIRECT_LAUNCH", "1") != "0"
 
 
 _replay_caches: list = []  # every ReplayCache, for forget_replays

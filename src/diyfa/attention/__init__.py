@@ -33,6 +33,8 @@ from diyfa.attention.checks import (
     check_flag,
     check_inputs,
     check_varlen_inputs,
+    checked_before,
+    remember_checked,
 )
 from diyfa.attention.dispatch import select
 from diyfa.attention.function import run
@@ -146,14 +148,21 @@ def flash_attention(
                                                   float(softcap), alibi_slopes, sinks,
                                                   q_descale, k_descale, v_descale)  # fmt: skip
     else:
-        problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               layout=layout, align="bottom_right",
-                               deterministic=deterministic, window_size=window_size,
-                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                               dropout_p=dropout_p,
-                               dropout_seed=_dropout_seed(dropout_p, generator),
-                               q_descale=q_descale, k_descale=k_descale,
-                               v_descale=v_descale)  # fmt: skip
+        problem = key = None
+        if (window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None
+                and dropout_p == 0.0 and q_descale is None and k_descale is None
+                and v_descale is None):  # plain attention: maybe checked before  # fmt: skip
+            problem, key = checked_before(q, k, v, causal, softmax_scale, layout, deterministic)
+        if problem is None:
+            problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                   layout=layout, align="bottom_right",
+                                   deterministic=deterministic, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                   dropout_p=dropout_p,
+                                   dropout_seed=_dropout_seed(dropout_p, generator),
+                                   q_descale=q_descale, k_descale=k_descale,
+                                   v_descale=v_descale)  # fmt: skip
+            remember_checked(key, problem)
         out, lse2 = run(q, k, v, problem, select(problem, backend))
     return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
 

@@ -261,6 +261,46 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                    0 if dv == d else dv, dropout_p, dropout_seed, descales)  # fmt: skip
 
 
+# Plain attention calls on a GPU whose signature passed check_inputs before, with the Problem
+# it built: a training or inference loop repeats a few signatures, and the checks cost ~9 us
+# of host time per call on the H200's host (a small forward's kernel is ~10 us).
+_CHECKED: dict = {}
+_CHECKED_KEPT = 64
+
+
+def checked_before(q, k, v, causal, softmax_scale, layout, deterministic) -> tuple:
+    """(Problem, key) for a plain attention call (no variant, dropout or fp8 option) on CUDA
+    tensors: the Problem that :func:`check_inputs` built for an earlier call with the same
+    signature (None if none), and the key under which :func:`remember_checked` keeps this
+    call's. The signature is everything the checks and the Problem read: each tensor's type,
+    shape, strides, dtype and device, whether all three start on 16 bytes, each option's
+    type and value, and torch's deterministic-algorithms flag. Only calls that passed every
+    check are kept, so a bad call never finds one. Not for CPU tensors (their checks depend
+    on the interpreter's setting too) or tensor subclasses: (None, None)."""
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor  # noqa: E721
+            and type(v) is torch.Tensor and q.is_cuda):  # noqa: E721  # fmt: skip
+        return None, None
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+           v.dtype, q.device, k.device, v.device,
+           not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16), type(causal),
+           causal, type(softmax_scale), softmax_scale, type(layout), layout, type(deterministic),
+           deterministic, torch.are_deterministic_algorithms_enabled())  # fmt: skip
+    try:
+        return _CHECKED.get(key), key
+    except TypeError:  # an unhashable option: the checks will say what is wrong with it
+        return None, None
+
+
+def remember_checked(key, problem: Problem) -> None:
+    """Keep ``problem`` for later calls with ``key`` (from :func:`checked_before`; None:
+    nothing kept)."""
+    if key is None:
+        return
+    if len(_CHECKED) >= _CHECKED_KEPT:
+        _CHECKED.clear()
+    _CHECKED[key] = problem
+
+
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
     """Check one cumulative-lengths tensor (all but its values: :class:`HostLengths` reads
     and checks those); returns the number of sequences."""
