@@ -134,6 +134,10 @@ def test_delta_kernel(shape, layout):
     want = (o4.double() * do4.double()).sum(-1).cpu()
     assert got.shape == (b, h, s) and got.dtype == torch.float32
     assert (got.double() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+    # with the atomic dQ's workspace (rows padded past seqlen_q): zeroed by the same launch
+    acc = torch.full((b, h, -(-s // 64) * 64 + 64, 64), float("nan"), device=DEVICE)
+    again = hopper_bwd.delta(o4, do4, acc=acc).cpu()
+    assert torch.equal(again, got) and torch.equal(acc, torch.zeros_like(acc))
 
 
 @pytest.mark.parametrize("kwargs, reason", [
@@ -268,7 +272,7 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
     monkeypatch.setattr(portable, "_dq_launch", fake_dq)
     if not deterministic:
-        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res: res.zero_())
+        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
     dq, dk, dv = hopper_bwd.hopper_backward(do, q, k, v, out, lse2, problem)
     block_m = hopper_bwd.BWD_CONFIGS[128][0]
     args = seen["args"]
@@ -332,7 +336,7 @@ def test_host_path_builds_the_packed_launch(deterministic, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
     monkeypatch.setattr(portable, "_dq_launch", fake_dq)
     monkeypatch.setattr(hopper_bwd, "delta",
-                        lambda o4, do4, launched, res: seen.update(delta=res) or res.zero_())
+                        lambda o4, do4, launched, res, acc: seen.update(delta=res) or res.zero_())
     lse2 = torch.randn(h, total)
     dq, dk, dv = hopper_bwd.hopper_backward(torch.randn_like(q), q, k, v, torch.randn_like(q),
                                             lse2, p)  # fmt: skip
@@ -372,7 +376,7 @@ def test_host_path_passes_the_variants(monkeypatch):
                                   alibi_slopes=slopes, sinks=torch.zeros(h))  # fmt: skip
     seen = {}
     monkeypatch.setattr(hopper_bwd, "launch", lambda fn, grid, args, *a: seen.update(args))
-    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res: res.zero_())
+    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
     hopper_bwd.hopper_backward(torch.randn_like(q), q, k, k.clone(), torch.randn_like(q),
                                torch.randn(b, h, sq), problem)  # fmt: skip
     assert seen["CAUSAL"] and seen["WINDOW"] and seen["SOFTCAP"] and seen["ALIBI"]
@@ -523,4 +527,6 @@ def test_finish_puts_the_permuted_rows_back(seqlen_q, layout):
                               layout=layout)  # fmt: skip
     hopper_bwd._finish(dq, ws, p, permuted=True)
     got = dq if layout == "bhsd" else dq.transpose(1, 2)
+    assert torch.equal(got, (true[:, :, :seqlen_q, :d] * 0.5).to(torch.bfloat16))
+    hopper_bwd._finish(dq, true, p, permuted=False)  # the plain order: rows as they are
     assert torch.equal(got, (true[:, :, :seqlen_q, :d] * 0.5).to(torch.bfloat16))

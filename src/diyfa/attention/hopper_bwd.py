@@ -258,11 +258,14 @@ ATOMIC_D64_KEYS = 4096
 # Device code
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_od,
-               stride_dob, stride_doh, stride_dos, stride_dod, heads, seqlen_q,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_delta(O, DO, DELTA, ACC, stride_ob, stride_oh, stride_os, stride_od,
+               stride_dob, stride_doh, stride_dos, stride_dod, heads, seqlen_q, acc_rows,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ACC_DIM: tl.constexpr,
+               BLOCK: tl.constexpr):
     """delta = rowsum(dO * O) in fp32 for BLOCK rows of one (batch, head); DELTA is (batch,
-    heads, seqlen_q) contiguous."""
+    heads, seqlen_q) contiguous. With ACC_DIM > 0 it also zeroes those rows of the atomic
+    dQ's fp32 workspace ACC, (batch, heads, acc_rows, ACC_DIM) contiguous, acc_rows >=
+    seqlen_q (the grid covers acc_rows): one launch fewer than a separate fill."""
     off_bh = tl.program_id(0)  # batch x heads on axis 0 (CUDA allows 2^31 - 1 there)
     off_b = (off_bh // heads).to(tl.int64)
     off_h = (off_bh % heads).to(tl.int64)
@@ -275,6 +278,36 @@ def _bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_od,
                  + offs_d[None, :] * stride_dod, mask=mask, other=0.0)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + off_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    if ACC_DIM > 0:
+        offs_a = tl.arange(0, ACC_DIM)
+        tl.store(ACC + off_bh.to(tl.int64) * acc_rows * ACC_DIM + offs_m[:, None] * ACC_DIM
+                 + offs_a[None, :], tl.zeros([BLOCK, ACC_DIM], dtype=tl.float32),
+                 mask=(offs_m < acc_rows)[:, None])  # fmt: skip
+
+
+@triton.jit
+def _dq_finish(ACC, DQ, stride_qb, stride_qh, stride_qs, stride_qd, heads, seqlen_q, acc_rows,
+               scale, HEAD_DIM: tl.constexpr, ACC_DIM: tl.constexpr, PERMUTED: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """dQ from the atomic mode's fp32 workspace ACC ((batch, heads, acc_rows, ACC_DIM)
+    contiguous): scaled, cast to DQ's dtype and stored through DQ's strides, BLOCK rows of
+    one (batch, head). PERMUTED: the workspace holds row 8a + 4b + c of each group of 8 at
+    8a + 2c + b (dq_rows_permuted), read back from there."""
+    off_bh = tl.program_id(0)
+    off_b = (off_bh // heads).to(tl.int64)
+    off_h = (off_bh % heads).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if PERMUTED:
+        src = offs_m // 8 * 8 + offs_m % 4 * 2 + offs_m % 8 // 4
+    else:
+        src = offs_m
+    offs_d = tl.arange(0, ACC_DIM)
+    mask = (offs_m < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    acc = tl.load(ACC + off_bh.to(tl.int64) * acc_rows * ACC_DIM + src[:, None] * ACC_DIM
+                  + offs_d[None, :], mask=mask, other=0.0)  # fmt: skip
+    tl.store(DQ + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs
+             + offs_d[None, :] * stride_qd, (acc * scale).to(DQ.dtype.element_ty),
+             mask=mask)  # fmt: skip
 
 
 @builtin
@@ -894,30 +927,38 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
 
 
+def _run(fn, grid: tuple, args: dict, on_gpu: bool, launched: list | None) -> None:
+    """Launch a small Triton kernel: the lean path on a GPU (its launch appended to
+    ``launched``, for a Replay), the interpreter on the CPU."""
+    if on_gpu:
+        kernel = launch(fn, grid, args, {}, 4, 1)
+        if launched is not None:
+            launched.append((fn, kernel, grid, args))
+    else:
+        fn[grid](**args)
+
+
 def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
-          res: torch.Tensor | None = None) -> torch.Tensor:
+          res: torch.Tensor | None = None, acc: torch.Tensor | None = None) -> torch.Tensor:
     """rowsum(dO * O) in fp32, (batch, heads, seqlen_q), for (batch, heads, seqlen, dim)
     views of any strides (one Triton kernel; runs in the interpreter too), into ``res``
-    (contiguous) when given. ``launched``: a list that gets the GPU launch's (fn, kernel,
-    grid, args), for a Replay."""
+    (contiguous) when given. ``acc``: the atomic dQ's fp32 workspace, (batch, heads, rows >=
+    seqlen_q, padded dim) contiguous, which the same kernel zeroes. ``launched``: a list that
+    gets the GPU launch's (fn, kernel, grid, args), for a Replay."""
     b, h, sq, d = out4.shape
     if res is None:
         res = torch.empty((b, h, sq), dtype=torch.float32, device=out4.device)
-    if res.numel() == 0:
+    acc_rows = sq if acc is None else acc.shape[2]
+    if b * h * acc_rows == 0:
         return res
     block = 64
     so, sdo = out4.stride(), do4.stride()
-    args = dict(O=out4, DO=do4, DELTA=res, stride_ob=so[0], stride_oh=so[1], stride_os=so[2],
-                stride_od=so[3], stride_dob=sdo[0], stride_doh=sdo[1], stride_dos=sdo[2],
-                stride_dod=sdo[3], heads=h, seqlen_q=sq, HEAD_DIM=d,
-                HEAD_DIM_PAD=max(16, next_power_of_2(d)), BLOCK=block)  # fmt: skip
-    grid = (b * h, cdiv(sq, block))
-    if out4.is_cuda:
-        kernel = launch(_bwd_delta, grid, args, {}, 4, 1)
-        if launched is not None:
-            launched.append((_bwd_delta, kernel, grid, args))
-    else:  # the interpreter
-        _bwd_delta[grid](**args)
+    args = dict(O=out4, DO=do4, DELTA=res, ACC=res if acc is None else acc, stride_ob=so[0],
+                stride_oh=so[1], stride_os=so[2], stride_od=so[3], stride_dob=sdo[0],
+                stride_doh=sdo[1], stride_dos=sdo[2], stride_dod=sdo[3], heads=h, seqlen_q=sq,
+                acc_rows=acc_rows, HEAD_DIM=d, HEAD_DIM_PAD=max(16, next_power_of_2(d)),
+                ACC_DIM=0 if acc is None else acc.shape[3], BLOCK=block)  # fmt: skip
+    _run(_bwd_delta, (b * h, cdiv(acc_rows, block)), args, out4.is_cuda, launched)
     return res
 
 
@@ -950,7 +991,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     if atomic_dq:  # the fp32 dQ workspace the kernel's TMA reduce-adds go to
         shape = ((1, p.heads, p.total_q, dpad) if varlen else
                  (p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad))  # fmt: skip
-        dq_acc = torch.zeros(shape, dtype=torch.float32, device=q.device)
+        dq_acc = torch.empty(shape, dtype=torch.float32, device=q.device)  # zeroed by delta
     else:  # (the kernel reads nothing through it)
         dq_acc = stats
     permuted = dq_rows_permuted(atomic_dq, varlen)
@@ -959,17 +1000,19 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     roles = None
     if key is not None:
         roles = dict(q=q, k=k, v=v, out=out, lse=lse2, do=do, delta=stats, dk=dk, dv=dv)
-        roles["dq_acc" if atomic_dq else "dq"] = dq_acc if atomic_dq else dq
+        roles["dq"] = dq
+        if atomic_dq:
+            roles["dq_acc"] = dq_acc
         replay = _REPLAYS.get(key)
         if replay is not None and replay.run(roles):
-            return _finish(dq, dq_acc, p, permuted) if atomic_dq else dq, dk, dv
+            return dq, dk, dv
     launched = []
     if not atomic_dq:
         # The portable dQ kernel (a fixed order per row; it also writes delta), then this
         # kernel for dK and dV only.
         launched.append(portable._dq_launch(do, q, k, v, out, lse2, dq, stats, p))
     else:
-        delta(o4, do4, launched, res=stats)
+        delta(o4, do4, launched, res=stats, acc=dq_acc)
     # The forward's band, scales and flags (plain attention: no flag; sinks: the LSE has them).
     upper, qk_scale, causal, variants = variant_args(p, backward=True)
     dk4, dv4 = view(dk), view(dv)
@@ -986,37 +1029,36 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
                                      variants, packed)  # fmt: skip
     kernel = launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
     launched.append((_attn_bwd_hopper, kernel, grid, args))
+    if atomic_dq:
+        _finish(dq, dq_acc, p, permuted, launched)
     if roles is not None and not compiling_only() and None not in launched:
         _REPLAYS.put(key, Replay.record(launched, roles, tuple(_DQ_STANDINS.values())))
-    return _finish(dq, dq_acc, p, permuted) if atomic_dq else dq, dk, dv
+    return dq, dk, dv
 
 
 _REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
 
 
-def _finish(dq: torch.Tensor, dq_acc: torch.Tensor, p: Problem,
-            permuted: bool = False) -> torch.Tensor:  # fmt: skip
-    """dQ from the atomic mode's fp32 workspace: scaled, cast, written into ``dq``;
-    ``permuted``: the workspace holds row 8a + 4b + c of each group of 8 at 8a + 2c + b
-    (:func:`dq_rows_permuted`), put back here (one pass for whole groups, the last partial
-    group gathered)."""
+def _finish(dq: torch.Tensor, dq_acc: torch.Tensor, p: Problem, permuted: bool = False,
+            launched: list | None = None) -> torch.Tensor:  # fmt: skip
+    """dQ from the atomic mode's fp32 workspace: scaled, cast, written into ``dq`` (one Triton
+    kernel, ``_dq_finish``; the interpreter on the CPU); ``permuted``: the workspace holds
+    row 8a + 4b + c of each group of 8 at 8a + 2c + b (:func:`dq_rows_permuted`), put back
+    here. ``launched``: as for :func:`delta`."""
     if p.cu_seqlens_q is not None:  # (1, heads, total, dpad) -> (total, heads, d)
-        torch.mul(dq_acc[0, :, :, : p.head_dim].transpose(0, 1), p.softmax_scale, out=dq)
+        out = dq.unsqueeze(0).transpose(1, 2)
+    else:
+        out = bhsd_view(dq, p.layout)
+    b, h, sq, d = out.shape
+    if b * h * sq == 0:
         return dq
-    out = bhsd_view(dq, p.layout)
-    if not permuted:
-        torch.mul(dq_acc[:, :, : p.seqlen_q, : p.head_dim], p.softmax_scale, out=out)
-        return dq
-    b, h, rows, dpad = dq_acc.shape
-    whole = p.seqlen_q // 8 * 8
-    if whole:  # (group, b, c) in the true order is (group, c, b) in the workspace
-        src = dq_acc.view(b, h, rows // 8, 4, 2, dpad).transpose(3, 4)
-        torch.mul(src[:, :, : whole // 8, :, :, : p.head_dim], p.softmax_scale,
-                  out=out[:, :, :whole].unflatten(2, (whole // 8, 2, 4)))  # fmt: skip
-    if whole < p.seqlen_q:
-        tail = torch.arange(whole, p.seqlen_q)
-        at = (tail // 8 * 8 + tail % 4 * 2 + tail % 8 // 4).to(dq_acc.device)
-        out[:, :, whole:] = dq_acc[:, :, at, : p.head_dim] * p.softmax_scale
+    block = 64
+    so = out.stride()
+    args = dict(ACC=dq_acc, DQ=out, stride_qb=so[0], stride_qh=so[1], stride_qs=so[2],
+                stride_qd=so[3], heads=h, seqlen_q=sq, acc_rows=dq_acc.shape[2],
+                scale=p.softmax_scale, HEAD_DIM=d, ACC_DIM=dq_acc.shape[3],
+                PERMUTED=permuted, BLOCK=block)  # fmt: skip
+    _run(_dq_finish, (b * h, cdiv(sq, block)), args, dq.is_cuda, launched)
     return dq
 
 
