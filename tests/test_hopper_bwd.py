@@ -188,8 +188,8 @@ def test_supports_takes(kwargs):
         "named-det-alibi", "named-sinks", "named-value-dim"])
 def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     """"auto" runs the Gluon backward where it measured faster (hopper_bwd.auto_mode: the
-    atomic dQ above d64 and at d64 from 4096 keys or causal, the kernel-dQ (deterministic)
-    path when asked for); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
+    atomic dQ above d64 and at d64 from ATOMIC_D64_KEYS keys or causal, the kernel-dQ
+    (deterministic) path when asked for); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
     wherever it applies; naming the family runs it with the atomic dQ unless deterministic.
     The variants (window, softcap, ALiBi, sinks) run in it when named or enabled; "auto"
     runs softcap and ALiBi (and every variant at d64) in the deterministic path, a window

@@ -250,8 +250,15 @@ def auto_mode(p: Problem) -> str | None:
 # warm L2, benchmarks/results/2026-11-24_h200_bwd-breakdown-seed-shapes_395a03b.txt: 69 / 73
 # us at 1024 keys, 253 / 252 at 2048; 951 / 912 at 4096) with two launches against four
 # launches and two torch ops, and the benchmark timed the seed shape at 2048 keys at 329
-# TFLOPS on the portable backward (babe81a) against 230 on the atomic one (89c61fd).
-ATOMIC_D64_KEYS = 4096
+# TFLOPS on the portable backward (babe81a) against 230 on the atomic one (89c61fd). Since the
+# atomic mode's host path got lean (its dQ zeroed by the delta kernel and finished by one
+# recorded kernel; replays calling the C launcher), 2048 keys (H200, fp16 b4 h8 d64, one
+# process, benchmarks/results/2026-11-24_h200_host-ab_034a4aa-wip.jsonl and
+# ..._seed-probe_034a4aa.jsonl): do_bench 220 us atomic against 260 portable (391 / 331
+# TFLOPS), kernels 221 against 271 us; below 2048 keys the kernels are level (512 keys 26 /
+# 29 us, 1024 keys 68 / 68) and the portable backward's host path is the lighter (110 against
+# 164 us per call on that host at 512 keys).
+ATOMIC_D64_KEYS = 2048
 
 
 # --------------------------------------------------------------------------------------------
