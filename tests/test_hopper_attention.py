@@ -230,14 +230,15 @@ def test_supports_says_why_not(kwargs, reason):
         dispatch.select(problem, "hopper")
 
 
-@pytest.mark.parametrize("d, sk, picked", [(64, 2047, "portable"), (64, 2048, "hopper"),
-                                            (64, 100, "portable"), (72, 100, "hopper"),
-                                            (128, 1, "hopper"), (256, 100, "hopper")])
-def test_auto_leaves_short_d64_to_the_portable_kernel(d, sk, picked):
-    """Head dims <= 64 with fewer than 2048 keys, where the portable kernel measured as fast
-    or faster:
-    "auto" passes the Hopper family over and says why; naming it still runs it."""
-    problem = _problem(d=d, sk=sk)
+@pytest.mark.parametrize("d, sk, causal, picked", [
+    (64, 2047, True, "portable"), (64, 2048, True, "hopper"), (64, 100, True, "portable"),
+    (64, 100, False, "hopper"), (64, 2047, False, "hopper"), (72, 100, True, "hopper"),
+    (128, 1, True, "hopper"), (256, 100, True, "hopper")])  # fmt: skip
+def test_auto_leaves_short_d64_to_the_portable_kernel(d, sk, causal, picked):
+    """Head dims <= 64 with the causal band and fewer than 2048 keys (small calls), where
+    the portable kernel measured as fast or faster: "auto" passes the Hopper family over
+    and says why; naming it still runs it. Without the band the Hopper family takes them."""
+    problem = _problem(d=d, sk=sk, causal=causal)
     assert dispatch.select(problem).name == picked
     reason = dict(dispatch.explain(problem))["hopper"]
     assert (reason is None) == (picked == "hopper")

@@ -490,16 +490,18 @@ def test_auto_mode_by_head_dim_band_and_keys(monkeypatch):
 
 
 def test_short_d64_calls_by_work(monkeypatch):
-    """d64 below 2048 keys: small calls (the seed shape, b4 h8 x 1k) stay on the portable
-    kernels, forward and backward; from SHORT_WORK_D64 scores (b16 h32 x 1k) the Hopper
-    family takes them, its backward with the atomic dQ (measured faster there)."""
+    """d64 below 2048 keys: small calls (the seed shape, b4 h8 x 1k) run the Hopper forward
+    and the portable backward, with the causal band the portable kernels for both; from
+    SHORT_WORK_D64 scores (b16 h32 x 1k) the Hopper family takes them, its backward with
+    the atomic dQ (measured faster there)."""
     from diyfa.attention import hopper_fwd
 
     monkeypatch.delenv("DIYFA_HOPPER_BWD", raising=False)
     small = _problem(b=4, h=8, hk=8, sq=1024, sk=1024, d=64)
     big = _problem(b=16, h=32, hk=32, sq=1024, sk=1024, d=64)
     assert 4 * 8 * 1024 * 1024 < hopper_fwd.SHORT_WORK_D64 <= 16 * 32 * 1024 * 1024
-    assert dispatch.select(small).name == "portable"
+    assert dispatch.select(small).name == "hopper" and hopper_bwd.auto_mode(small) is None
+    assert dispatch.select(dataclasses.replace(small, causal=True)).name == "portable"
     assert dispatch.select(big).name == "hopper"
     assert hopper_bwd.auto_mode(big) == "atomic"
     assert hopper_bwd.auto_mode(dataclasses.replace(big, causal=True)) == "atomic"

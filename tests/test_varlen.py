@@ -122,7 +122,7 @@ def test_varlen_hopper_path_by_head_dim(monkeypatch):
     from diyfa.attention.checks import check_varlen_inputs
 
     q, k, v, cu_q, cu_k = _packed([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
-    # (max_seqlen 4096: at d64 "auto" keeps calls below SHORT_KEYS_D64 keys portable)
+    # (max_seqlen 4096: at d64 "auto" keeps small causal calls below SHORT_KEYS_D64 keys portable)
     p = check_varlen_inputs(q, k, v, cu_q, cu_k, 4096, 4096, causal=False, softmax_scale=None)
     p = dataclasses.replace(p, capability=(9, 0), aligned16=True)
     family = dispatch.select(p)

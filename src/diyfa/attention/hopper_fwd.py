@@ -1554,8 +1554,17 @@ def supports(p: Problem) -> str | None:
 def prefer(p: Problem) -> str | None:
     """Where "auto" leaves a problem this kernel can run to the portable one.
 
-    - Head dims <= 64 with fewer than 2048 keys and 2^28 scores (SHORT_WORK_D64, above),
-      where the portable kernel measured as fast or faster. Before the persistent programs
+    - Head dims <= 64 with the causal band, fewer than 2048 keys and 2^28 scores
+      (SHORT_WORK_D64, above), where the portable kernel measured as fast or faster.
+      Without the band such calls run here since 2026-11-24 (later): at the seed shape
+      (fp16 b4 h8) the two kernels take the same GPU time at 512 and 1024 keys (CUDA graph,
+      H200: 9.7 / 10.1 us, 23.8 / 25.0; benchmarks/results/2026-11-24_h200_seed-probe_034a4aa
+      .jsonl) and this family's host path became the lighter one (33 against 39 us per call
+      on the H200's host, benchmarks/results/2026-11-24_h200_host-ab_034a4aa-wip.jsonl; its
+      causal calls zero a tile counter per call): the benchmark, which times the host where
+      it outlasts its L2 flush, measured 151 against 71 TFLOPS at 512 keys and 147 against
+      139 at 1024 (..._flash_seed-fa4_39e772a.jsonl). Their backward stays portable
+      (hopper_bwd.auto_mode). Before the persistent programs
       got two Q buffers and causal calls the
       counter scheduler (2026-11-24), that held up to 4096 keys (H100, 2026-11-23,
       benchmarks/results/2026-11-23_h100_flash_fwd_debc629.jsonl: d64 at 512 / 1024 / 2048
@@ -1583,10 +1592,11 @@ def prefer(p: Problem) -> str | None:
     if p.head_dim_v != p.head_dim:
         return ("its value head dim other than q's passes the GPU tests but is not timed "
                 'against the portable kernel yet (backend="hopper" runs it)')  # fmt: skip
-    if (head_dim_pad(p.head_dim) == 64 and p.seqlen_k < SHORT_KEYS_D64
+    if (head_dim_pad(p.head_dim) == 64 and p.causal and p.seqlen_k < SHORT_KEYS_D64
             and p.batch * p.heads * p.seqlen_q * p.seqlen_k < SHORT_WORK_D64):
-        return (f"the portable kernel measured as fast or faster at head dims <= 64 below "
-                f"{SHORT_KEYS_D64} keys and {SHORT_WORK_D64} scores")  # fmt: skip
+        return (f"the portable kernel measured as fast or faster at head dims <= 64 with the "
+                f"causal band below {SHORT_KEYS_D64} keys and {SHORT_WORK_D64} "
+                "scores")  # fmt: skip
     return None
 
 
