@@ -79,21 +79,23 @@ def check(d: int, dtype, config) -> float:
     return worst
 
 
-def tflops(b, h, s, d, causal, ms):
+def tflops(b, h, s, d, causal, ms, sk=None):
     """By the published convention (causal halved), as ``diyfa bench`` reports."""
-    flops = attention_flops(b, h, s, s, d, causal=causal, convention="published")
+    flops = attention_flops(b, h, s, sk or s, d, causal=causal, convention="published")
     return flops / (ms * 1e-3) / 1e12
 
 
-KEYS = ("d", "b", "h", "s", "causal")
+KEYS = ("d", "b", "h", "s", "sk", "causal")
 
 
-def time_shape(d, b, h, s, causal, dtype, configs, fa4, warmup, rep, rounds) -> dict:
-    """TFLOPS of each config, cuDNN and FA4 (if given) on one (b, h, s, d) problem."""
+def time_shape(d, b, h, s, causal, dtype, configs, fa4, warmup, rep, rounds, sk=None) -> dict:
+    """TFLOPS of each config, cuDNN and FA4 (if given) on one (b, h, s, d) problem (``sk``
+    keys, default s)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
+    q = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, h, sk or s, d, device="cuda", dtype=dtype) for _ in range(2))
     fns = {f"hopper{list(c)}": (lambda c=c: run(q, k, v, causal, c)) for c in configs}
 
     def cudnn():
@@ -104,7 +106,7 @@ def time_shape(d, b, h, s, causal, dtype, configs, fa4, warmup, rep, rounds) -> 
     if fa4 is not None:
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         fns["fa4"] = lambda: fa4(qt, kt, vt, causal=causal)
-    row = {"d": d, "b": b, "h": h, "s": s, "causal": causal}
+    row = {"d": d, "b": b, "h": h, "s": s, "sk": sk or s, "causal": causal}
     # Rounds: every provider once per round, in turn, and the median over the rounds: the
     # GPU's clocks drift with its temperature and power (the same kernel timed 10% apart
     # within one run, 2026-11-24), and a drift then reaches every provider alike.
@@ -119,9 +121,9 @@ def time_shape(d, b, h, s, causal, dtype, configs, fa4, warmup, rep, rounds) -> 
                 row[name] = type(e).__name__
     for name, ms in times.items():
         if ms and not isinstance(row.get(name), str):
-            row[name] = round(tflops(b, h, s, d, causal, statistics.median(ms)), 1)
+            row[name] = round(tflops(b, h, s, d, causal, statistics.median(ms), sk), 1)
             if len(ms) > 1:  # the rounds' range, slowest to fastest
-                row[name + "~"] = [round(tflops(b, h, s, d, causal, x), 1)
+                row[name + "~"] = [round(tflops(b, h, s, d, causal, x, sk), 1)
                                    for x in (max(ms), min(ms))]  # fmt: skip
     return row
 
@@ -134,6 +136,8 @@ def main() -> int:
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--seqlens", default="", help="e.g. 2048,8192 (default: SHAPES)")
+    ap.add_argument("--shapes", default="",
+                    help='"BxHxS[xSK],..." at every head dim (instead of SHAPES / --seqlens)')
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
@@ -165,13 +169,17 @@ def main() -> int:
                 ok[cfg] = False
                 failed.append((d, cfg))
                 print(f"check d{d} {cfg}: {type(e).__name__}: {e}", flush=True)
-        shapes = SHAPES[d]
+        shapes = [(b, h, s, None) for b, h, s in SHAPES[d]]
         if a.seqlens:  # FlashAttention's sweep at these lengths: 16k tokens, 2048 // d heads
-            shapes = [(16384 // int(n), 2048 // d, int(n)) for n in a.seqlens.split(",")]
-        for b, h, s in shapes:
+            shapes = [(16384 // int(n), 2048 // d, int(n), None) for n in a.seqlens.split(",")]
+        if a.shapes:
+            shapes = [tuple(int(x) for x in item.split("x")) + (None,) * (4 - item.count("x") - 1)
+                      for item in a.shapes.split(",")]  # fmt: skip
+        for b, h, s, sk in shapes:
             for causal in (bool(int(c)) for c in a.causal.split(",")):
                 good = [c for c in configs.get(d, []) if ok[c]]
-                row = time_shape(d, b, h, s, causal, dtype, good, fa4, a.warmup, a.rep, a.rounds)
+                row = time_shape(d, b, h, s, causal, dtype, good, fa4, a.warmup, a.rep, a.rounds,
+                                 sk)  # fmt: skip
                 out.write(json.dumps({"record": "measurement", **env, **row}) + "\n")
                 out.flush()
                 table.append(row)
@@ -179,7 +187,8 @@ def main() -> int:
                 torch.cuda.empty_cache()
     print("\nTFLOPS (bf16)" if dtype == torch.bfloat16 else "\nTFLOPS (fp16)")
     for row in table:
-        head = f"d{row['d']} b{row['b']} h{row['h']} s{row['s']}" + (" causal" * row["causal"])
+        head = (f"d{row['d']} b{row['b']} h{row['h']} s{row['s']}"
+                + (f"x{row['sk']}" if row["sk"] != row["s"] else "") + (" causal" * row["causal"]))
         vals = "  ".join(f"{k}={v}" for k, v in row.items()
                          if k not in KEYS and not k.endswith("~"))  # fmt: skip
         print(f"{head:32s} {vals}")

@@ -553,3 +553,25 @@ def test_packed_work_tables_match_a_tile_by_tile_count():
     first = tile_table(cu, cu, 128, True, "cpu", True)[0]
     assert tile_table(list(cu), list(cu), 128, True, "cpu", True)[0] is first  # kept
     assert tile_table((0, 300, 1001), (0, 300, 1001), 128, True, "cpu", True)[0] is not first
+
+
+def test_d64_consumers_by_the_busiest_programs_rows():
+    """Plain d64 calls without the causal band run three consumers (192 query rows a tile)
+    where the rows the busiest persistent program runs, weighed by THREE_ROW_COST, are
+    fewer than with two (the A/B's shapes on an H200, 132 programs); causal calls, packed
+    sequences and the variants keep the key-count rule."""
+    from diyfa.attention import hopper_fwd as hf
+
+    def consumers(bh, sq, sk, causal=False, tiles=True):
+        cfg = hf.default_config(64, sk, causal, (bh, sq, 132) if tiles else None)
+        return cfg.consumers
+
+    assert consumers(2 * 16, 8192, 1024) == 3  # measured 426 against 397 TFLOPS
+    assert consumers(16 * 32, 1024, 1024) == 2  # 404 against 415
+    assert consumers(1 * 32, 16384, 16384) == 3 and consumers(4 * 32, 4096, 4096) == 3
+    assert consumers(4 * 8, 4096, 4096) == 2  # level
+    assert hf._rows_per_program(192, 32, 4096, 132) == 6 * 192
+    assert consumers(4 * 8, 4096, 4096, tiles=False) == 3  # by the keys
+    assert consumers(1, 8192, 4096, causal=True, tiles=False) == 2
+    assert consumers(1, 8192, 8192, causal=True, tiles=False) == 3
+    assert hf.default_config(128, 16384, False, (32, 16384, 132)).consumers == 2

@@ -117,7 +117,9 @@ HOPPER_CONFIGS = {
 # even); at 1024 keys it lost (359.7 against 373.0, causal 201.4 against 243.2). At 160
 # registers each, ptxas spills 4 bytes, 136 causal (test_hopper_kernel_compiles_and_fits).
 # Chosen by the key count alone, measured with as many queries as keys; with few query rows
-# the third consumer mostly computes rows past the end (slower, not wrong).
+# the third consumer mostly computes rows past the end (slower, not wrong). Since 2026-11-24
+# plain calls without the causal band choose by the rows their busiest program runs instead
+# (default_config, THREE_ROW_COST below).
 # PIN keeps the wait for P V after the softmax (see _consumer): +2% at d128 (5 of 6
 # shapes), -2..-3% at d64 and mixed at d256 in the same run, so d128 only (the store also
 # brings a warpgroup barrier per block, which Triton adds before it: part of the effect and
@@ -157,13 +159,41 @@ SHORT_WORK_D64 = 2**28
 HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1, pingpong=1)}
 
 
-def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False) -> Config:
+# A query row costs three consumers this much of what it costs two at d64 without the causal
+# band (H200, bf16, b1 h32 16k, where the busiest program runs 4032 rows against 4096: 490.6
+# against 457.0 TFLOPS on 2026-11-23, 0.946; 511.1 against 458.4 on 2026-11-24, 0.911).
+# With it, the rows of the busiest program decide (_rows_per_program; H200, bf16, 3 rounds,
+# benchmarks/results/2026-11-24_h200_hopper-fwd-consumers-ab_91b57b8-wip.jsonl, TFLOPS two /
+# three consumers): b2 h16 8192 queries x 1024 keys 396.6 / 426.3 (three: 1964 weighed rows
+# against 2048), b16 h32 1024 415.0 / 403.7 (two: 4285 against 4096), b8 h32 2048 442.1 /
+# 458.0, b4 h32 4096 454.3 / 481.1, b1 h32 16k 458.4 / 511.1 (three), b4 h8 4096 454.6 / 454.5
+# and b1 h16 4096 x 15360 466.2 / 469.3 (two: 536 against 512, level).
+THREE_ROW_COST = 0.93
+
+
+def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False,
+                   tiles: tuple[int, int, int] | None = None) -> Config:
     """The config the kernel runs for a padded head dim and (longest) key length (plain
-    attention; hopper_args passes 0 keys for the variants and packed sequences)."""
-    long_keys = LONG_KEYS_CAUSAL if causal else LONG_KEYS
-    if seqlen_k >= long_keys and head_dim_padded in HOPPER_CONFIGS_LONG:
-        return HOPPER_CONFIGS_LONG[head_dim_padded]
-    return HOPPER_CONFIGS[head_dim_padded]
+    attention; hopper_args passes 0 keys for the variants). ``tiles``: (batch x heads,
+    seqlen_q, persistent programs) of a plain call whose programs take the tiles round robin
+    (no causal band, no packed sequences): three consumers at d64 where the rows the busiest
+    program runs, weighed by THREE_ROW_COST, are fewer than with two; else by the key count
+    (LONG_KEYS, LONG_KEYS_CAUSAL)."""
+    long = HOPPER_CONFIGS_LONG.get(head_dim_padded)
+    if long is None:
+        return HOPPER_CONFIGS[head_dim_padded]
+    if tiles is not None:
+        three = (_rows_per_program(3 * SUB_M, *tiles) * THREE_ROW_COST
+                 < _rows_per_program(2 * SUB_M, *tiles))  # fmt: skip
+    else:
+        three = seqlen_k >= (LONG_KEYS_CAUSAL if causal else LONG_KEYS)
+    return long if three else HOPPER_CONFIGS[head_dim_padded]
+
+
+def _rows_per_program(tile_rows: int, batch_heads: int, seqlen_q: int, programs: int) -> int:
+    """Query rows (padded to whole tiles) the busiest of ``programs`` persistent programs
+    runs when they take tiles of ``tile_rows`` round robin."""
+    return cdiv(cdiv(seqlen_q, tile_rows) * batch_heads, programs) * tile_rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -1034,7 +1064,9 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     if fp8 is not None:
         config = config or fp8_config(head_dim_pad(d))
     # (packed sequences: the longest one's keys)
-    config = config or default_config(head_dim_pad(d), sk if not variants else 0, causal)
+    static = not (causal or variants or packed is not None)  # (variants: two consumers)
+    config = config or default_config(head_dim_pad(d), sk if not variants else 0, causal,
+                                      (b * h, sq, num_sms) if static else None)  # fmt: skip
     cfg = Config(*config)
     consumers, block_n = cfg.consumers, cfg.block_n
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
