@@ -588,7 +588,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
 
 
 def check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new: int,
-                          max_seqlen_k: int | None) -> int:
+                          max_seqlen_k: int | None, launched: list | None = None) -> int:
     """The device half of a KV-cache call's checks, after every host check
     (:func:`check_kvcache_inputs`) and before anything is written: each sequence's length
     after the append of ``s_new`` tokens against the cache, and the pages it uses against
@@ -596,7 +596,8 @@ def check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new: int,
     its bound. Without ``max_seqlen_k`` the verdicts are read back (one synchronisation) and
     a fault is a ValueError. With it, or during a CUDA-graph capture (where the bound is the
     cache's capacity), nothing is read back: a fault stops the stream ahead of the append
-    and the kernels (the kernel's device-side assert on a GPU, a RuntimeError on the CPU)."""
+    and the kernels (the kernel's device-side assert on a GPU, a RuntimeError on the CPU).
+    ``launched``: a list that gets the kernel's launch, for a Replay."""
     from diyfa.attention.decode import cache_status
 
     rows = k_cache.shape[1]
@@ -605,7 +606,7 @@ def check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new: int,
         max_seqlen_k = capacity  # nothing can be read back during a capture
     limit = capacity if max_seqlen_k is None else max_seqlen_k
     status = cache_status(cache_seqlens, block_table, s_new, limit, k_cache.shape[0], rows,
-                          asserted=max_seqlen_k is not None)  # fmt: skip
+                          asserted=max_seqlen_k is not None, launched=launched)  # fmt: skip
     if max_seqlen_k is not None:
         return max_seqlen_k
     codes = status.tolist()

@@ -307,13 +307,15 @@ def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, m
 
 
 def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, s_new: int,
-                 limit: int, pool: int, page_size: int, asserted: bool = False) -> torch.Tensor:
+                 limit: int, pool: int, page_size: int, asserted: bool = False,
+                 launched: list | None = None) -> torch.Tensor:
     """Each sequence's cache length after an append of ``s_new`` tokens, checked on the
     device (int32 (batch,); -1: outside [s_new, limit], -2: a used page outside the pool):
     one small kernel, so the checked path reads everything back at once and the unchecked
     one (``max_seqlen_k`` given) can assert without a synchronisation. ``asserted``: a fault
     stops the stream (on a GPU, the kernel's own device-side assert, with its message; on
-    the CPU, ``torch._assert_async``, a RuntimeError)."""
+    the CPU, ``torch._assert_async``, a RuntimeError). ``launched``: a list that gets the GPU
+    launch's (fn, kernel, grid, args), for a Replay."""
     b = cache_seqlens.shape[0]
     status = torch.empty((b,), dtype=torch.int32, device=cache_seqlens.device)
     if b == 0:
@@ -326,7 +328,9 @@ def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, 
                 pool=pool, PAGED=paged, BLOCK_P=1024,
                 ASSERT=asserted and cache_seqlens.is_cuda)  # fmt: skip
     if cache_seqlens.is_cuda:
-        launch(_cache_status, (b,), args, {}, 4, 1)
+        kernel = launch(_cache_status, (b,), args, {}, 4, 1)
+        if launched is not None:
+            launched.append((_cache_status, kernel, (b,), args))
     else:  # the interpreter (which does not raise on a device_assert)
         _cache_status[(b,)](**args)
         if asserted:
@@ -384,9 +388,10 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
 
 
 def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
-           v_descale=None) -> None:
+           v_descale=None, launched: list | None = None) -> None:
     """Write the new tokens k, v (batch, s_new, kv_heads, d / dv) into the cache at rows
-    cache_seqlens[b] .. + s_new - 1, in place: one kernel (the checks have run)."""
+    cache_seqlens[b] .. + s_new - 1, in place: one kernel (the checks have run).
+    ``launched``: as for :func:`cache_status`."""
     b, s_new, hk, d = k.shape
     dv = v.shape[3]
     paged = block_table is not None
@@ -410,7 +415,9 @@ def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
     if b * s_new == 0:
         return
     if k.is_cuda:
-        launch(_append, (b, s_new), args, {}, 4, 1)
+        kernel = launch(_append, (b, s_new), args, {}, 4, 1)
+        if launched is not None:
+            launched.append((_append, kernel, (b, s_new), args))
     else:  # the interpreter
         _append[(b, s_new)](**args)
 
@@ -448,7 +455,14 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     cache_seqlens[b].. (:func:`append`, only those rows), then attention. Returns (out,
     lse2) with lse2 base 2. ``max_seqlen_k``: the caller's bound on the lengths after the
     append; the checks then run on the device without a read back (see
-    ``check_kvcache_lengths``)."""
+    ``check_kvcache_lengths``).
+
+    A call with ``max_seqlen_k`` on a GPU whose signature (:func:`_signature`: everything
+    the checks and the launches read but the tensors' addresses and the lengths' and pages'
+    values) an earlier call had runs that call's launches again (``_PREPARED``, a
+    :class:`~diyfa._launcher.Replay`: the device check, the append, the split and combine
+    kernels) with its own tensors, the host checks skipped: they passed for that signature,
+    and the values are checked on the device by the replayed check as before."""
     from diyfa.attention.checks import (
         check_bias_tensors,
         check_fp8_cache,
@@ -458,6 +472,20 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
         check_variants,
     )
 
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks,
+               k_descale, v_descale)  # fmt: skip
+    sig = None
+    if max_seqlen_k is not None and isinstance(q, torch.Tensor) and q.is_cuda:
+        sig = _signature(tensors, (causal, softmax_scale, num_splits, window_size, softcap,
+                                   max_seqlen_k))  # fmt: skip
+        prepared = None if sig is None else _PREPARED.get(sig)
+        if prepared is not None:
+            replay, shapes = prepared
+            work = tuple(None if shape is None else torch.empty(shape, dtype=dtype,
+                                                                device=q.device)
+                         for shape, dtype in shapes)  # fmt: skip
+            if replay.run(_roles(tensors, work)):
+                return work[3], work[4]
     fp8 = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     scale = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                  block_table=block_table, causal=causal,
@@ -467,27 +495,50 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     check_tanh_scale(scale, softcap)
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     s_new = 0 if k is None else k.shape[1]
+    launched = [] if sig is not None else None
     # Every host check has passed: the lengths and pages on the device, last.
     max_len = check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new,
-                                    max_seqlen_k)  # fmt: skip
+                                    max_seqlen_k, launched)  # fmt: skip
     if s_new:
-        append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale, v_descale)
-    return kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal=causal,
-                             softmax_scale=scale, num_splits=num_splits,
-                             max_seqlen_k=max_len, window=(left, right),
-                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                             k_descale=k_descale, v_descale=v_descale, seqlen_add=s_new,
-                             reuse=max_seqlen_k is not None)
+        append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale, v_descale,
+               launched)  # fmt: skip
+    out, lse2 = kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table,
+                                  causal=causal, softmax_scale=scale, num_splits=num_splits,
+                                  max_seqlen_k=max_len, window=(left, right), softcap=softcap,
+                                  alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
+                                  v_descale=v_descale, seqlen_add=s_new,
+                                  launched=launched)  # fmt: skip
+    if launched and not compiling_only() and len(launched) == 3 + (s_new > 0):
+        status = launched[0][3]["STATUS"]
+        o_part, lse_part = launched[-2][3]["O_PART"], launched[-2][3]["LSE_PART"]
+        work = (status, o_part, lse_part, out, lse2)
+        replay = Replay.record(launched, _roles(tensors, work))
+        if replay is not None:
+            _PREPARED.put(sig, (replay, tuple((t.shape, t.dtype) for t in work)))
+    return out, lse2
 
 
-def _sig(t: torch.Tensor | None):
-    return None if t is None else (t.shape, t.stride(), t.dtype)
+def _signature(tensors: tuple, options: tuple) -> tuple | None:
+    """What a call's checks and launches read, but the tensors' addresses and the values of
+    the lengths and pages (checked on the device each call): each tensor's type, shape,
+    strides, dtype, device and whether it requires grad; each option's type and value; the
+    grad mode. None when an option cannot be a key (the checks will say what is wrong)."""
+    key = (torch.is_grad_enabled(),) + tuple(
+        None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+        for t in tensors) + tuple((type(o), o) for o in options)  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
-# signature -> the launches of a call (_launcher.Replay) with the shape of its split
-# workspace (it depends on the split count). The launch settings above (WIDE, BLOCK_N, ...)
-# are not part of a signature: whoever changes them (benchmarks/decode_ab.py,
-# benchmarks/fp8_decode.py) clears this (``_PREPARED.clear()``).
+# signature (_signature) -> the launches of a call with max_seqlen_k (_launcher.Replay: the
+# device check, the append, the split and combine kernels) and the shapes and dtypes of the
+# tensors it allocates (status, o_part, lse_part, out, lse2; the split workspace's depends on
+# the split count). The launch settings above (WIDE, BLOCK_N, ...) are not part of a
+# signature: whoever changes them (benchmarks/decode_ab.py, benchmarks/fp8_decode.py) clears
+# this (``_PREPARED.clear()``).
 _PREPARED = ReplayCache()
 
 
@@ -495,36 +546,16 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                       softmax_scale: float, num_splits: int, max_seqlen_k: int,
                       window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
                       k_descale=None, v_descale=None, seqlen_add: int = 0,
-                      reuse: bool = False):
+                      launched: list | None = None):
     """(out, lse2) for checked inputs, the new keys already appended (each sequence's length
     is cache_seqlens[b] + ``seqlen_add``, the appended tokens): q (batch, seqlen_q,
     heads, d); out (batch, seqlen_q, heads, v_cache's head dim); lse2 base 2, (batch, heads,
     seqlen_q) fp32. ``max_seqlen_k`` bounds every cache length (the longest one, read back by
     the checks, or the caller's bound): the splits cut [0, max_seqlen_k). ``window`` is the
-    checked (left, right) pair (right 0 when causal). ``reuse``: keep this call's launches
-    for the next call with the same signature (``_PREPARED``); for the caller's bound,
-    which a decode loop repeats, not for the longest length read back, which grows every
-    step."""
+    checked (left, right) pair (right 0 when causal). ``launched``: a list that gets the
+    GPU launches' (fn, kernel, grid, args), for a Replay (:func:`append_and_attend`)."""
     b, sq, h, d = q.shape
     hk, dv = k_cache.shape[2], v_cache.shape[3]
-    sig = None
-    if reuse and q.is_cuda and b * h * sq:  # a call like an earlier one reuses its launches
-        # (the current device and Triton's compile settings: Replay.run checks them)
-        sig = (q.shape, q.stride(), q.dtype, _sig(k_cache), _sig(v_cache), _sig(block_table),
-               causal, softmax_scale, num_splits, max_seqlen_k, window, softcap,
-               _sig(alibi_slopes), _sig(sinks), _sig(k_descale), _sig(v_descale), seqlen_add,
-               q.device.index)  # fmt: skip
-        prepared = _PREPARED.get(sig)
-        if prepared is not None:
-            replay, o_part_shape = prepared
-            out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
-            lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-            o_part = torch.empty(o_part_shape, dtype=torch.float32, device=q.device)
-            lse_part = torch.empty(o_part_shape[0], dtype=torch.float32, device=q.device)
-            roles = _roles(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes,
-                           sinks, k_descale, v_descale, o_part, lse_part, out, lse2)  # fmt: skip
-            if replay.run(roles):
-                return out, lse2
     group = h // hk
     out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -583,25 +614,22 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                               block_n)  # fmt: skip
         split_kernel = launch(_decode_split, split_grid, split_args, {}, warps, stages)
         combine_kernel = launch(_combine, (rows,), combine_args, {}, 4, 3)
-        if sig is not None and not compiling_only():
-            replay = Replay.record([(_decode_split, split_kernel, split_grid, split_args),
-                                    (_combine, combine_kernel, (rows,), combine_args)],
-                                   _roles(q, k_cache, v_cache, cache_seqlens, block_table,
-                                          alibi_slopes, sinks, k_descale, v_descale, o_part,
-                                          lse_part, out, lse2))  # fmt: skip
-            if replay is not None:
-                _PREPARED.put(sig, (replay, o_part.shape))
+        if launched is not None:
+            launched += [(_decode_split, split_kernel, split_grid, split_args),
+                         (_combine, combine_kernel, (rows,), combine_args)]
     else:  # the interpreter
         _decode_split[split_grid](**split_args, num_warps=1)
         _combine[(rows,)](**combine_args)
     return out, lse2
 
 
-def _roles(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, k_descale,
-           v_descale, o_part, lse_part, out, lse2) -> dict:
-    """A decode call's tensors by name, for its Replay (the absent ones left out: the kernels
-    get a workspace in their place, which the recording finds by its address)."""
-    roles = dict(q=q, k_cache=k_cache, v_cache=v_cache, seqlens=cache_seqlens, o_part=o_part,
-                 lse_part=lse_part, out=out, lse=lse2, table=block_table, slopes=slopes,
-                 sinks=sinks, k_descale=k_descale, v_descale=v_descale)  # fmt: skip
+def _roles(tensors: tuple, work: tuple) -> dict:
+    """A call's tensors by name, for its Replay (the absent ones left out: the kernels get
+    another tensor of the call in their place, which the recording finds by its address):
+    ``tensors`` in :data:`_ROLES`' order, ``work`` (status, o_part, lse_part, out, lse2)."""
+    roles = dict(zip(_ROLES, tensors + work, strict=True))
     return {name: t for name, t in roles.items() if t is not None}
+
+
+_ROLES = ("q", "k_cache", "v_cache", "k", "v", "seqlens", "table", "slopes", "sinks",
+          "k_descale", "v_descale", "status", "o_part", "lse_part", "out", "lse")  # fmt: skip
