@@ -769,3 +769,25 @@ def test_fp8_cache_queries_beyond_fp16_range():
                                   softmax_scale=scale, compute_dtype=torch.bfloat16)
                     for i, n in enumerate(LENS)])  # fmt: skip
     _check("out", out, pt, ref, 2, torch.bfloat16)
+
+
+def test_call_signature_keys_only_what_it_can():
+    """decode._signature (the key of a replayed decode step): None for a tensor argument
+    that is not a tensor or an unhashable option, so the checks still name those; equal for
+    two calls that differ only in their tensors' addresses; apart for another option type,
+    grad flag or stride."""
+    from diyfa.attention import decode
+
+    q = torch.zeros(2, 1, 4, 8)
+    kc = torch.zeros(2, 16, 2, 8)
+    lens = torch.zeros(2, dtype=torch.int32)
+    tensors = (q, kc, kc.clone(), None, None, lens, None, None, None, None, None)
+    opts = (True, None, 0, (-1, -1), 0.0, 16)
+    key = decode._signature(tensors, opts)
+    assert key is not None
+    assert decode._signature(tuple(t if t is None else t.clone() for t in tensors), opts) == key
+    assert decode._signature(tensors[:5] + ([0, 0],) + tensors[6:], opts) is None
+    assert decode._signature(tensors, opts[:3] + ([-1, -1],) + opts[4:]) is None
+    assert decode._signature(tensors, (1,) + opts[1:]) != key  # causal=1 is not True
+    assert decode._signature((q.requires_grad_(),) + tensors[1:], opts) != key
+    assert decode._signature((q.detach().transpose(0, 1),) + tensors[1:], opts) != key

@@ -522,7 +522,10 @@ def _signature(tensors: tuple, options: tuple) -> tuple | None:
     """What a call's checks and launches read, but the tensors' addresses and the values of
     the lengths and pages (checked on the device each call): each tensor's type, shape,
     strides, dtype, device and whether it requires grad; each option's type and value; the
-    grad mode. None when an option cannot be a key (the checks will say what is wrong)."""
+    grad mode. None for anything that cannot be a key (a tensor argument that is not a
+    tensor, an unhashable option): the checks will say what is wrong with it."""
+    if any(t is not None and not isinstance(t, torch.Tensor) for t in tensors):
+        return None
     key = (torch.is_grad_enabled(),) + tuple(
         None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
         for t in tensors) + tuple((type(o), o) for o in options)  # fmt: skip
