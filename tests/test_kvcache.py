@@ -388,18 +388,19 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                 HEAD_DIM_V_PAD=128, CAUSAL=True,
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
                 SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024,
-                ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128)
+                ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, DIRECT=False)
     for fn in (decode._decode_split, decode._combine, decode._cache_status, decode._append):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
         compile_for_sm90(fn, values, num_warps=4, num_stages=2)
     # the contiguous and paged caches' launches (decode.WIDE / PAGED_WAVES, their fp8
-    # versions), no variant
+    # versions), no variant; the contiguous one writing its output directly (one split)
     for paged, launch in ((False, decode.WIDE), (True, decode.PAGED_WAVES_FP8 if fp8
                                                  else decode.PAGED_WAVES)):  # fmt: skip
         block_n, warps, _ = launch
-        values = {p.name: dict(args, BLOCK_N=block_n, PAGED=paged, WINDOW=False, SOFTCAP=False,
-                               ALIBI=False).get(p.name, torch.empty(16, dtype=tensors.get(
+        plain = dict(args, BLOCK_N=block_n, PAGED=paged, WINDOW=False, SOFTCAP=False,
+                     ALIBI=False, DIRECT=not paged)  # fmt: skip
+        values = {p.name: plain.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17)
                   for p in decode._decode_split.params}
         compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=3)
@@ -430,7 +431,7 @@ stages = decode.split_stages(256, 256, 4, H100_SHARED)
 tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32}
 args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=147, HEAD_DIM_PAD=256, HEAD_DIM_V=147,
             HEAD_DIM_V_PAD=256, CAUSAL=True, PAGED=False, PRECISION="ieee", WINDOW=False,
-            SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64)
+            SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64, DIRECT=False)
 values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.float32))
           if p.name.isupper() else 17) for p in decode._decode_split.params}
 kernel = compile_for_sm90(decode._decode_split, values, num_warps=4, num_stages=stages)

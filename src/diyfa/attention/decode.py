@@ -120,8 +120,9 @@ def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int,
 
 
 @triton.jit
-def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
+def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   stride_qb, stride_qs, stride_qh, stride_qd,
+                  stride_ob, stride_os, stride_oh, stride_od,
                   stride_kb, stride_ks, stride_kh, stride_kd,
                   stride_vb, stride_vs, stride_vh, stride_vd,
                   stride_tb, page_size,
@@ -132,10 +133,12 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
                   HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
-    query r % seqlen_q; one decode step's rows usually fit one block."""
+    query r % seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no
+    sinks): the rows' output and LSE go to O and LSE themselves, what :func:`_combine` would
+    make of a single split (bitwise), and no combine runs."""
     off_bhk = tl.program_id(0)
     split = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
@@ -236,9 +239,15 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART,
     # Workspace rows: ((split * batch + b) * heads + head) * seqlen_q + query.
     heads = kv_heads * kv_group
     ws_row = ((split * batch + off_b) * heads + head) * seqlen_q + qpos
-    tl.store(LSE_PART + ws_row, lse2, mask=row_ok)
-    tl.store(O_PART + ws_row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], acc,
-             mask=row_ok[:, None])
+    if DIRECT:  # (split 0: ws_row is the LSE's row)
+        tl.store(LSE + ws_row, lse2, mask=row_ok)
+        tl.store(O + off_b * stride_ob + qpos[:, None] * stride_os + head[:, None] * stride_oh
+                 + offs_dv[None, :] * stride_od, acc.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])  # fmt: skip
+    else:
+        tl.store(LSE_PART + ws_row, lse2, mask=row_ok)
+        tl.store(O_PART + ws_row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], acc,
+                 mask=row_ok[:, None])
 
 
 @triton.jit
@@ -508,13 +517,17 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
                                   alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
                                   v_descale=v_descale, seqlen_add=s_new,
                                   launched=launched)  # fmt: skip
-    if launched and not compiling_only() and len(launched) == 3 + (s_new > 0):
+    split = [args for fn, _, _, args in launched or () if fn is _decode_split]
+    if split and not compiling_only() and len(launched) == (
+            2 + (s_new > 0) + (not split[0]["DIRECT"])):  # fmt: skip
         status = launched[0][3]["STATUS"]
-        o_part, lse_part = launched[-2][3]["O_PART"], launched[-2][3]["LSE_PART"]
+        o_part, lse_part = ((None, None) if split[0]["DIRECT"] else
+                            (split[0]["O_PART"], split[0]["LSE_PART"]))  # fmt: skip
         work = (status, o_part, lse_part, out, lse2)
         replay = Replay.record(launched, _roles(tensors, work))
         if replay is not None:
-            _PREPARED.put(sig, (replay, tuple((t.shape, t.dtype) for t in work)))
+            _PREPARED.put(sig, (replay, tuple((None, None) if t is None else (t.shape, t.dtype)
+                                              for t in work)))  # fmt: skip
     return out, lse2
 
 
@@ -574,17 +587,24 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, waves)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     rows = b * h * sq
-    o_part = torch.empty((splits * rows, dv_pad), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
+    # One split and no sinks: the split kernel writes the output itself (no workspace, no
+    # combine: one launch and two allocations fewer, e.g. a decode step of 128 sequences).
+    direct = splits == 1 and sinks is None
+    if direct:
+        o_part = lse_part = lse2  # (not read: the split kernel's workspace arguments)
+    else:
+        o_part = torch.empty((splits * rows, dv_pad), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
     table = block_table if paged else cache_seqlens
     left, right = window
     qk_scale = softcap * LOG2E if softcap > 0 else softmax_scale * LOG2E
     alibi = alibi_slopes is not None
-    sq_, sk_, sv_ = q.stride(), k_cache.stride(), v_cache.stride()
+    sq_, sk_, sv_, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
     split_args = dict(
         Q=q, K=k_cache, V=v_cache, BLOCK_TABLE=table, CACHE_SEQLENS=cache_seqlens,
-        O_PART=o_part, LSE_PART=lse_part,
+        O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
         stride_qb=sq_[0], stride_qs=sq_[1], stride_qh=sq_[2], stride_qd=sq_[3],
+        stride_ob=so[0], stride_os=so[1], stride_oh=so[2], stride_od=so[3],
         stride_kb=sk_[0], stride_ks=sk_[1], stride_kh=sk_[2], stride_kd=sk_[3],
         stride_vb=sv_[0], stride_vs=sv_[1], stride_vh=sv_[2], stride_vd=sv_[3],
         stride_tb=block_table.stride(0) if paged else 0,
@@ -601,8 +621,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         CAUSAL=causal or right >= 0, PAGED=paged,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n,
+        DIRECT=direct,
     )  # fmt: skip
-    so = out.stride()
     combine_args = dict(
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
         SINK_LOGITS=sinks if sinks is not None else lse_part, rows_per_split=rows,
@@ -616,13 +636,16 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                               kernel_limits(q.device.index)["max_shared_mem"],
                               block_n)  # fmt: skip
         split_kernel = launch(_decode_split, split_grid, split_args, {}, warps, stages)
-        combine_kernel = launch(_combine, (rows,), combine_args, {}, 4, 3)
         if launched is not None:
-            launched += [(_decode_split, split_kernel, split_grid, split_args),
-                         (_combine, combine_kernel, (rows,), combine_args)]
+            launched.append((_decode_split, split_kernel, split_grid, split_args))
+        if not direct:
+            combine_kernel = launch(_combine, (rows,), combine_args, {}, 4, 3)
+            if launched is not None:
+                launched.append((_combine, combine_kernel, (rows,), combine_args))
     else:  # the interpreter
         _decode_split[split_grid](**split_args, num_warps=1)
-        _combine[(rows,)](**combine_args)
+        if not direct:
+            _combine[(rows,)](**combine_args)
     return out, lse2
 
 
