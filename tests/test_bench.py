@@ -796,3 +796,27 @@ def test_sass_loops_lists_each_backward_branch_loop_with_its_opcodes():
     assert (inner["HGMMA"], inner["PRMT"], inner["BAR"], inner["uniform"]) == (1, 1, 0, 0)
     assert (outer["HGMMA"], outer["BAR"], outer["uniform"]) == (1, 1, 1)
     assert mod.loops(sass, 4, 100) == [outer]  # the inner one is shorter than 4
+
+
+def test_source_digest_names_the_code_that_ran():
+    """env.source: a digest of the package's files that a commit reproduces
+    (benchmarks/source_digest.py) where the GPU machine's "commit" cannot; it changes with
+    any file's content or name."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    here = results.environment()["source"]
+    assert here is not None and len(here) == 12
+    assert results.source_digest({"a.py": b"x"}) != results.source_digest({"a.py": b"y"})
+    assert results.source_digest({"a.py": b"x"}) != results.source_digest({"b.py": b"x"})
+    clean = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "src/diyfa"],
+                           capture_output=True, text=True)  # fmt: skip
+    if clean.returncode != 0 or clean.stdout.strip():
+        pytest.skip("not a clean git checkout of src/diyfa")
+    spec = importlib.util.spec_from_file_location("source_digest",
+                                                  root / "benchmarks/source_digest.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert results.source_digest(tool.files_at("HEAD")) == here

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import glob
+import hashlib
 import json
 import math
 import os
@@ -38,7 +39,8 @@ REQUIRED = ("run_id", "suite", "op", "provider", "label", "shape", "options", "d
             "status", "reason", "flops", "median_ms", "peak_extra_mem_bytes")  # fmt: skip
 # The environment a resumed run must share with the run it continues: the rows of both carry
 # one run_id, and the report compares providers only within a run.
-RESUME_ENV = ("gpu", "driver", "cuda", "torch", "triton", "python", "commit", "interpreter")
+RESUME_ENV = ("gpu", "driver", "cuda", "torch", "triton", "python", "commit", "source",
+              "interpreter")  # fmt: skip
 
 
 def _git_commit() -> str | None:
@@ -56,6 +58,28 @@ def _git_commit() -> str | None:
                                capture_output=True, text=True, timeout=5)  # fmt: skip
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def source_digest(files: dict[str, bytes]) -> str:
+    """A short SHA-256 over the package's files, {path relative to src/diyfa: bytes}: the
+    same for the same code wherever it ran (the GPU machine's copy of the working tree
+    carries a stale ``.git``, so "commit" there names the session's first commit, "-dirty";
+    ``benchmarks/source_digest.py REV`` gives a commit's digest to match)."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())
+    return h.hexdigest()[:12]
+
+
+def _source_digest() -> str | None:
+    """:func:`source_digest` of this process's diyfa package (its .py and .json files)."""
+    try:
+        root = Path(__file__).resolve().parents[1]
+        files = {p.relative_to(root).as_posix(): p.read_bytes()
+                 for p in root.rglob("*") if p.suffix in (".py", ".json") and p.is_file()}
+        return source_digest(files)
+    except OSError:
         return None
 
 
@@ -86,6 +110,7 @@ def environment() -> dict:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "commit": _git_commit(),
+        "source": _source_digest(),
         "interpreter": interpreter_enabled() or gpu is None,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
