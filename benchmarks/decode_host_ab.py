@@ -4,11 +4,11 @@ against the working tree's, one decode step with and without an append: host mic
 per call (min and median of 7 x 200, GPU idle), outputs compared bitwise, SDPA alongside."""
 import importlib.util
 import sys
-import time
 
 import torch
 
 from diyfa.attention import decode as new
+from diyfa.bench.harness import host_us_per_call
 
 OLD = sys.argv[1] if len(sys.argv) > 1 else "scratch/decode_old.py"
 spec = importlib.util.spec_from_file_location("decode_old", OLD)
@@ -29,15 +29,7 @@ def call(mod, append):
 
 
 def host(fn, n=200):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return host_us_per_call(fn, n, warmup=20)
 
 
 res = {}

@@ -9,7 +9,6 @@ idle (min and median of 7 x 100 calls, interleaved), do_bench as the bench harne
 """
 import json
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from triton.testing import do_bench
 import diyfa
 import diyfa.attention as attention
 from diyfa import _launcher
+from diyfa.bench.harness import host_us_per_call
 
 out_path = sys.argv[1]
 real_checked = attention.checked_before
@@ -76,15 +76,7 @@ ref = {}
 
 
 def host_min(fn, reps=100):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / reps * 1e6
+    return host_us_per_call(fn, reps, warmup=10)
 
 
 host = {}

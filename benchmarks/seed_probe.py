@@ -8,7 +8,6 @@ hopper, cuDNN, flash; then pinned portable forward configs.
 """
 import json
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import diyfa
 from diyfa import tuning
+from diyfa.bench.harness import host_us_per_call
 
 out_path = sys.argv[1]
 rows = []
@@ -42,14 +42,7 @@ def providers(q, k, v):
 
 
 def host_us(fn, n=200):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return host_us_per_call(fn, n, warmup=1)
 
 
 def kernels(fn):

@@ -820,3 +820,13 @@ def test_source_digest_names_the_code_that_ran():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert results.source_digest(tool.files_at("HEAD")) == here
+
+
+def test_host_us_per_call_counts_each_call():
+    """harness.host_us_per_call: the warm-up and timed calls both run, the result is a
+    per-call time in microseconds (the benchmarks' host-path probes use it)."""
+    from diyfa.bench.harness import host_us_per_call
+
+    calls = []
+    us = host_us_per_call(lambda: calls.append(1), calls=50, warmup=5)
+    assert len(calls) == 55 and 0.0 < us < 1e4

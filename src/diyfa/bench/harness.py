@@ -177,6 +177,22 @@ def time_fn(fn: Callable, options: Options) -> tuple[float, float, float, str]:
     return float(med), float(p20), float(p80), "time.perf_counter (CPU, Triton interpreter)"
 
 
+def host_us_per_call(fn: Callable, calls: int = 200, warmup: int = 20) -> float:
+    """Host microseconds per call of ``fn`` with the GPU idle: ``warmup`` calls, a
+    synchronisation, then the time to issue ``calls`` more (the GPU's work is not waited for
+    until after the clock stops). What the host path costs where the kernels are short."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    return (t1 - t0) / calls * 1e6
+
+
 def _nbytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.untyped_storage().nbytes()
