@@ -792,3 +792,38 @@ def test_call_signature_keys_only_what_it_can():
     assert decode._signature(tensors, (1,) + opts[1:]) != key  # causal=1 is not True
     assert decode._signature((q.requires_grad_(),) + tensors[1:], opts) != key
     assert decode._signature((q.detach().transpose(0, 1),) + tensors[1:], opts) != key
+
+
+def test_one_split_writes_the_output_without_the_combine(monkeypatch):
+    """One split and no sinks: the split kernel stores the output and LSE itself (DIRECT) and
+    no combine runs; its result equals the two-split one (split + combine) to rounding, and
+    with sinks the combine runs even for one split (it adds the sink to the denominator).
+    (CPU: the interpreter's launches are counted; the GPU path's are the same launches.)"""
+    from diyfa.attention import decode
+
+    if DEVICE != "cpu":
+        pytest.skip("counts the interpreter's launches")
+
+    q, k_cache, v_cache, _, _, seqlens, *_ = _setup(torch.float32, 2, 0)
+    combined = []
+    real = decode._combine
+
+    class Counting:  # decode._combine[grid](...) in the interpreter, counted
+        def __getitem__(self, grid):
+            combined.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(decode, "_combine", Counting())
+    with torch.no_grad():
+        one, lse1 = diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                       num_splits=1, return_lse=True)
+        assert combined == []
+        two, lse2 = diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                       num_splits=2, return_lse=True)
+        assert len(combined) == 1
+        torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse1, lse2, rtol=1e-5, atol=1e-5)
+        sinks = torch.zeros(q.shape[2], device=q.device)
+        diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                           num_splits=1, sinks=sinks)  # fmt: skip
+        assert len(combined) == 2
