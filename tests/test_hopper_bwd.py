@@ -512,10 +512,8 @@ def test_short_d64_calls_by_work(monkeypatch):
 def test_finish_puts_the_permuted_rows_back(seqlen_q, layout):
     """The atomic dQ workspace holds row 8a + 4b + c of each group of 8 at 8a + 2c + b
     (hopper_bwd.dq_rows_permuted; the kernel permutes its registers before the shared-memory
-    store): _finish scales, casts and un-permutes it into dQ, whole groups in one pass and the
-    last partial group gathered, in either layout."""
-    import types
-
+    store): _finish scales, casts and un-permutes it into dQ (a partial last group too), in
+    either layout; unpermuted, it takes the rows as they are."""
     b, h, d, dpad = 2, 3, 40, 64
     rows = -(-seqlen_q // 64) * 64
     g = torch.Generator().manual_seed(seqlen_q)
@@ -525,10 +523,9 @@ def test_finish_puts_the_permuted_rows_back(seqlen_q, layout):
     ws[:, :, r // 8 * 8 + r % 4 * 2 + r % 8 // 4] = true
     shape = (b, h, seqlen_q, d) if layout == "bhsd" else (b, seqlen_q, h, d)
     dq = torch.empty(shape, dtype=torch.bfloat16)
-    p = types.SimpleNamespace(cu_seqlens_q=None, seqlen_q=seqlen_q, head_dim=d, softmax_scale=0.5,
-                              layout=layout)  # fmt: skip
-    hopper_bwd._finish(dq, ws, p, permuted=True)
-    got = dq if layout == "bhsd" else dq.transpose(1, 2)
+    got = hopper_bwd.bhsd_view(dq, layout)
+    hopper_bwd._finish(got, ws, 0.5, permuted=True)
     assert torch.equal(got, (true[:, :, :seqlen_q, :d] * 0.5).to(torch.bfloat16))
-    hopper_bwd._finish(dq, true, p, permuted=False)  # the plain order: rows as they are
+    dq.fill_(float("nan"))  # (nothing left from the call before)
+    hopper_bwd._finish(got, true, 0.5, permuted=False)  # the plain order: rows as they are
     assert torch.equal(got, (true[:, :, :seqlen_q, :d] * 0.5).to(torch.bfloat16))

@@ -487,7 +487,10 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     if max_seqlen_k is not None and isinstance(q, torch.Tensor) and q.is_cuda:
         sig = _signature(tensors, (causal, softmax_scale, num_splits, window_size, softcap,
                                    max_seqlen_k))  # fmt: skip
-        prepared = None if sig is None else _PREPARED.get(sig)
+        try:
+            prepared = None if sig is None else _PREPARED.get(sig)
+        except TypeError:  # an unhashable option: the checks will say what is wrong with it
+            sig = prepared = None
         if prepared is not None:
             replay, shapes = prepared
             work = tuple(None if shape is None else torch.empty(shape, dtype=dtype,
@@ -535,18 +538,13 @@ def _signature(tensors: tuple, options: tuple) -> tuple | None:
     """What a call's checks and launches read, but the tensors' addresses and the values of
     the lengths and pages (checked on the device each call): each tensor's type, shape,
     strides, dtype, device and whether it requires grad; each option's type and value; the
-    grad mode. None for anything that cannot be a key (a tensor argument that is not a
-    tensor, an unhashable option): the checks will say what is wrong with it."""
+    grad mode. None for a tensor argument that is not a tensor (the checks will say what is
+    wrong with it); an unhashable option gives a key that cannot be looked up (TypeError)."""
     if any(t is not None and not isinstance(t, torch.Tensor) for t in tensors):
         return None
-    key = (torch.is_grad_enabled(),) + tuple(
+    return (torch.is_grad_enabled(),) + tuple(
         None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
         for t in tensors) + tuple((type(o), o) for o in options)  # fmt: skip
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 # signature (_signature) -> the launches of a call with max_seqlen_k (_launcher.Replay: the

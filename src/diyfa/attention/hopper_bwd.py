@@ -1037,7 +1037,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     kernel = launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
     launched.append((_attn_bwd_hopper, kernel, grid, args))
     if atomic_dq:
-        _finish(dq, dq_acc, p, permuted, launched)
+        _finish(view(dq), dq_acc, p.softmax_scale, permuted, launched)
     if roles is not None and not compiling_only() and None not in launched:
         _REPLAYS.put(key, Replay.record(launched, roles, tuple(_DQ_STANDINS.values())))
     return dq, dk, dv
@@ -1046,27 +1046,20 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
 _REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
 
 
-def _finish(dq: torch.Tensor, dq_acc: torch.Tensor, p: Problem, permuted: bool = False,
-            launched: list | None = None) -> torch.Tensor:  # fmt: skip
-    """dQ from the atomic mode's fp32 workspace: scaled, cast, written into ``dq`` (one Triton
-    kernel, ``_dq_finish``; the interpreter on the CPU); ``permuted``: the workspace holds
-    row 8a + 4b + c of each group of 8 at 8a + 2c + b (:func:`dq_rows_permuted`), put back
-    here. ``launched``: as for :func:`delta`."""
-    if p.cu_seqlens_q is not None:  # (1, heads, total, dpad) -> (total, heads, d)
-        out = dq.unsqueeze(0).transpose(1, 2)
-    else:
-        out = bhsd_view(dq, p.layout)
-    b, h, sq, d = out.shape
-    if b * h * sq == 0:
-        return dq
+def _finish(dq4: torch.Tensor, dq_acc: torch.Tensor, scale: float, permuted: bool = False,
+            launched: list | None = None) -> None:  # fmt: skip
+    """dQ from the atomic mode's fp32 workspace: scaled, cast and written into ``dq4``, dQ's
+    (batch, heads, seqlen, dim) view (packed: (1, heads, total, dim)), by one Triton kernel
+    (``_dq_finish``; the interpreter on the CPU); ``permuted``: the workspace holds row 8a +
+    4b + c of each group of 8 at 8a + 2c + b (:func:`dq_rows_permuted`), put back here.
+    ``launched``: as for :func:`delta`."""
+    b, h, sq, d = dq4.shape
     block = 64
-    so = out.stride()
-    args = dict(ACC=dq_acc, DQ=out, stride_qb=so[0], stride_qh=so[1], stride_qs=so[2],
-                stride_qd=so[3], heads=h, seqlen_q=sq, acc_rows=dq_acc.shape[2],
-                scale=p.softmax_scale, HEAD_DIM=d, ACC_DIM=dq_acc.shape[3],
-                PERMUTED=permuted, BLOCK=block)  # fmt: skip
-    _run(_dq_finish, (b * h, cdiv(sq, block)), args, dq.is_cuda, launched)
-    return dq
+    so = dq4.stride()
+    args = dict(ACC=dq_acc, DQ=dq4, stride_qb=so[0], stride_qh=so[1], stride_qs=so[2],
+                stride_qd=so[3], heads=h, seqlen_q=sq, acc_rows=dq_acc.shape[2], scale=scale,
+                HEAD_DIM=d, ACC_DIM=dq_acc.shape[3], PERMUTED=permuted, BLOCK=block)  # fmt: skip
+    _run(_dq_finish, (b * h, cdiv(sq, block)), args, dq4.is_cuda, launched)
 
 
 # --------------------------------------------------------------------------------------------
