@@ -575,3 +575,16 @@ def test_d64_consumers_by_the_busiest_programs_rows():
     assert consumers(1, 8192, 4096, causal=True, tiles=False) == 2
     assert consumers(1, 8192, 8192, causal=True, tiles=False) == 3
     assert hf.default_config(128, 16384, False, (32, 16384, 132)).consumers == 2
+    # what hopper_args passes: the tiles for plain calls without the band only (b2 h16 8192
+    # queries x 1024 keys: three consumers by the rows; causal or packed, by the keys: two)
+    q4 = torch.empty(2, 16, 8192, 64, dtype=torch.bfloat16)
+    k4 = torch.empty(2, 16, 1024, 64, dtype=torch.bfloat16)
+    lse = torch.empty(2, 16, 8192)
+
+    def picked(causal, packed=None):
+        return hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, causal, 132, None, None,
+                              packed)[1]["CONSUMERS"]  # fmt: skip
+
+    cu_host = ((0, 8192, 16384), (0, 1024, 2048))
+    pack = dict(batch=2, seqlen_q=8192, seqlen_k=1024, cu_host=cu_host, args=dict(VARLEN=True))
+    assert picked(False) == 3 and picked(True) == 2 and picked(False, pack) == 2
