@@ -342,7 +342,7 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.pick_splits(16, 8, 16384, dev, 128, 4) == 5  # cdiv(4 x 132, 128)
     assert decode.pick_splits(1, 8, 1000, dev, 64, 3, True) == 4  # ranges of >= 4 blocks
     assert decode.launch_config(True, 128, 128, 2, True) == (*decode.PAGED_WAVES, True)
-    assert decode.launch_config(False, 128, 128, 2, True) == (*decode.WIDE, False)
+    assert decode.launch_config(False, 128, 128, 2, True) == (*decode.WIDE, True)
     assert decode.launch_config(True, 128, 128, 1, True) == (*decode.PAGED_WAVES_FP8, True)
     assert decode.launch_config(False, 128, 128, 1, True) == (
         decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, False)  # fp8: the defaults
@@ -353,6 +353,13 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(False, 128, 128, 2, True, block_m=32) == (
         *decode.WIDE_MULTI, False)
     assert decode.pick_splits(16, 8, 16384, dev, 64, 2, True) == 2  # 256 of 264 slots
+    # Contiguous 16-bit caches (decode.WIDE: one resident program per SM): the fewest splits
+    # that fill 90% of one wave of 132 SMs, or one split where the pairs fill waves already
+    block_n, _, per_sm, waves = decode.launch_config(False, 128, 128, 2, True)
+    want = {(1, 8, 131072): 15, (2, 8, 131072): 8, (4, 8, 65536): 4, (8, 8, 32768): 2,
+            (16, 8, 16384): 1, (64, 8, 4096): 1, (128, 8, 512): 1, (16, 32, 16384): 1}
+    for (b, hk, n), splits in want.items():
+        assert decode.pick_splits(b, hk, n, dev, block_n, per_sm, waves) == splits, (b, hk, n)
 
 
 def test_cache_status_codes():
@@ -388,7 +395,8 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                 HEAD_DIM_V_PAD=128, CAUSAL=True,
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
                 SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024,
-                ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, DIRECT=False)
+                ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, DIRECT=False, PDL=True,
+                PDL_WAIT=True)
     for fn in (decode._decode_split, decode._combine, decode._cache_status, decode._append):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
@@ -406,6 +414,63 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
         compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=3)
 print("compiled")
 """
+
+
+_COMPILE_PDL = """
+import torch
+from diyfa._compile import compile_for_sm90
+from diyfa.attention import decode
+
+def values(fn, **args):
+    # realistic specialisation: unit strides for the head dim, the rest multiples of 16
+    return {p.name: args.get(p.name, torch.empty(16, dtype=torch.int32 if p.name in (
+        "BLOCK_TABLE", "CACHE_SEQLENS") else torch.bfloat16)) if p.name.isupper() else (
+        1 if p.name.startswith("stride") and p.name.endswith("d") else 1024) for p in fn.params}
+
+def first(ptx, *needles):
+    lines = ptx.splitlines()
+    return min((i for i, line in enumerate(lines) if any(n in line for n in needles)),
+               default=None)
+
+base = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
+            HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", WINDOW=False, SOFTCAP=False,
+            ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=128, DIRECT=False, PDL=True)
+for paged in (False, True):
+    ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
+                           PAGED=paged, PDL_WAIT=True), num_warps=8, num_stages=3).asm["ptx"]
+    wait, copy = first(ptx, "griddepcontrol.wait"), first(ptx, "cp.async.cg", "cp.async.ca")
+    assert wait is not None and copy is not None and wait < copy, (paged, wait, copy)
+    assert "griddepcontrol.launch_dependents" in ptx
+    ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
+                           PAGED=paged, PDL_WAIT=False), num_warps=8, num_stages=3).asm["ptx"]
+    assert "griddepcontrol.wait" not in ptx
+ptx = compile_for_sm90(decode._combine, values(decode._combine, NUM_SPLITS=4, HEAD_DIM=128,
+                       HEAD_DIM_PAD=128, SINKS=False, PDL=True), num_warps=4, num_stages=3).asm["ptx"]
+assert first(ptx, "griddepcontrol.wait") < first(ptx, "ld.global"), "combine reads first"
+ptx = compile_for_sm90(decode._append, values(decode._append, HEAD_DIM=128, HEAD_DIM_V=128,
+                       BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, PAGED=True, FP8=False, PDL=True),
+                       num_warps=4, num_stages=1).asm["ptx"]
+assert first(ptx, "griddepcontrol.wait") < first(ptx, "st.global"), "append writes first"
+ptx = compile_for_sm90(decode._cache_status, values(decode._cache_status, PAGED=True,
+                       BLOCK_P=1024, ASSERT=True, PDL=True), num_warps=4, num_stages=1).asm["ptx"]
+assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" not in ptx
+print("ordered")
+"""
+
+
+def test_decode_pdl_waits_before_it_reads_or_writes():
+    """Programmatic dependent launch (decode.PDL): in the sm90 PTX the split kernel that
+    follows an append waits for it before its first cache copy (and without an append does
+    not wait), the combine waits before it reads the splits, the append before it writes,
+    and the device check lets the next kernel launch at once."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_PDL], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "ordered" in done.stdout, done.stderr[-3000:]
 
 
 def test_decode_kernels_compile_for_hopper():
@@ -431,7 +496,8 @@ stages = decode.split_stages(256, 256, 4, H100_SHARED)
 tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32}
 args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=147, HEAD_DIM_PAD=256, HEAD_DIM_V=147,
             HEAD_DIM_V_PAD=256, CAUSAL=True, PAGED=False, PRECISION="ieee", WINDOW=False,
-            SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64, DIRECT=False)
+            SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64, DIRECT=False,
+            PDL=False, PDL_WAIT=False)
 values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.float32))
           if p.name.isupper() else 17) for p in decode._decode_split.params}
 kernel = compile_for_sm90(decode._decode_split, values, num_warps=4, num_stages=stages)

@@ -34,9 +34,12 @@ folded in, P rounded to the input dtype before P @ V (fp32 inputs: IEEE dots).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from diyfa import _interpreter
 from diyfa._launcher import (
@@ -62,8 +65,15 @@ PROGRAMS_PER_SM = 2  # pick_splits' aim: about this many split programs per SM
 # H200, bf16 d128, max_seqlen_k given, GB/s against 64-4-2 (benchmarks/decode_ab.py,
 # 2026-11-24): b64 x 4k 3,910 / 3,531, b1 x 128k 3,448 / 2,669, 32 kv heads 4,376 / 3,615,
 # b16 x 16k 3,963 / 3,967; paged caches measured best at 64-4-2 (pages of 16 at 16k 3,693
-# against 3,398).
-WIDE = (128, 8, 4)
+# against 3,398). One such program fills an SM (3 stages of 128-key d128 tiles: ~160 KB of
+# shared memory), so its split count fills whole waves of one program per SM: a split
+# sweep (..._decode-splits-sweep_9cdfb5b.jsonl) found every shape fastest at the splits
+# that just fit one wave (b4 x 64k: 4 splits, 128 programs, 4,174 GB/s; 5 splits, 160
+# programs, 3,019) or at one split where the pairs fill waves; against the 4-per-SM aim
+# before (..._decode-waves-rule-ab_9cdfb5b-wip.jsonl, GB/s, cuDNN in the same process):
+# b1 x 128k 3,869 / 3,647 (cuDNN 3,841), b4 x 64k 4,174 / 4,027 (4,176), b16 x 16k 4,228
+# / 4,088 (4,277), b64 x 4k 4,168 / 4,034 (4,208), b8 x 32k 4,151 / 3,901 (4,163).
+WIDE = (128, 8, 1)
 # ... and the same caches when a program holds more than 16 query rows (the GQA group x the
 # new tokens: 32 for 8 tokens of a group of 4). H200, bf16 d128, b16 32/8 16k, 8 new tokens
 # (decode_ab.py --multi --tokens 8, ..._decode-ab-multi_27997d6-wip.jsonl, GB/s against a
@@ -86,6 +96,20 @@ PAGED_WAVES = (64, 4, 3)
 # with the defaults.
 WIDE_FP8 = None
 PAGED_WAVES_FP8 = (128, 4, 3)
+# Programmatic dependent launch (sm90+): each kernel of a decode step after the first (the
+# device check) is launched while the one before it runs, and waits (``gdc_wait``) only
+# where it reads what that one wrote: the append waits for the check, the split kernel for
+# the append (without one it reads nothing the check writes and runs alongside it, its
+# lengths clamped to the bound and its pages to the pool so that a bad one, which the check
+# asserts on, is never read out of bounds), the combine for the splits. It hides the check
+# (~1 us) and a kernel boundary per launch. ``DIYFA_DECODE_PDL=0`` turns it off.
+PDL = os.environ.get("DIYFA_DECODE_PDL", "1") != "0"
+
+
+def pdl_on(device: torch.device) -> bool:
+    """Whether a decode step on ``device`` chains its kernels by programmatic dependent
+    launch (:data:`PDL`, a CUDA GPU of compute capability 9 or more)."""
+    return PDL and device.type == "cuda" and kernel_limits(device.index)["capability_major"] >= 9
 
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
@@ -99,7 +123,7 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
     wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
     if wide and narrow and not paged:
-        return (*(wide if block_m <= 16 else WIDE_MULTI), False)
+        return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
         block_n, warps, per_sm = paged_waves
         return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
@@ -125,7 +149,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   stride_ob, stride_os, stride_oh, stride_od,
                   stride_kb, stride_ks, stride_kh, stride_kd,
                   stride_vb, stride_vs, stride_vh, stride_vd,
-                  stride_tb, page_size,
+                  stride_tb, page_size, pool, max_len,
                   kv_heads, kv_group, seqlen_q, split_len, qk_scale, batch, seqlen_add,
                   window_left, window_right, tanh_scale, SLOPES, stride_slopes_b,
                   K_DESCALE, V_DESCALE, stride_descale_b,
@@ -133,17 +157,24 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+                  PDL: tl.constexpr, PDL_WAIT: tl.constexpr):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
     query r % seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no
     sinks): the rows' output and LSE go to O and LSE themselves, what :func:`_combine` would
-    make of a single split (bitwise), and no combine runs."""
+    make of a single split (bitwise), and no combine runs. PDL: launched while the kernel
+    before it runs (see :data:`PDL`); PDL_WAIT: that kernel wrote the cache (the append), so
+    the keys are read only once it is done. Lengths are clamped to ``max_len`` (the bound)
+    and pages to the pool [0, ``pool``): a no-op for checked inputs, and no read out of
+    bounds for bad ones while the device check, which asserts on them, runs alongside."""
+    if PDL:
+        gdc_launch_dependents()  # the combine may be launched (it waits for this grid)
     off_bhk = tl.program_id(0)
     split = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
-    seqlen_k = tl.load(CACHE_SEQLENS + off_b) + seqlen_add  # the appended tokens count
+    seqlen_k = tl.minimum(tl.load(CACHE_SEQLENS + off_b) + seqlen_add, max_len)  # appended too
     alibi_offset = seqlen_k - seqlen_q  # bottom-right
     causal_offset = alibi_offset + window_right  # key j <= i + causal_offset (CAUSAL)
     left_offset = alibi_offset - window_left  # key j >= i + left_offset (WINDOW)
@@ -189,12 +220,15 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    if PDL_WAIT:
+        gdc_wait()
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         if PAGED:
             page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_ok,
                            other=0).to(tl.int64)  # fmt: skip
+            page = tl.minimum(tl.maximum(page, 0), pool - 1)
             k_rows = page * stride_kb + (offs_n % page_size) * stride_ks
             v_rows = page * stride_vb + (offs_n % page_size) * stride_vs
         else:
@@ -254,10 +288,13 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
 def _combine(O_PART, LSE_PART, O, LSE, SINK_LOGITS, rows_per_split, seqlen_q, heads,
              num_splits, stride_ob, stride_os, stride_oh, stride_od,
              NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-             SINKS: tl.constexpr):
+             SINKS: tl.constexpr, PDL: tl.constexpr):
     """Program per (batch, head, query) row: merge the ``num_splits`` splits' partial
     outputs (read as NUM_SPLITS, the next power of two: the extra slots count as empty) and
-    the head's sink logit, which joins the denominator once, with no value."""
+    the head's sink logit, which joins the denominator once, with no value. PDL: launched
+    while the split kernel runs; it waits for it before reading."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)  # (b * heads + h) * seqlen_q + s
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     splits = tl.arange(0, NUM_SPLITS)
@@ -293,11 +330,14 @@ ASSERT_MESSAGE = tl.constexpr("flash_attention_with_kvcache: cache_seqlens + the
 @triton.jit(debug=True)  # its device_assert (ASSERT) is compiled in; nothing else here
 def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, max_blocks,
                   page_size, pool, PAGED: tl.constexpr, BLOCK_P: tl.constexpr,
-                  ASSERT: tl.constexpr):
+                  ASSERT: tl.constexpr, PDL: tl.constexpr):
     """Program per sequence b: STATUS[b] = its cache length after the append, or -1 when
     that is outside [s_new, limit] (cache_seqlens[b] negative, or the cache too short), or -2
     when (PAGED) one of the pages it uses is outside the pool [0, pool). ASSERT: a fault
-    also stops the stream with a device-side assert naming it (the unchecked path)."""
+    also stops the stream with a device-side assert naming it (the unchecked path). PDL: the
+    next kernel (:data:`PDL`) may be launched at once."""
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     n = tl.load(CACHE_SEQLENS + b).to(tl.int64)  # n + s_new never overflows (int32 max + 1)
     status = tl.where((n < 0) | (n > limit - s_new), -1, n + s_new)
@@ -335,7 +375,8 @@ def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, 
                 stride_tb=block_table.stride(0) if paged else 0,
                 max_blocks=block_table.shape[1] if paged else 0, page_size=page_size,
                 pool=pool, PAGED=paged, BLOCK_P=1024,
-                ASSERT=asserted and cache_seqlens.is_cuda)  # fmt: skip
+                ASSERT=asserted and cache_seqlens.is_cuda,
+                PDL=pdl_on(cache_seqlens.device))  # fmt: skip
     if cache_seqlens.is_cuda:
         kernel = launch(_cache_status, (b,), args, {}, 4, 1)
         if launched is not None:
@@ -354,11 +395,15 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
             stride_tb, page_size, capacity, kv_heads, stride_descale_b,
             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
-            FP8: tl.constexpr):
+            FP8: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence b, new token t): k_new[b, t] and v_new[b, t] (every kv head) into
     cache row cache_seqlens[b] + t (paged: through the block table), quantised to e4m3 with
     the descales when FP8. Rows outside [0, capacity) are not written (the checks reject
-    them before; this keeps a write inside the cache even so)."""
+    them before; this keeps a write inside the cache even so). PDL: launched while the
+    device check runs; nothing is written before that check is done."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
     pos = tl.load(CACHE_SEQLENS + b) + t
@@ -420,11 +465,11 @@ def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
                 stride_descale_b=k_descale.stride(0) if fp8 and k_descale.dim() == 2 else 0,
                 HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_H=next_power_of_2(hk),
                 BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(dv), PAGED=paged,
-                FP8=fp8)  # fmt: skip
+                FP8=fp8, PDL=pdl_on(k.device))  # fmt: skip
     if b * s_new == 0:
         return
     if k.is_cuda:
-        kernel = launch(_append, (b, s_new), args, {}, 4, 1)
+        kernel = launch(_append, (b, s_new), args, {"launch_pdl": args["PDL"]}, 4, 1)
         if launched is not None:
             launched.append((_append, kernel, (b, s_new), args))
     else:  # the interpreter
@@ -579,6 +624,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     d_pad = max(16, next_power_of_2(d))
     dv_pad = max(16, next_power_of_2(dv))
     paged = block_table is not None
+    pdl = pdl_on(q.device)
     block_m = min(64, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad, dv_pad, k_cache.element_size(),
                                                   q.is_cuda, block_m)  # fmt: skip
@@ -606,8 +652,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         stride_kb=sk_[0], stride_ks=sk_[1], stride_kh=sk_[2], stride_kd=sk_[3],
         stride_vb=sv_[0], stride_vs=sv_[1], stride_vh=sv_[2], stride_vd=sv_[3],
         stride_tb=block_table.stride(0) if paged else 0,
-        page_size=k_cache.shape[1] if paged else 1,
-        kv_heads=hk, kv_group=group, seqlen_q=sq, split_len=split_len, qk_scale=qk_scale,
+        page_size=k_cache.shape[1] if paged else 1, pool=k_cache.shape[0] if paged else 1,
+        max_len=max_seqlen_k, kv_heads=hk, kv_group=group, seqlen_q=sq, split_len=split_len, qk_scale=qk_scale,
         batch=b, seqlen_add=seqlen_add, window_left=max(left, 0),
         window_right=0 if causal else max(right, 0),
         tanh_scale=softmax_scale / softcap if softcap > 0 else 1.0,
@@ -619,25 +665,26 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         CAUSAL=causal or right >= 0, PAGED=paged,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n,
-        DIRECT=direct,
+        DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
     )  # fmt: skip
     combine_args = dict(
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
         SINK_LOGITS=sinks if sinks is not None else lse_part, rows_per_split=rows,
         seqlen_q=sq, heads=h, num_splits=splits, stride_ob=so[0], stride_os=so[1],
         stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits), HEAD_DIM=dv,
-        HEAD_DIM_PAD=dv_pad, SINKS=sinks is not None,
+        HEAD_DIM_PAD=dv_pad, SINKS=sinks is not None, PDL=pdl,
     )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     if q.is_cuda:  # diyfa's launcher: Triton's per-call binding costs tens of microseconds
         stages = split_stages(d_pad, dv_pad, k_cache.element_size(),
                               kernel_limits(q.device.index)["max_shared_mem"],
                               block_n)  # fmt: skip
-        split_kernel = launch(_decode_split, split_grid, split_args, {}, warps, stages)
+        pdl_meta = {"launch_pdl": pdl}
+        split_kernel = launch(_decode_split, split_grid, split_args, pdl_meta, warps, stages)
         if launched is not None:
             launched.append((_decode_split, split_kernel, split_grid, split_args))
         if not direct:
-            combine_kernel = launch(_combine, (rows,), combine_args, {}, 4, 3)
+            combine_kernel = launch(_combine, (rows,), combine_args, pdl_meta, 4, 3)
             if launched is not None:
                 launched.append((_combine, combine_kernel, (rows,), combine_args))
     else:  # the interpreter
