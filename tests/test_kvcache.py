@@ -445,7 +445,8 @@ for paged in (False, True):
                            PAGED=paged, PDL_WAIT=False), num_warps=8, num_stages=3).asm["ptx"]
     assert "griddepcontrol.wait" not in ptx
 ptx = compile_for_sm90(decode._combine, values(decode._combine, NUM_SPLITS=4, HEAD_DIM=128,
-                       HEAD_DIM_PAD=128, SINKS=False, PDL=True), num_warps=4, num_stages=3).asm["ptx"]
+                       HEAD_DIM_PAD=128, SINKS=False, PDL=True), num_warps=4,
+                       num_stages=3).asm["ptx"]
 assert first(ptx, "griddepcontrol.wait") < first(ptx, "ld.global"), "combine reads first"
 ptx = compile_for_sm90(decode._append, values(decode._append, HEAD_DIM=128, HEAD_DIM_V=128,
                        BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, PAGED=True, FP8=False, PDL=True),
