@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -390,6 +391,44 @@ def test_gpu_hopper_persistent_programs_run_many_tiles(name, causal, monkeypatch
     pt = attention_ref(q, k, v, causal=causal, compute_dtype=torch.bfloat16).double()
     err, pt_err = (out - ref).abs().max().item(), (pt - ref).abs().max().item()
     assert err <= 2 * pt_err, (name, causal, err, pt_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_hopper_lazy_rescale_when_the_max_grows(dtype, d, causal):
+    """Config.lazy (O rescaled only when a row's max passes the running one by more than
+    hopper_fwd.LAZY_RESCALE, the multiplies skipped by threads whose rows kept theirs): keys
+    scaled up block by block (up to 6x at the last key) make the row max pass the running
+    one by more than that several times mid-row; every other query row is scaled down, so
+    neighbouring rows (a thread holds two) rescale at different blocks, and some never.
+    Out and LSE against float64 by the 2x rule (the LSE against the float64 one within 2x
+    PyTorch's out error: it is m + log2(l) with m stale by up to LAZY_RESCALE)."""
+    from diyfa.attention import hopper_fwd as hf
+
+    g = torch.Generator(device="cuda").manual_seed(d + causal)
+    b, h, hk, sq, sk = 2, 4, 2, 700, 1500
+    q = torch.randn(b, h, sq, d, device="cuda", generator=g, dtype=torch.float32)
+    q[:, :, ::2] *= 0.25
+    ramp = 1.0 + 5.0 * torch.arange(sk, device="cuda").float() / sk
+    k = torch.randn(b, hk, sk, d, device="cuda", generator=g) * ramp[:, None]
+    v = torch.randn(b, hk, sk, d, device="cuda", generator=g)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    p = check_inputs(q, k, v, causal=causal, softmax_scale=None, layout="bhsd",
+                     align="bottom_right")  # fmt: skip
+    cfg = hf.default_config(d, 1 << 20)._replace(lazy=1)
+    out, lse2 = hf.hopper_forward(q, k, v, p, cfg)
+    ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal,
+                                 compute_dtype=torch.float64, return_lse=True)  # fmt: skip
+    pt = attention_ref(q, k, v, causal=causal, compute_dtype=dtype).double()
+    err, pt_err = (out.double() - ref).abs().max().item(), (pt - ref).abs().max().item()
+    assert err <= 2 * pt_err, (err, pt_err)
+    lse = lse2.double() * math.log(2)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    lse_err = (lse[seen] - ref_lse[seen]).abs().max().item()
+    assert lse_err <= 1e-3 * ref_lse[seen].abs().max().item() + 1e-4, lse_err
 
 
 @pytest.mark.gpu

@@ -347,8 +347,10 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(False, 128, 128, 1, True) == (
         decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, False)  # fp8: the defaults
     assert decode.launch_config(False, 128, 128, 4, True)[0] == decode.BLOCK_N  # fp32: default
-    # 8 new tokens x a group of 4 = 32 rows a program: 2 resident per SM (registers)
-    assert decode.launch_config(True, 128, 128, 2, True, block_m=32)[2] == 2
+    # 8 new tokens x a group of 4 = 32 rows a program: 128-key blocks, 2 per SM (16-bit)
+    assert decode.launch_config(True, 128, 128, 2, True, block_m=32) == (
+        *decode.PAGED_WAVES_MULTI, True)
+    assert decode.launch_config(True, 128, 128, 1, True, block_m=32)[2] == 2  # fp8
     # ... and contiguous ones take WIDE_MULTI's launch
     assert decode.launch_config(False, 128, 128, 2, True, block_m=32) == (
         *decode.WIDE_MULTI, False)
@@ -403,11 +405,12 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
         compile_for_sm90(fn, values, num_warps=4, num_stages=2)
     # the contiguous and paged caches' launches (decode.WIDE / PAGED_WAVES, their fp8
     # versions), no variant; the contiguous one writing its output directly (one split)
-    for paged, launch in ((False, decode.WIDE), (True, decode.PAGED_WAVES_FP8 if fp8
-                                                 else decode.PAGED_WAVES)):  # fmt: skip
+    for paged, launch, rows in ((False, decode.WIDE, 16),
+                                (True, decode.PAGED_WAVES_FP8 if fp8 else decode.PAGED_WAVES, 16),
+                                (True, decode.PAGED_WAVES_MULTI, 32)):  # fmt: skip
         block_n, warps, _ = launch
         plain = dict(args, BLOCK_N=block_n, PAGED=paged, WINDOW=False, SOFTCAP=False,
-                     ALIBI=False, DIRECT=not paged)  # fmt: skip
+                     ALIBI=False, DIRECT=not paged, BLOCK_M=rows)  # fmt: skip
         values = {p.name: plain.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17)
                   for p in decode._decode_split.params}

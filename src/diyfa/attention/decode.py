@@ -88,6 +88,12 @@ WIDE_MULTI = (64, 4, 3)
 # 3,018 / 3,715, 32 kv heads 3,183 / 4,151 (3 splits), b1 x 128k (pages of 256) 2,884 /
 # 3,475; this rule picks 3 splits for those three and whole waves for the others.
 PAGED_WAVES = (64, 4, 3)
+# ... and paged programs of more than 16 query rows (8 new tokens x a group of 4): 128-key
+# blocks, 4 warps, whole waves of 2 per SM. H200, bf16 d128, b16 32/8 16k, 8 new tokens, one
+# process (..._decode-paged-ab_48710d6.jsonl, GB/s, contiguous 4,002): pages of 16 3,159
+# against PAGED_WAVES' 2,622, pages of 256 3,219 / 2,716; one new token kept PAGED_WAVES
+# (b16 x 16k pages of 16 3,730 against 3,596).
+PAGED_WAVES_MULTI = (128, 4, 2)
 # fp8 (e4m3) caches. H200 (benchmarks/fp8_decode.py --launches, one process each run,
 # ..._fp8-decode-launches_b045090.jsonl and ..._fp8-decode_6f68b6b.jsonl), fp8 tokens/s over
 # the bf16 cache's: contiguous 0.81-0.91 with 256-key blocks, 1.04-1.08 with WIDE's, 1.07-1.15
@@ -125,6 +131,8 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     if wide and narrow and not paged:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
+        if block_m > 16 and elem_bytes == 2:
+            return (*PAGED_WAVES_MULTI, True)
         block_n, warps, per_sm = paged_waves
         return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False

@@ -103,6 +103,7 @@ class Config(NamedTuple):
     q_bufs: int = 1  # Q buffers per consumer: with 2 the next tile's Q loads during this one
     dynamic: int = 0  # 1: causal calls persistent too, tiles handed out by an atomic counter
     pingpong: int = 0  # 1: the consumers issue their products in turns (named barriers)
+    lazy: int = 0  # 1: O is rescaled only when a row's max grows by more than LAZY_RESCALE
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -480,6 +481,13 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
 ORDER_PIN = gl.constexpr(1)
 ORDER_PINGPONG = gl.constexpr(2)
 ORDER_PIN_GLOBAL = gl.constexpr(4)
+ORDER_LAZY = gl.constexpr(8)
+# Config.lazy: a row's running max moves only when a block's scores pass it by more than this
+# (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
+# their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
+# usual size, which 16-bit P and the fp32 sums hold; m + log2(l) is the LSE either way.
+# (FlashAttention-4's conditional rescaling.) Not with fp8, whose P already uses the range.
+LAZY_RESCALE = gl.constexpr(8.0)
 PINGPONG_BARRIER = gl.constexpr(12)  # consumer C's named barrier: 12 + C (Triton's: low ids)
 
 
@@ -526,7 +534,7 @@ def _row_sums(p):
 def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, left_offset,
                   qk_scale, tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr):
+                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, LAZY: gl.constexpr = 0.0):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
@@ -536,7 +544,8 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     straddles the end of the keys, the causal diagonal or the left window's edge). P_SHIFT:
     the running max is kept P_SHIFT below the true one, so p (and l) come out 2^P_SHIFT times
     larger, at no cost (fp8: P's e4m3 rounding needs its small values away from underflow);
-    m + log2(l) is the LSE either way."""
+    m + log2(l) is the LSE either way. LAZY > 0: m moves only where the block's max passes
+    it by more than LAZY (alpha stays 1 elsewhere; p and l grow up to 2^LAZY)."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -575,6 +584,8 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         m_new = gl.maximum(m_i, gl.max(s, 1) + row_term - P_SHIFT)
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale - P_SHIFT)
+    if LAZY > 0:  # (m_i = -inf: any visible key moves it)
+        m_new = gl.where(m_new > m_i + LAZY, m_new, m_i)
     # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     if ALIBI:
@@ -586,6 +597,41 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
     l_i = l_i * alpha_l[:, None] + _row_sums(p)
     return p, m_new, l_i, alpha
+
+
+def _lazy_asm(pack: int) -> str:
+    """PTX of one :func:`_rescale` instance: ``pack`` accumulator values ($0.., tied to their
+    inputs) times their rows' alphas, skipped by a branch when the thread's flag (the first
+    of ``pack`` copies) is 0. (Labels inside braces are local to the instance.)"""
+    muls = "\n".join(f"mul.f32 ${i}, ${i}, ${3 * pack + i};" for i in range(pack))
+    return ("{\n.reg .pred p;\n"
+            f"setp.ne.u32 p, ${2 * pack}, 0;\n@!p bra LAZY_SKIP;\n{muls}\nLAZY_SKIP:\n}}")
+
+
+def _lazy_constraints(pack: int) -> str:
+    return ",".join(["=f"] * pack + [str(i) for i in range(pack)] + ["r"] * pack
+                    + ["f"] * pack)  # fmt: skip
+
+
+LAZY_PACK = gl.constexpr(16)
+LAZY_ASM = gl.constexpr(_lazy_asm(LAZY_PACK.value))
+LAZY_CONSTRAINTS = gl.constexpr(_lazy_constraints(LAZY_PACK.value))
+
+
+@gluon.jit
+def _rescale(acc, alpha):
+    """acc * alpha[:, None], the multiplies skipped by every thread whose rows all kept
+    their max (alpha 1: the lazy rescale's common case). Each thread of the wgmma
+    accumulator layout holds two rows; its flag (either alpha not 1) goes to every value it
+    holds, and a branch per LAZY_PACK values skips them."""
+    one = gl.full(alpha.shape, 1.0, gl.float32, layout=alpha.type.layout)
+    flag = (alpha != one).to(gl.int32)
+    # the thread's two rows: r and r + 8 (both alphas' flags, or-ed across the pair)
+    both = gl.inline_asm_elementwise("or.b32 $0, $2, $3;\n\tmov.b32 $1, $0;", "=r,=r,r,r",
+                                     [flag], dtype=gl.int32, is_pure=True, pack=2)
+    return gl.inline_asm_elementwise(LAZY_ASM, LAZY_CONSTRAINTS,
+                                     [acc, both[:, None], alpha[:, None]], dtype=gl.float32,
+                                     is_pure=True, pack=LAZY_PACK)
 
 
 @gluon.jit
@@ -625,6 +671,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # fp8: P comes out 2^8 times larger (its small values clear of e4m3's underflow at 2^-9,
     # the largest near 256, under e4m3's 448); l too, so O / l needs no correction
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
+    LAZY: gl.constexpr = LAZY_RESCALE if (ORDER & ORDER_LAZY) and not FP8 else 0.0
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -711,7 +758,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale_t, tanh_scale, slope2, alibi_offset,
                 (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                P_SHIFT)
+                P_SHIFT, LAZY)
             # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P
             # carried into the next iteration comes out, at three consumers (160 registers),
             # as 16-bit registers whose halves ptxas swaps before the product (32 PRMT per
@@ -747,7 +794,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    P_SHIFT)
+                    P_SHIFT, LAZY)
                 if ORDER & ORDER_PIN:
                     # ptxas schedules the wait for P_{j-1} V_{j-1} as early as it can, which
                     # is before this softmax (it only orders the wait among memory
@@ -760,7 +807,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.arrive(v_empty.index(prev))  # nor V_{j-1}
                 if not LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
-                acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+                if LAZY > 0:
+                    acc = _rescale(acc, gl.convert_layout(alpha, orow_layout))
+                else:
+                    acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             g = it + n - 1 - lo
             last, phase = _stage(g, STAGES)
             mbarrier.wait(v_ready.index(last), phase)
@@ -1082,7 +1132,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 stride_ob=0, stride_os=0, stride_oh=0, DESCALE=lse2, FP8=0,
                 total_q=0, head_dim=o4.shape[3], VARLEN=False,
                 ORDER=(ORDER_PIN.value * (cfg.pin == 1) + ORDER_PIN_GLOBAL.value * (cfg.pin == 2)
-                       + ORDER_PINGPONG.value * bool(cfg.pingpong)),
+                       + ORDER_PINGPONG.value * bool(cfg.pingpong)
+                       + ORDER_LAZY.value * bool(cfg.lazy)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False)  # fmt: skip
     if variants:
