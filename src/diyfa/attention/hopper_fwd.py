@@ -109,9 +109,16 @@ class Config(NamedTuple):
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
 HOPPER_CONFIGS = {
     64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2, dynamic=1),
-    128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2, dynamic=1),
-    256: Config(2, 64, 2, 1, 240, 24, 2, q_bufs=1, dynamic=1),  # (two Q buffers would not fit)
+    128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2, dynamic=1, lazy=1),
+    256: Config(2, 64, 2, 1, 240, 24, 2, q_bufs=1, dynamic=1, lazy=1),  # (two Q buffers: too big)
 }
+# lazy (the lazy rescale, ORDER_LAZY): H200, bf16, FlashAttention's sweep (16k tokens), one
+# process, 5 rounds (benchmarks/results/2026-11-24_h200_hopper-fwd-lazy64-ab_d66423d-wip.txt),
+# TFLOPS without / with at 2048 / 4096 / 8192 / 16384 keys: d128 601.7 / 606.3, 617.7 / 622.4,
+# 630.2 / 635.6, 642.9 / 644.3, causal 504.6 / 513.0, 554.9 / 564.4, 588.9 / 610.5, 618.7 /
+# 637.6; d256 640.2 / 668.1, 645.1 / 700.2, 668.5 / 705.5, 681.6 / 726.3, causal 521.1 /
+# 545.7, 578.2 / 610.4, 604.5 / 642.6, 674.2 / 718.2. At d64 (three consumers, 32 values a
+# thread) it lost 0-7% with branches of 16 values (..._hopper-fwd-lazy-ab_d66423d.txt): off.
 # From LONG_KEYS keys on, head dim 64 runs three consumers (192 query rows per tile): H200,
 # bf16, 2026-11-23 (benchmarks/results/*_hopper-fwd-pin-ab_1fc2b6f.jsonl): 490.6 against
 # 457.0 TFLOPS at 16k, 478.4 against 450.1 causal, 470.1 against 456.8 at 4096 (causal
@@ -613,7 +620,7 @@ def _lazy_constraints(pack: int) -> str:
                     + ["f"] * pack)  # fmt: skip
 
 
-LAZY_PACK = gl.constexpr(16)
+LAZY_PACK = gl.constexpr(64)
 LAZY_ASM = gl.constexpr(_lazy_asm(LAZY_PACK.value))
 LAZY_CONSTRAINTS = gl.constexpr(_lazy_constraints(LAZY_PACK.value))
 
@@ -623,7 +630,8 @@ def _rescale(acc, alpha):
     """acc * alpha[:, None], the multiplies skipped by every thread whose rows all kept
     their max (alpha 1: the lazy rescale's common case). Each thread of the wgmma
     accumulator layout holds two rows; its flag (either alpha not 1) goes to every value it
-    holds, and a branch per LAZY_PACK values skips them."""
+    holds, and a branch per LAZY_PACK values skips them (64: one or two branches a block
+    at head dims 128 and 256; 4 x 16 left 9 more instructions in the d128 loop)."""
     one = gl.full(alpha.shape, 1.0, gl.float32, layout=alpha.type.layout)
     flag = (alpha != one).to(gl.int32)
     # the thread's two rows: r and r + 8 (both alphas' flags, or-ed across the pair)
@@ -671,7 +679,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # fp8: P comes out 2^8 times larger (its small values clear of e4m3's underflow at 2^-9,
     # the largest near 256, under e4m3's 448); l too, so O / l needs no correction
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
-    LAZY: gl.constexpr = LAZY_RESCALE if (ORDER & ORDER_LAZY) and not FP8 else 0.0
+    # (head dims of 128 and more: a thread holds LAZY_PACK or more of O's values)
+    LAZY: gl.constexpr = (LAZY_RESCALE if (ORDER & ORDER_LAZY) and not FP8
+                          and HEAD_DIM_V >= 2 * LAZY_PACK else 0.0)  # fmt: skip
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
