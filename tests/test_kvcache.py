@@ -96,6 +96,33 @@ def test_kvcache_append_and_attend(dtype, splits, sq, s_new, causal, paged):
         assert (out[0, : sq - LENS[0] - s_new] == 0).all()
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["1split", "3splits"])
+@pytest.mark.parametrize("page", [1, 12, 16, 64, 256])
+def test_kvcache_page_sizes(page, splits):
+    """The split kernel's three ways through the block table (decode.kvcache_attention's
+    PAGE): pages of 64 and 256 (a 64-key block in one page: one entry a block), 16 and 1
+    (whole pages in a block: an entry per page, spread over its keys) and 12 (not a power of
+    two: an entry per key), 4 new tokens appended through the pages, against the reference;
+    the same cache contiguous gives the same output within rounding."""
+    dtype = torch.bfloat16
+    (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+     after_v) = _setup(dtype, 4, 4, page=page)  # fmt: skip
+    with torch.no_grad():
+        out = diyfa.flash_attention_with_kvcache(
+            q, k_pages, v_pages, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+            num_splits=splits)  # fmt: skip
+    lengths = [n + 4 for n in LENS]
+    ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
+                     torch.float64)  # fmt: skip
+    pt = _reference(q, after_k, after_v, lengths, True, dtype)
+    _check("out", out, pt, ref, 2, dtype)
+    with torch.no_grad():
+        flat = diyfa.flash_attention_with_kvcache(q, after_k, after_v,
+                                                  cache_seqlens=seqlens + 4,
+                                                  num_splits=splits)  # fmt: skip
+    assert (out.float() - flat.float()).abs().max().item() <= 1e-2
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("variant", [
     dict(window_size=(40, 0)), dict(softcap=2.0), dict(alibi="heads"), dict(sinks=True),
@@ -398,7 +425,7 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
                 SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024,
                 ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, DIRECT=False, PDL=True,
-                PDL_WAIT=True)
+                PDL_WAIT=True, PAGE=16)
     for fn in (decode._decode_split, decode._combine, decode._cache_status, decode._append):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
@@ -437,7 +464,8 @@ def first(ptx, *needles):
 
 base = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
             HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", WINDOW=False, SOFTCAP=False,
-            ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=128, DIRECT=False, PDL=True)
+            ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=128, DIRECT=False, PDL=True,
+            PAGE=16)
 for paged in (False, True):
     ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
                            PAGED=paged, PDL_WAIT=True), num_warps=8, num_stages=3).asm["ptx"]
@@ -501,7 +529,7 @@ tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32}
 args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=147, HEAD_DIM_PAD=256, HEAD_DIM_V=147,
             HEAD_DIM_V_PAD=256, CAUSAL=True, PAGED=False, PRECISION="ieee", WINDOW=False,
             SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64, DIRECT=False,
-            PDL=False, PDL_WAIT=False)
+            PDL=False, PDL_WAIT=False, PAGE=0)
 values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.float32))
           if p.name.isupper() else 17) for p in decode._decode_split.params}
 kernel = compile_for_sm90(decode._decode_split, values, num_warps=4, num_stages=stages)

@@ -166,7 +166,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                  PDL: tl.constexpr, PDL_WAIT: tl.constexpr):
+                  PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PAGE: tl.constexpr):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
     query r % seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no
@@ -175,7 +175,9 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     before it runs (see :data:`PDL`); PDL_WAIT: that kernel wrote the cache (the append), so
     the keys are read only once it is done. Lengths are clamped to ``max_len`` (the bound)
     and pages to the pool [0, ``pool``): a no-op for checked inputs, and no read out of
-    bounds for bad ones while the device check, which asserts on them, runs alongside."""
+    bounds for bad ones while the device check, which asserts on them, runs alongside.
+    PAGE: the page size where it is a power of two (a block then reads one table entry per
+    page it covers, not one per key, and divides by shifts), else 0."""
     if PDL:
         gdc_launch_dependents()  # the combine may be launched (it waits for this grid)
     off_bhk = tl.program_id(0)
@@ -233,7 +235,23 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        if PAGED:
+        if PAGED and PAGE >= BLOCK_N:  # the block lies in one page: one table entry
+            page = tl.load(BLOCK_TABLE + off_b * stride_tb + start_n // PAGE).to(tl.int64)
+            page = tl.minimum(tl.maximum(page, 0), pool - 1)
+            within = (start_n % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_rows = page * stride_kb + within * stride_ks
+            v_rows = page * stride_vb + within * stride_vs
+        elif PAGED and PAGE > 0:  # BLOCK_N // PAGE whole pages: their entries, one each
+            pages = start_n // PAGE + tl.arange(0, BLOCK_N // PAGE)
+            page = tl.load(BLOCK_TABLE + off_b * stride_tb + pages, mask=pages * PAGE < hi,
+                           other=0).to(tl.int64)  # fmt: skip
+            page = tl.minimum(tl.maximum(page, 0), pool - 1)
+            page = tl.reshape(tl.broadcast_to(page[:, None], (BLOCK_N // PAGE, PAGE)),
+                              (BLOCK_N,))  # fmt: skip
+            within = (tl.arange(0, BLOCK_N) % PAGE).to(tl.int64)
+            k_rows = page * stride_kb + within * stride_ks
+            v_rows = page * stride_vb + within * stride_vs
+        elif PAGED:  # any page size: an entry per key
             page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_ok,
                            other=0).to(tl.int64)  # fmt: skip
             page = tl.minimum(tl.maximum(page, 0), pool - 1)
@@ -609,6 +627,11 @@ def _signature(tensors: tuple, options: tuple) -> tuple | None:
 _PREPARED = ReplayCache()
 
 
+def _pow2_page(page_size: int) -> int:
+    """The split kernel's PAGE: the page size where it is a power of two (>= 1), else 0."""
+    return page_size if page_size & (page_size - 1) == 0 else 0
+
+
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal: bool,
                       softmax_scale: float, num_splits: int, max_seqlen_k: int,
                       window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
@@ -675,6 +698,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
+        PAGE=_pow2_page(k_cache.shape[1]) if paged else 0,
     )  # fmt: skip
     combine_args = dict(
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
