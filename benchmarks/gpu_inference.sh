@@ -20,4 +20,4 @@ timeout 60 python3 benchmarks/first_call.py --dtype bfloat16 --head-dim 128 --ca
   > "$OUT/first_call.log" 2>&1 || echo "first_call: exit $?"
 tail -n 4 "$OUT/first_call.log"
 python3 benchmarks/results_table.py "$OUT/inference.jsonl" --tbps | grep -v " varlen "
-python3 benchmarks/results_table.py "$OUT/inference.jsonl" | grep -E "TFLOPS| varlen "
+python3 benchmarks/results_table.py "$OUT/inference.jsonl" | grep -E "TFLOPS|^varlen"
