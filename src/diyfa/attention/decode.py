@@ -65,7 +65,7 @@ PROGRAMS_PER_SM = 2  # pick_splits' aim: about this many split programs per SM
 # H200, bf16 d128, max_seqlen_k given, GB/s against 64-4-2 (benchmarks/decode_ab.py,
 # 2026-11-24): b64 x 4k 3,910 / 3,531, b1 x 128k 3,448 / 2,669, 32 kv heads 4,376 / 3,615,
 # b16 x 16k 3,963 / 3,967; paged caches measured best at 64-4-2 (pages of 16 at 16k 3,693
-# against 3,398). One such program fills an SM (3 stages of 128-key d128 tiles: ~160 KB of
+# against 3,398). One such program fills an SM (3 stages of 128-key d128 tiles: ~136 KB of
 # shared memory), so its split count fills whole waves of one program per SM: a split
 # sweep (..._decode-splits-sweep_9cdfb5b.jsonl) found every shape fastest at the splits
 # that just fit one wave (b4 x 64k: 4 splits, 128 programs, 4,174 GB/s; 5 splits, 160
@@ -120,12 +120,12 @@ def pdl_on(device: torch.device) -> bool:
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
                   block_m: int = 16) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI
-    and PAGED_WAVES; whole waves: :func:`pick_splits` counts the programs per SM as the ones
-    resident and fills whole waves of them). ``block_m``: the query rows of a program
-    (the GQA group x new tokens, padded); paged programs of more than 16 rows hold more
-    registers (ptxas, sm90, bf16 d128: 161 at 16 rows, 203 at 32, 187 at 64; 4 warps), so 2
-    of them fit an SM, not 3."""
+    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI,
+    PAGED_WAVES and PAGED_WAVES_MULTI; whole waves: :func:`pick_splits` counts the programs
+    per SM as the ones resident and fills whole waves of them). ``block_m``: the query rows
+    of a program (the GQA group x new tokens, padded); paged programs of more than 16 rows
+    hold more registers (ptxas, sm90, bf16 d128: 161 at 16 rows, 203 at 32, 187 at 64; 4
+    warps), so 2 of them fit an SM, not 3."""
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
     wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
     if wide and narrow and not paged:
