@@ -110,7 +110,7 @@ class Config(NamedTuple):
 HOPPER_CONFIGS = {
     64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2, dynamic=1),
     128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2, dynamic=1, lazy=1),
-    256: Config(2, 64, 2, 1, 240, 24, 2, q_bufs=1, dynamic=1, lazy=1),  # (two Q buffers: too big)
+    256: Config(2, 64, 2, 1, 240, 24, 1, q_bufs=1, dynamic=1, lazy=1),  # (two Q buffers: too big)
 }
 # lazy (the lazy rescale, ORDER_LAZY): H200, bf16, FlashAttention's sweep (16k tokens), one
 # process, 5 rounds (benchmarks/results/2026-11-24_h200_hopper-fwd-lazy64-ab_d66423d-wip.txt),
@@ -119,6 +119,11 @@ HOPPER_CONFIGS = {
 # 637.6; d256 640.2 / 668.1, 645.1 / 700.2, 668.5 / 705.5, 681.6 / 726.3, causal 521.1 /
 # 545.7, 578.2 / 610.4, 604.5 / 642.6, 674.2 / 718.2. At d64 (three consumers, 32 values a
 # thread) it lost 0-7% with branches of 16 values (..._hopper-fwd-lazy-ab_d66423d.txt): off.
+# With it, d256 pins by the shared-memory store (pin 1) again: same process, 3 rounds
+# (..._hopper-fwd-pin-lazy-ab_7445983.txt), TFLOPS pin 0 / 1 / 2 at 2048 / 4096 / 8192 /
+# 16384 keys: 627 / 666 / 671, 648 / 686 / 679, 659 / 726 / 690, 669 / 745 / 735; causal
+# 521 / 544 / 546, 577 / 611 / 607, 614 / 645 / 648, 682 / 728 / 726; d128 kept pin 1 (best
+# at 7 of 8 rows, pin 2 0.3% ahead at 8192 causal).
 # From LONG_KEYS keys on, head dim 64 runs three consumers (192 query rows per tile): H200,
 # bf16, 2026-11-23 (benchmarks/results/*_hopper-fwd-pin-ab_1fc2b6f.jsonl): 490.6 against
 # 457.0 TFLOPS at 16k, 478.4 against 450.1 causal, 470.1 against 456.8 at 4096 (causal
@@ -138,7 +143,8 @@ HOPPER_CONFIGS = {
 # against the shared-memory store (*_fwd-joint-pin2-ab_519a67b-wip.txt). A second run at
 # d256 (*_hopper-fwd-pin256-ab_519a67b-wip.jsonl), pin 0 / 1 / 2: 4096 641 / 662 / 657,
 # causal 569 / 579 / 582, 16k 657 / 675 / 675, causal 653 / 672 / 680. So d256 pins, by
-# the global store (within 1% of the shared one there; the side-by-side ran it).
+# the global store (within 1% of the shared one there; the side-by-side ran it); since the
+# lazy rescale (below) by the shared-memory store.
 # Causal calls (handed out by the dynamic scheduler) measured otherwise: two consumers won
 # at 4096 keys (421.6 against 397.1 TFLOPS), three at 16k (470.4 against 452.6; H200, bf16,
 # benchmarks/results/2026-11-24_h200_hopper-fwd-dynamic-ab_78d922a-wip.jsonl), so causal
@@ -1322,6 +1328,9 @@ FP8_CONFIGS_UNPROMOTED = {
 }
 
 
+FP8_PINS = {64: 0, 128: 1, 256: 0}
+
+
 def fp8_mode(head_dim_padded: int) -> int:
     """The fp8 sums mode the kernel runs at a padded head dim (FP8_PROMOTION; "auto": 4 at
     d64, 5 above)."""
@@ -1332,8 +1341,8 @@ def fp8_config(head_dim_padded: int) -> Config:
     """The fp8 forward's launch config at a padded head dim (per its sums mode)."""
     if fp8_mode(head_dim_padded) == 4:
         return FP8_CONFIGS_UNPROMOTED[head_dim_padded]
-    cfg = HOPPER_CONFIGS[head_dim_padded]
-    return cfg._replace(pin=0) if cfg.pin == 2 else cfg  # (pin 2: measured at 16 bits only)
+    # (the pins fp8 was measured with: d128's shared-memory store, none at d256)
+    return HOPPER_CONFIGS[head_dim_padded]._replace(pin=FP8_PINS[head_dim_padded])
 
 
 @triton.jit
