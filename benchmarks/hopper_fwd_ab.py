@@ -2,7 +2,8 @@
 importable), in one process on an sm90 GPU.
 
 Each config (``hopper_fwd.HOPPER_CONFIGS``' tuple: consumers, BLOCK_N, stages, programs per
-SM, consumer / loader registers, pin, Q buffers, dynamic) first runs an odd shape
+SM, consumer / loader registers, pin, Q buffers, dynamic, pingpong, lazy; the trailing
+ones may be left out) first runs an odd shape
 (seqlen_q != seqlen_k, causal bottom-right with rows that see no key, GQA) against float64,
 by the 2x rule (its error at most twice PyTorch's own in the same dtype); a config that
 fails is reported and not timed. Then every shape is timed with
