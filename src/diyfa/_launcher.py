@@ -220,6 +220,18 @@ def launch(fn, grid: tuple, args: dict, meta: dict, num_warps: int, num_stages: 
     return launcher_for(fn)(grid, {**args, **meta}, num_warps, num_stages)
 
 
+def launch_recorded(fn, grid: tuple, args: dict, on_gpu: bool, launched: list | None = None,
+                    num_warps: int = 4, num_stages: int = 1, meta: dict | None = None) -> None:
+    """Launch ``fn``: on a GPU by :func:`launch` (its (fn, kernel, grid, args) appended to
+    ``launched`` when given, for :meth:`Replay.record`), elsewhere under the interpreter."""
+    if on_gpu:
+        kernel = launch(fn, grid, args, meta or {}, num_warps, num_stages)
+        if launched is not None:
+            launched.append((fn, kernel, grid, args))
+    else:
+        fn[grid](**args)
+
+
 class Replay:
     """One call's launches, kept to run again for the next call with the same signature.
 
@@ -277,9 +289,7 @@ class Replay:
                 if role is None:
                     return None
                 if desc is not None:
-                    desc = object.__new__(type(value))
-                    desc.__dict__.update(value.__dict__)
-                    desc.base = None  # no reference to this call's tensors is kept
+                    desc = _rebased(value, None)  # no reference to this call's tensors kept
                 slots.append((i, role, desc, base.data_ptr() % 16 == 0))
                 template[i] = None
             slots = tuple(slots)
@@ -307,12 +317,7 @@ class Replay:
                 t = roles[role]
                 if (t.data_ptr() % 16 == 0) != aligned:
                     return False
-                if desc is not None:
-                    copy = object.__new__(type(desc))
-                    copy.__dict__.update(desc.__dict__)
-                    copy.base = t
-                    t = copy
-                values[i] = t
+                values[i] = t if desc is None else _rebased(desc, t)
             runs.append((kernel, grid, values))
         for kernel, grid, values in runs:
             if type(kernel) is _Direct:
@@ -320,6 +325,15 @@ class Replay:
             else:
                 run_compiled(kernel, grid, self.device, values)
         return True
+
+
+def _rebased(desc, base):
+    """A copy of the host TMA descriptor ``desc`` (shape, strides, block, layout) on
+    ``base``."""
+    copy = object.__new__(type(desc))
+    copy.__dict__.update(desc.__dict__)
+    copy.base = base
+    return copy
 
 
 class _Direct:
@@ -412,10 +426,7 @@ class _Direct:
 
                 if len(maps) >= self.MAPS_KEPT:
                     maps.clear()
-                copy = object.__new__(type(desc))
-                copy.__dict__.update(desc.__dict__)
-                copy.base = t
-                tmap = maps[ptr] = make_tensordesc_arg(copy, meta)[0]
+                tmap = maps[ptr] = make_tensordesc_arg(_rebased(desc, t), meta)[0]
             flat[pos] = tmap
         return flat
 

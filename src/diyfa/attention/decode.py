@@ -47,7 +47,7 @@ from diyfa._launcher import (
     ReplayCache,
     cdiv,
     compiling_only,
-    launch,
+    launch_recorded,
     next_power_of_2,
 )
 from diyfa.attention.portable import _tanh
@@ -403,14 +403,9 @@ def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, 
                 pool=pool, PAGED=paged, BLOCK_P=1024,
                 ASSERT=asserted and cache_seqlens.is_cuda,
                 PDL=pdl_on(cache_seqlens.device))  # fmt: skip
-    if cache_seqlens.is_cuda:
-        kernel = launch(_cache_status, (b,), args, {}, 4, 1)
-        if launched is not None:
-            launched.append((_cache_status, kernel, (b,), args))
-    else:  # the interpreter (which does not raise on a device_assert)
-        _cache_status[(b,)](**args)
-        if asserted:
-            torch._assert_async(status.min() >= 0, ASSERT_MESSAGE.value)
+    launch_recorded(_cache_status, (b,), args, cache_seqlens.is_cuda, launched)
+    if asserted and not cache_seqlens.is_cuda:  # (the interpreter ignores a device_assert)
+        torch._assert_async(status.min() >= 0, ASSERT_MESSAGE.value)
     return status
 
 
@@ -494,12 +489,8 @@ def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
                 FP8=fp8, PDL=pdl_on(k.device))  # fmt: skip
     if b * s_new == 0:
         return
-    if k.is_cuda:
-        kernel = launch(_append, (b, s_new), args, {"launch_pdl": args["PDL"]}, 4, 1)
-        if launched is not None:
-            launched.append((_append, kernel, (b, s_new), args))
-    else:  # the interpreter
-        _append[(b, s_new)](**args)
+    launch_recorded(_append, (b, s_new), args, k.is_cuda, launched,
+                    meta={"launch_pdl": args["PDL"]})  # fmt: skip
 
 
 def pick_splits(batch: int, kv_heads: int, max_seqlen_k: int, device: torch.device,
@@ -708,22 +699,15 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         HEAD_DIM_PAD=dv_pad, SINKS=sinks is not None, PDL=pdl,
     )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
-    if q.is_cuda:  # diyfa's launcher: Triton's per-call binding costs tens of microseconds
-        stages = split_stages(d_pad, dv_pad, k_cache.element_size(),
-                              kernel_limits(q.device.index)["max_shared_mem"],
-                              block_n)  # fmt: skip
-        pdl_meta = {"launch_pdl": pdl}
-        split_kernel = launch(_decode_split, split_grid, split_args, pdl_meta, warps, stages)
-        if launched is not None:
-            launched.append((_decode_split, split_kernel, split_grid, split_args))
-        if not direct:
-            combine_kernel = launch(_combine, (rows,), combine_args, pdl_meta, 4, 3)
-            if launched is not None:
-                launched.append((_combine, combine_kernel, (rows,), combine_args))
-    else:  # the interpreter
-        _decode_split[split_grid](**split_args, num_warps=1)
-        if not direct:
-            _combine[(rows,)](**combine_args)
+    # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
+    stages = split_stages(d_pad, dv_pad, k_cache.element_size(),
+                          kernel_limits(q.device.index)["max_shared_mem"],
+                          block_n) if q.is_cuda else 1  # fmt: skip
+    launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
+                    {"launch_pdl": pdl})  # fmt: skip
+    if not direct:
+        launch_recorded(_combine, (rows,), combine_args, q.is_cuda, launched, 4, 3,
+                        {"launch_pdl": pdl})  # fmt: skip
     return out, lse2
 
 

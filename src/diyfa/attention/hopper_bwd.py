@@ -117,7 +117,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch, next_power_of_2
+from diyfa._launcher import (
+    Replay,
+    ReplayCache,
+    cdiv,
+    compiling_only,
+    launch,
+    launch_recorded,
+    next_power_of_2,
+)
 from diyfa.attention import portable
 from diyfa.attention.hopper_fwd import (
     LOG2E,
@@ -934,17 +942,6 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
 
 
-def _run(fn, grid: tuple, args: dict, on_gpu: bool, launched: list | None) -> None:
-    """Launch a small Triton kernel: the lean path on a GPU (its launch appended to
-    ``launched``, for a Replay), the interpreter on the CPU."""
-    if on_gpu:
-        kernel = launch(fn, grid, args, {}, 4, 1)
-        if launched is not None:
-            launched.append((fn, kernel, grid, args))
-    else:
-        fn[grid](**args)
-
-
 def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
           res: torch.Tensor | None = None, acc: torch.Tensor | None = None) -> torch.Tensor:
     """rowsum(dO * O) in fp32, (batch, heads, seqlen_q), for (batch, heads, seqlen, dim)
@@ -965,7 +962,7 @@ def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
                 stride_doh=sdo[1], stride_dos=sdo[2], stride_dod=sdo[3], heads=h, seqlen_q=sq,
                 acc_rows=acc_rows, HEAD_DIM=d, HEAD_DIM_PAD=max(16, next_power_of_2(d)),
                 ACC_DIM=0 if acc is None else acc.shape[3], BLOCK=block)  # fmt: skip
-    _run(_bwd_delta, (b * h, cdiv(acc_rows, block)), args, out4.is_cuda, launched)
+    launch_recorded(_bwd_delta, (b * h, cdiv(acc_rows, block)), args, out4.is_cuda, launched)
     return res
 
 
@@ -1059,7 +1056,7 @@ def _finish(dq4: torch.Tensor, dq_acc: torch.Tensor, scale: float, permuted: boo
     args = dict(ACC=dq_acc, DQ=dq4, stride_qb=so[0], stride_qh=so[1], stride_qs=so[2],
                 stride_qd=so[3], heads=h, seqlen_q=sq, acc_rows=dq_acc.shape[2], scale=scale,
                 HEAD_DIM=d, ACC_DIM=dq_acc.shape[3], PERMUTED=permuted, BLOCK=block)  # fmt: skip
-    _run(_dq_finish, (b * h, cdiv(sq, block)), args, dq4.is_cuda, launched)
+    launch_recorded(_dq_finish, (b * h, cdiv(sq, block)), args, dq4.is_cuda, launched)
 
 
 # --------------------------------------------------------------------------------------------
