@@ -5,6 +5,8 @@ the Triton interpreter.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -382,6 +384,16 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(False, 128, 128, 2, True, block_m=32) == (
         *decode.WIDE_MULTI, False)
     assert decode.pick_splits(16, 8, 16384, dev, 64, 2, True) == 2  # 256 of 264 slots
+    # short contiguous caches with pairs for two waves of two programs per SM: SHORT
+    short = functools.partial(decode.short_cache, False, 128, 128, 2, True, 16, sms=132)
+    assert short(keys=512, pairs=128 * 8) and short(keys=1024, pairs=64 * 8)
+    assert not short(keys=1025, pairs=128 * 8)  # longer: WIDE
+    assert not short(keys=1024, pairs=16 * 8)  # fewer pairs: WIDE (b16 x 1024 lost with it)
+    assert not decode.short_cache(True, 128, 128, 2, True, 16, 512, 1024, 132)  # paged
+    assert not decode.short_cache(False, 128, 128, 2, True, 32, 512, 1024, 132)  # 32 rows
+    assert not decode.short_cache(False, 128, 128, 1, True, 16, 512, 1024, 132)  # fp8
+    assert decode.split_stages(128, 128, 2, 232448, 64, decode.SHORT_STAGES) == 4
+    assert decode.split_stages(128, 128, 2, 232448, 64) == 3
     # Contiguous 16-bit caches (decode.WIDE: one resident program per SM): the fewest splits
     # that fill 90% of one wave of 132 SMs, or one split where the pairs fill waves already
     block_n, _, per_sm, waves = decode.launch_config(False, 128, 128, 2, True)
@@ -442,6 +454,20 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
             p.name, torch.bfloat16)) if p.name.isupper() else 17)
                   for p in decode._decode_split.params}
         compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=3)
+    if fp8:  # (SHORT: 16-bit caches only)
+        continue
+    # SHORT's launch: 64-key blocks, 4 stages, within an H100 / H200 block's shared memory
+    block_n, warps, _ = decode.SHORT
+    # (unit strides for the head dim, the rest multiples of 16: the copies pipelined)
+    short = dict(args, BLOCK_N=block_n, PAGED=False, WINDOW=False, SOFTCAP=False, ALIBI=False,
+                 DIRECT=True, FP8=False)
+    values = {p.name: short.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.bfloat16))
+                                if p.name.isupper() else 1 if p.name.startswith("stride")
+                                and p.name.endswith("d") else 1024)
+              for p in decode._decode_split.params}  # fmt: skip
+    k = compile_for_sm90(decode._decode_split, values, num_warps=warps,
+                         num_stages=decode.SHORT_STAGES)
+    assert 3 * 64 * 256 * 2 <= k.metadata.shared <= 232448, k.metadata.shared
 print("compiled")
 """
 

@@ -80,6 +80,18 @@ WIDE = (128, 8, 1)
 # 4,224 copy): 3,952 against WIDE's 3,539 (128-4-3-2 3,822, 128-8-3-4 3,574); with 4 new
 # tokens (16 rows, WIDE's) the launches were within 3% of each other.
 WIDE_MULTI = (64, 4, 3)
+# ... and short ones (SHORT_KEYS or fewer) with (batch, kv head) pairs for two waves of two
+# programs per SM: 64-key blocks, 4 warps, 4 stages, whole waves of 2 per SM. A WIDE
+# program of 4-8 blocks spends much of its life filling and draining its pipeline, alone on
+# its SM; two smaller ones overlap theirs. H200, bf16 d128, one new token, same process,
+# best of 2 interleaved (benchmarks/results/2026-11-24_h200_decode-short-ab_cda48ed-wip.txt,
+# GB/s, WIDE / this; cuDNN): b128 x 512 3,251 / 3,441 (3,518), b128 x 768 3,590 / 3,731
+# (3,816), b128 x 1024 3,822 / 3,917 (3,978), b64 x 512 2,677 / 2,820 (2,931), b64 x 1024
+# 3,350 / 3,422 (3,538); b16 x 1024 (128 pairs) 899 / 829: WIDE there. (Calls of under
+# ~40 us, as b16 x 1024's, are bound by the host in that loop, not by the kernels.)
+SHORT = (64, 4, 2)
+SHORT_STAGES = 4
+SHORT_KEYS = 1024
 # Paged 16-bit caches at head dims <= 128 on a GPU: 64-key blocks, 4 warps, and the split
 # count that fills whole waves of the 3 programs an SM holds (3 stages of 64-key d128
 # tiles: ~72 KB of shared memory each). The paged A/B (decode_ab.py --paged, pages of 16
@@ -138,14 +150,25 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
 
 
+def short_cache(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
+                block_m: int, keys: int, pairs: int, sms: int) -> bool:
+    """Whether a decode call takes SHORT's launch: a contiguous 16-bit cache at head dims
+    <= 128 on a GPU, one block of <= 16 query rows, at most SHORT_KEYS keys, and (batch, kv
+    head) pairs for 90% of two waves of SHORT's programs."""
+    return (not paged and on_gpu and elem_bytes == 2 and max(d_pad, dv_pad) <= 128
+            and block_m <= 16 and keys <= SHORT_KEYS
+            and pairs >= 0.9 * 2 * SHORT[2] * sms)  # fmt: skip
+
+
 def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int,
-                 block_n: int = BLOCK_N) -> int:
-    """The split kernel's pipeline depth: 3, or fewer where the K and V tiles it keeps in
-    flight would not fit the GPU's shared memory. Triton's pipeliner holds ``stages - 1``
-    of them (plus ~20 KB of other buffers: fp32 at padded head dim 256 asked 282,688 bytes
-    at 3 stages, against the H200's 232,448 (found by tests/test_fuzz.py))."""
+                 block_n: int = BLOCK_N, most: int = 3) -> int:
+    """The split kernel's pipeline depth: ``most`` (3; SHORT_STAGES for SHORT's launch), or
+    fewer where the K and V tiles it keeps in flight would not fit the GPU's shared memory.
+    Triton's pipeliner holds ``stages - 1`` of them (plus ~20 KB of other buffers: fp32 at
+    padded head dim 256 asked 282,688 bytes at 3 stages, against the H200's 232,448 (found
+    by tests/test_fuzz.py))."""
     tile = block_n * (d_pad + dv_pad) * elem_bytes
-    for stages in (3, 2):
+    for stages in range(most, 1, -1):
         if (stages - 1) * tile + 32 * 1024 <= max_shared:
             return stages
     return 1
@@ -650,6 +673,11 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     block_m = min(64, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad, dv_pad, k_cache.element_size(),
                                                   q.is_cuda, block_m)  # fmt: skip
+    short = q.is_cuda and short_cache(paged, d_pad, dv_pad, k_cache.element_size(), True,
+                                      block_m, max_seqlen_k, b * hk,
+                                      kernel_limits(q.device.index)["sm_count"])  # fmt: skip
+    if short:
+        (block_n, warps, per_sm), waves = SHORT, True
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, waves)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     rows = b * h * sq
@@ -702,7 +730,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
     stages = split_stages(d_pad, dv_pad, k_cache.element_size(),
                           kernel_limits(q.device.index)["max_shared_mem"],
-                          block_n) if q.is_cuda else 1  # fmt: skip
+                          block_n, SHORT_STAGES if short else 3) if q.is_cuda else 1  # fmt: skip
     launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
                     {"launch_pdl": pdl})  # fmt: skip
     if not direct:
