@@ -404,3 +404,76 @@ def test_fp8_v_transpose_kernel():
         assert vt.shape == (b, hk, d, s) and vt.dtype == E4M3
         assert vt.stride(2) % 16 == 0 and vt.stride(3) == 1
         assert torch.equal(vt.view(torch.uint8).cpu(), v.transpose(2, 3).view(torch.uint8).cpu())
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_key_major_values_keeps_values_and_puts_keys_together(layout):
+    """diyfa.key_major_values: the same values, shape and layout, the keys contiguous and the
+    rows 16-byte aligned (TMA), for odd lengths, fp8 and bf16; bad arguments are named."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, s in [(E4M3, 70), (torch.bfloat16, 33), (E4M3, 1)]:
+        shape = (2, 3, s, 64) if layout == "bhsd" else (2, s, 3, 64)
+        v = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+        km = diyfa.key_major_values(v, layout=layout)
+        assert km.shape == v.shape and km.dtype == dtype
+        keys, dim = (2, 3) if layout == "bhsd" else (1, 3)
+        assert km.stride(keys) == 1 and km.stride(dim) * km.element_size() % 16 == 0
+        assert torch.equal(km.float().cpu(), v.float().cpu())
+    with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd', got 'sbhd'"):
+        diyfa.key_major_values(v, layout="sbhd")
+    with pytest.raises(ValueError, match=r"must be 4-D \(bhsd\), got shape \(3, 4\)"):
+        diyfa.key_major_values(torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="must be a torch.Tensor, got list"):
+        diyfa.key_major_values([1.0])
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_fp8_forward_with_key_major_v_gives_the_same_output(layout):
+    """An fp8 V stored with its keys contiguous (key_major_values) gives bitwise the output of
+    the plain V: on the CPU through the portable kernel's strides, on an H100/H200 through the
+    Hopper kernel, which then reads it as V^T without its copy (GQA, causal, odd lengths)."""
+    g = torch.Generator().manual_seed(3)
+    b, h, hk, sq, sk, d = 1, 4, 2, 67, 131, 128
+    shape = (lambda n, s: (b, n, s, d)) if layout == "bhsd" else (lambda n, s: (b, s, n, d))
+    q, k, v = (torch.randn(shape(n, s), generator=g).to(E4M3).to(DEVICE)
+               for n, s in ((h, sq), (hk, sk), (hk, sk)))  # fmt: skip
+    sc = [torch.full((1,), x, device=DEVICE) for x in (0.05, 0.04, 0.03)]
+    kw = dict(causal=True, layout=layout, q_descale=sc[0], k_descale=sc[1], v_descale=sc[2])
+    with torch.no_grad():
+        plain = diyfa.flash_attention(q, k, v, **kw)
+        km = diyfa.flash_attention(q, k, diyfa.key_major_values(v, layout=layout), **kw)
+    assert plain.abs().max() > 0
+    assert torch.equal(plain, km)
+
+
+def test_fp8_hopper_reads_key_major_v_without_a_copy():
+    """The Hopper family takes an fp8 V whose keys are contiguous (its V^T is then a view of
+    the caller's tensor, no transposed copy); a key-major 16-bit V, whose wgmma reads V
+    row-major, and a key-major fp8 V with unaligned rows are refused with the reason."""
+    import dataclasses
+
+    from diyfa.attention import hopper_fwd
+    from diyfa.attention.checks import check_inputs
+
+    q = torch.zeros(1, 4, 64, 128, device=DEVICE).to(E4M3)
+    v = diyfa.key_major_values(torch.zeros(1, 4, 64, 128, device=DEVICE).to(E4M3))
+    one = torch.ones(1, device=DEVICE)
+
+    def problem(q, k, v, **kw):
+        p = check_inputs(q, k, v, causal=True, softmax_scale=None, layout="bhsd",
+                         align="bottom_right", **kw)  # fmt: skip
+        return dataclasses.replace(p, capability=(9, 0), aligned16=True)
+
+    p = problem(q, q, v, q_descale=one, k_descale=one, v_descale=one)
+    assert hopper_fwd.supports(p) is None
+    vt = hopper_fwd._fp8_operands(v, p)["vt"]
+    assert vt.data_ptr() == v.data_ptr() and vt.shape == (1, 4, 128, 64)
+    assert torch.equal(vt.view(torch.uint8), v.transpose(2, 3).view(torch.uint8))
+    # rows of 40 keys: 40 bytes apart, not a multiple of 16
+    odd = torch.zeros(1, 4, 128, 40, device=DEVICE).to(E4M3).transpose(2, 3)
+    p_odd = problem(q[:, :, :40], q[:, :, :40], odd, q_descale=one, k_descale=one,
+                    v_descale=one)  # fmt: skip
+    assert "not multiples of 16 bytes" in hopper_fwd.supports(p_odd)
+    q16 = torch.zeros(1, 4, 64, 128, dtype=torch.bfloat16, device=DEVICE)
+    v16 = diyfa.key_major_values(q16)
+    assert "v's head dim is not contiguous" in hopper_fwd.supports(problem(q16, q16, v16))

@@ -17,6 +17,7 @@ _LAZY = {
     "flash_attention_varlen": "diyfa.attention",
     "flash_attention_with_kvcache": "diyfa.attention",
     "scaled_dot_product_attention": "diyfa.attention",
+    "key_major_values": "diyfa.attention",
     "triton_matmul": "diyfa.ops.matmul",
     "check_hopper_features": "diyfa.device",
     "device_info": "diyfa.device",

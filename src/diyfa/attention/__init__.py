@@ -41,6 +41,7 @@ from diyfa.attention.function import run
 from diyfa.device import interpreter_enabled
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
+           "key_major_values",
            "flash_attention_with_lse", "scaled_dot_product_attention"]
 
 LN2 = 0.6931471805599453
@@ -134,7 +135,8 @@ def flash_attention(
             in fp32, P is rounded to e4m3 (times 2^8) for P @ V (FlashAttention-3's recipe).
             On H100/H200 plain fp8 attention (causal or not, GQA, head dims 64..256) runs on
             the Hopper kernel, the variants on the portable one; not with gradients or
-            dropout.
+            dropout. The Hopper kernel reads V transposed: a V stored with its keys
+            contiguous (:func:`key_major_values`) saves the copy it otherwise makes.
         Under "auto" on H100/H200, windows, softcap, ALiBi and sinks run on the Hopper
         forward too (docs/attention.md has the measurements); dropout runs on the portable
         kernels only.
@@ -308,6 +310,36 @@ def flash_attention_with_kvcache(
                                              window_size, softcap, alibi_slopes, sinks,
                                              k_descale, v_descale, max_seqlen_k)  # fmt: skip
     return (out, lse2 * LN2) if return_lse else out
+
+
+def key_major_values(v: torch.Tensor, layout: str = "bhsd") -> torch.Tensor:
+    """``v`` with its keys next to each other in memory: the same values, shape and layout,
+    a view of a new (batch, kv_heads, head_dim, seqlen_k padded to 16 bytes) buffer.
+
+    For fp8 attention on H100/H200: the Hopper kernel multiplies P by V^T (fp8 ``wgmma``
+    takes only K-major operands), so every fp8 call with a plain V first copies it
+    transposed (~25 us for 32 MB on an H200, a tenth of a 4096-token d128 call); a V stored
+    this way is read as it is. Worth it where V is quantised or produced once and read more
+    than once (or written in this layout by its producer). Any dtype and either layout
+    ("bhsd" or "bshd", as ``flash_attention`` takes it); other kernels read it through its
+    strides."""
+    from diyfa.attention.hopper_fwd import bhsd_view, transpose_v
+
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if v.dim() != 4:
+        raise ValueError(f"v must be 4-D ({layout}), got shape {tuple(v.shape)}")
+    v4 = bhsd_view(v, layout)
+    if v.is_cuda:  # a Triton kernel (PyTorch's strided copy of 1-byte values is slow there)
+        vt = transpose_v(v4)
+    else:
+        b, h, s, d = v4.shape
+        step = max(1, 16 // v.element_size())
+        vt = torch.empty((b, h, d, -(-s // step) * step), dtype=v.dtype)[..., :s]
+        vt.copy_(v4.transpose(2, 3))
+    return bhsd_view(vt.transpose(2, 3), layout)  # (batch, heads, seqlen, dim) first
 
 
 def flash_attention_with_lse(q, k, v, **kwargs):

@@ -1384,13 +1384,21 @@ def transpose_v(v4: torch.Tensor) -> torch.Tensor:
     return vt[..., :sk]
 
 
+def values_key_major(v_strides: tuple) -> bool:
+    """Whether V's (batch, heads, seqlen, dim) strides put its keys next to each other (as
+    ``diyfa.key_major_values`` stores it): the fp8 forward then reads V^T from it directly."""
+    return v_strides[2] == 1 and v_strides[3] != 1
+
+
 def _fp8_operands(v: torch.Tensor, p: Problem) -> dict:
     """What the fp8 forward needs besides q, k, v: V^T, (batch, kv heads, dim, seqlen_k) e4m3
     (its rows padded to 16 bytes for TMA), since fp8 wgmma takes only K-major operands and
-    P @ V's K is the keys; and the descales as one fp32 (2, batch, kv heads) tensor, q's times
-    k's then v's (per-tensor ones broadcast)."""
+    P @ V's K is the keys: a transposed copy, or V itself when its keys are contiguous
+    (:func:`values_key_major`, no copy); and the descales as one fp32 (2, batch, kv heads)
+    tensor, q's times k's then v's (per-tensor ones broadcast)."""
     b, hk = p.batch, p.kv_heads
-    vt = transpose_v(bhsd_view(v, p.layout))
+    v4 = bhsd_view(v, p.layout)
+    vt = v4.transpose(2, 3) if values_key_major(p.v_strides) else transpose_v(v4)
     dq_, dk_, dv_ = p.descales
     descale = torch.empty((2, b, hk), dtype=torch.float32, device=v.device)
     descale[0].copy_((dq_ * dk_).expand(b, hk))
@@ -1646,6 +1654,10 @@ def supports(p: Problem) -> str | None:
         return "q, k and v must start on 16-byte boundaries (TMA)"
     es = p.dtype.itemsize
     for name, strides in (("q", p.q_strides), ("k", p.k_strides), ("v", p.v_strides)):
+        if name == "v" and p.descales is not None and values_key_major(strides):
+            if any(st % 16 for st in (strides[0], strides[1], strides[3])):  # (1-byte values)
+                return f"v's strides {strides} are not multiples of 16 bytes (TMA)"
+            continue
         if strides[3] != 1:
             return f"{name}'s head dim is not contiguous (stride {strides[3]})"
         if any(st * es % 16 for st in strides[:3]):
