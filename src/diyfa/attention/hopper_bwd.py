@@ -166,6 +166,18 @@ BWD_CONFIGS = {
 # 330; 16 x 32 x 1024 335 / 308, causal 250 / 225): d64 keeps the turns.
 DQ_SPLIT = True
 DQ_SPLIT_D64 = False
+# The split in FlashAttention-3's order (the kernel's DQ_ATOMIC == 3): dV waited for, then a
+# step's dQ piece issued before dK and stored (and reduce-added) while dK runs, where the
+# split waited for dV and dK, then issued dQ and waited for it. H200, bf16,
+# benchmarks/hopper_bwd_ab.py --atomic 1, each twice interleaved in one process,
+# benchmarks/results/2026-11-24_h200_bwd-dq-fa3-order-ab_1de28f0-wip.txt, TFLOPS split /
+# this order: 2 x 16 x 8192 d128 538, 522 / 549, 530; causal 533, 500 / 536, 529; 1 x 16
+# x 16k 546, 538 / 526, 549; causal 516, 535 / 545, 560; 4 x 16 x 4096 491, 499 / 504,
+# 493; causal 445, 442 / 462, 459; 16 x 16 x 1024 389, 403 / 410, 422; causal 296, 303 /
+# 308, 309. (Tried before, 2026-11-24, with dQ issued while dV still ran: level, every
+# wgmma serialised by ptxas then. Leaving dK running into the next step as well, in
+# pairs of steps, spilled 692 bytes: not kept.)
+DQ_FA3_ORDER = True
 # The atomic dQ's fp32 tiles go to shared memory with their rows permuted within groups of 8
 # (row 8a + 4b + c at 8a + 2c + b: conflict-free 8-byte stores into the 128-byte swizzle; the
 # workspace keeps that order and _finish undoes it). Not for packed sequences, whose blocks
@@ -469,23 +481,28 @@ def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, 
 
 
 @gluon.jit
-def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, layout,
-              PERMUTE: gl.constexpr):
-    """Column piece ``piece`` of a query block's dQ = dS K (the piece's width: the
-    workspace descriptor's block; K = every consumer's 64 keys, dS^T from ``ds_all`` as the
-    transposed A operand), stored to fp32 tile ``tile`` of ``dq_bufs`` and added to the
-    workspace by a TMA reduce-add at query row ``row``; the caller has made sure that
-    tile's previous reduce-add is done."""
+def _dq_issue(ds_all, k_bufs, piece, layout, WIDTH: gl.constexpr):
+    """Issue column piece ``piece`` (``WIDTH`` wide) of a query block's dQ = dS K,
+    asynchronously (K = every consumer's 64 keys, dS^T from ``ds_all`` as the transposed A
+    operand); returns the accumulator, to be waited for."""
     CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
     SUB_N: gl.constexpr = k_bufs.type.shape[3]
     BLOCK_M: gl.constexpr = ds_all.type.shape[1]
-    WIDTH: gl.constexpr = dq_desc.block_type.shape[3]
     dq = gl.zeros([BLOCK_M, WIDTH], gl.float32, layout)
     for c in gl.static_range(CONSUMERS):
         ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
         k_piece = _tile2d(k_bufs, c).slice(piece * WIDTH, WIDTH, dim=1)
         dq = warpgroup_mma(ds_t, k_piece, dq, use_acc=c > 0, is_async=True)
-    dq = warpgroup_mma_wait(0, deps=(dq,))
+    return dq
+
+
+@gluon.jit
+def _dq_add(dq, dq_bufs, tile, piece, dq_desc, tb, off_h, row, PERMUTE: gl.constexpr):
+    """A finished dQ piece (:func:`_dq_issue`, waited for) to fp32 tile ``tile`` of
+    ``dq_bufs`` and into the workspace by a TMA reduce-add at query row ``row``; the caller
+    has made sure that tile's previous reduce-add is done."""
+    BLOCK_M: gl.constexpr = dq.shape[0]
+    WIDTH: gl.constexpr = dq_desc.block_type.shape[3]
     if PERMUTE:
         # Row r = 8a + 4b + c of the block goes to row 8a + 2c + b (DQ_ROWS_PERMUTED; _finish
         # puts them back): a register relabelling, after which each half-warp's 8-byte stores
@@ -497,6 +514,17 @@ def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, lay
     fence_async_shared()
     gl.thread_barrier()  # every thread's part is written before the issue
     _tma_reduce_add(dq_desc, [tb, off_h, row, piece * WIDTH], dq_bufs.index(tile))
+
+
+@gluon.jit
+def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, layout,
+              PERMUTE: gl.constexpr):
+    """Column piece ``piece`` of a query block's dQ = dS K (the piece's width: the
+    workspace descriptor's block), waited for and added to the workspace (:func:`_dq_issue`,
+    :func:`_dq_add`)."""
+    dq = _dq_issue(ds_all, k_bufs, piece, layout, dq_desc.block_type.shape[3])
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    _dq_add(dq, dq_bufs, tile, piece, dq_desc, tb, off_h, row, PERMUTE)
 
 
 @gluon.jit
@@ -631,10 +659,30 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             gl.thread_barrier()  # every thread's rows are written before the arrival
             mbarrier.arrive(ds_ready.index(it % 2))
         dsa = gl.convert_layout(ds16, a_layout)
-        dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
-        dv, dk, _p, _ds, _q, _do = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p16, dsa, q_smem,
-                                                               do_smem))
-        mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
+        if DQ_ATOMIC == 3:
+            # (DQ_FA3_ORDER) The column-half split below in FlashAttention-3's order: this
+            # step's dQ piece is issued before dK, and stored and added to the workspace
+            # while dK runs. dV (issued long before) is waited for first: a product issued
+            # while another's accumulator registers are still being written makes ptxas
+            # serialise every wgmma of the kernel (its C7515 note).
+            SPLIT3: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
+            gl.static_assert(SPLIT3 == CONSUMERS, "a column half per consumer")
+            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+            tile = C * SPLIT3 + it % 2  # its two tiles in turn
+            tma.store_wait(1)  # the reduce-add of two steps back has read this tile
+            gl.thread_barrier()
+            dv, _p, _do = warpgroup_mma_wait(0, deps=(dv_tok, p16, do_smem))
+            dq_tok = _dq_issue(ds_all, k_bufs, C, h_layout, dq_desc.block_type.shape[3])
+            dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=(dq_tok,))
+            _dq_add(dq, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0, DQ_ROWS)
+            dk, _ds, _q = warpgroup_mma_wait(0, deps=(dk_tok, dsa, q_smem))
+            mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
+        else:
+            dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
+            dv, dk, _p, _ds, _q, _do = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p16, dsa,
+                                                                   q_smem, do_smem))
+            mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
         if DQ_ATOMIC == 2:
             # (DQ_SPLIT at d128; DQ_SPLIT_D64, off, at d64) Every step, each consumer computes
             # its own column half of the query block's dQ = dS K (K = 128 keys: both
@@ -651,7 +699,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             gl.thread_barrier()
             _dq_piece(ds_all, k_bufs, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0,
                       h_layout, DQ_ROWS)  # fmt: skip
-        elif DQ_ATOMIC:
+        elif DQ_ATOMIC == 1:
             if it % 2 == C:
                 # The consumers take turns: this one multiplies the whole block's dS (both
                 # halves, K = 128 keys) by K into the query block's dQ and adds it to the
@@ -875,14 +923,17 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     dpad = head_dim_pad(d)
     block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[dpad]
     # atomic dQ: 2 = every step a column half per consumer (DQ_SPLIT at d128, DQ_SPLIT_D64
-    # at d64: halves of 32 columns), 1 = turns
+    # at d64: halves of 32 columns), 3 = that in FlashAttention-3's order (DQ_FA3_ORDER),
+    # 1 = turns; a config's fifth field: 0 turns, 1 split, 2 split in FA3's order
     split = rest[0] if rest else (DQ_SPLIT if dpad > 64 else DQ_SPLIT_D64)
-    dq_mode = (2 if split else 1) if dq_atomic else 0
+    if split and not rest and DQ_FA3_ORDER:
+        split = 2
+    dq_mode = 1 + int(split) if dq_atomic else 0
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
                 k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
                 dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
                 LSE=lse2, DELTA=delta, dq_desc=_dq_desc(dq_acc, block_m, dpad, dq_atomic,
-                                                          dq_mode == 2),
+                                                          dq_mode >= 2),
                 heads=h, kv_group=h // k4.shape[1],
                 seqlen_q=sq, seqlen_k=sk, total_q=0, CU_Q=lse2, CU_K=lse2, TILES=lse2, DK=dk4,
                 DV=dv4,
