@@ -180,8 +180,9 @@ DQ_SPLIT_D64 = False
 # wgmma serialised by ptxas then. Leaving dK running into the next step as well, in
 # pairs of steps, spilled 692 bytes: not kept.)
 DQ_FA3_ORDER = True
-# ... and the turns of d64 in that order (the kernel's DQ_ATOMIC == 5): not yet measured.
-DQ_FA3_ORDER_TURNS = False
+# (d64's turns in that order, the whole dQ issued before dK on a consumer's turn, measured
+# 1-5% slower: benchmarks/results/2026-11-24_h200_bwd-d64-turns-fa3-order-ab_d86407c.txt,
+# 2 x 32 x 8192 478, 467 against 455, 451 TFLOPS; not kept.)
 # The atomic dQ's fp32 tiles go to shared memory with their rows permuted within groups of 8
 # (row 8a + 4b + c at 8a + 2c + b: conflict-free 8-byte stores into the 128-byte swizzle; the
 # workspace keeps that order and _finish undoes it). Not for packed sequences, whose blocks
@@ -663,30 +664,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             gl.thread_barrier()  # every thread's rows are written before the arrival
             mbarrier.arrive(ds_ready.index(it % 2))
         dsa = gl.convert_layout(ds16, a_layout)
-        if DQ_ATOMIC == 5:
-            if it % 2 == C:
-                # (DQ_FA3_ORDER at d64) This consumer's turn (below) in FlashAttention-3's
-                # order: the block's whole dQ (one 64-column piece at d64) issued before dK, and
-                # stored and added to the workspace while dK runs; dV waited for first (ptxas's
-                # C7515, below).
-                SPLIT5: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
-                gl.static_assert(SPLIT5 == 1, "the whole dQ in one piece")
-                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                tma.store_wait(0)  # this consumer's reduce-add of two steps back has read its tile
-                gl.thread_barrier()
-                dv, _p, _do = warpgroup_mma_wait(0, deps=(dv_tok, p16, do_smem))
-                dq_tok = _dq_issue(ds_all, k_bufs, 0, h_layout, dq_desc.block_type.shape[3])
-                dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
-                dq = warpgroup_mma_wait(1, deps=(dq_tok,))
-                _dq_add(dq, dq_bufs, C, 0, dq_desc, tb, off_h, q_start + row0, DQ_ROWS)
-                dk, _ds, _q = warpgroup_mma_wait(0, deps=(dk_tok, dsa, q_smem))
-                mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
-            else:
-                dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
-                dv, dk, _p, _ds, _q, _do = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p16,
-                                                                       dsa, q_smem, do_smem))
-                mbarrier.arrive(empty.index(s))
-        elif DQ_ATOMIC == 3:
+        if DQ_ATOMIC == 3:
             # (DQ_FA3_ORDER) The column-half split below in FlashAttention-3's order: this
             # step's dQ piece is issued before dK, and stored and added to the workspace
             # while dK runs. dV (issued long before) is waited for first: a product issued
@@ -726,7 +704,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             gl.thread_barrier()
             _dq_piece(ds_all, k_bufs, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0,
                       h_layout, DQ_ROWS)  # fmt: skip
-        elif DQ_ATOMIC == 1:  # (DQ_ATOMIC == 5 did its turn above)
+        elif DQ_ATOMIC == 1:
             if it % 2 == C:
                 # The consumers take turns: this one multiplies the whole block's dS (both
                 # halves, K = 128 keys) by K into the query block's dQ and adds it to the
@@ -951,17 +929,16 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[dpad]
     # atomic dQ: 2 = every step a column half per consumer (DQ_SPLIT at d128, DQ_SPLIT_D64
     # at d64: halves of 32 columns), 3 = that in FlashAttention-3's order (DQ_FA3_ORDER),
-    # 1 = turns, 5 = turns in FA3's order (DQ_FA3_ORDER_TURNS, d64); a config's fifth
-    # field: 0 turns, 1 split, 2 split in FA3's order, 4 turns in FA3's order
+    # 1 = turns; a config's fifth field: 0 turns, 1 split, 2 split in FA3's order
     split = rest[0] if rest else (DQ_SPLIT if dpad > 64 else DQ_SPLIT_D64)
-    if not rest and DQ_FA3_ORDER:
-        split = 2 if split else 4 if (DQ_FA3_ORDER_TURNS and dpad == 64) else 0
+    if split and not rest and DQ_FA3_ORDER:
+        split = 2
     dq_mode = 1 + int(split) if dq_atomic else 0
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
                 k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
                 dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
                 LSE=lse2, DELTA=delta, dq_desc=_dq_desc(dq_acc, block_m, dpad, dq_atomic,
-                                                          dq_mode in (2, 3)),
+                                                          dq_mode >= 2),
                 heads=h, kv_group=h // k4.shape[1],
                 seqlen_q=sq, seqlen_k=sk, total_q=0, CU_Q=lse2, CU_K=lse2, TILES=lse2, DK=dk4,
                 DV=dv4,
