@@ -533,6 +533,19 @@ def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, lay
 
 
 @gluon.jit
+def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The split dQ's (DQ_ATOMIC 2 and 3) wait at step ``it``: for the step's whole dS^T
+    (both consumers' halves), and for the reduce-add of two steps back to have read this
+    consumer's fp32 tile ``it % 2``; returns that tile's index in ``dq_bufs``."""
+    SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
+    gl.static_assert(SPLIT == CONSUMERS, "a column half per consumer")
+    mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+    tma.store_wait(1)
+    gl.thread_barrier()
+    return C * SPLIT + it % 2  # its two tiles in turn
+
+
+@gluon.jit
 def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads,
                   kv_group,
@@ -670,12 +683,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             # while dK runs. dV (issued long before) is waited for first: a product issued
             # while another's accumulator registers are still being written makes ptxas
             # serialise every wgmma of the kernel (its C7515 note).
-            SPLIT3: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
-            gl.static_assert(SPLIT3 == CONSUMERS, "a column half per consumer")
-            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-            tile = C * SPLIT3 + it % 2  # its two tiles in turn
-            tma.store_wait(1)  # the reduce-add of two steps back has read this tile
-            gl.thread_barrier()
+            tile = _split_tile(ds_ready, dq_bufs, it, C, CONSUMERS)
             dv, _p, _do = warpgroup_mma_wait(0, deps=(dv_tok, p16, do_smem))
             dq_tok = _dq_issue(ds_all, k_bufs, C, h_layout, dq_desc.block_type.shape[3])
             dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
@@ -696,12 +704,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             # the buffer rules are the turns' (below): ds buffer it % 2 is rewritten two steps
             # on, after the partner has passed step it + 1's ds_ready (so its step-it product
             # is done).
-            SPLIT2: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
-            gl.static_assert(SPLIT2 == CONSUMERS, "a column half per consumer")
-            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-            tile = C * SPLIT2 + it % 2  # its two tiles in turn
-            tma.store_wait(1)  # the reduce-add of two steps back has read this tile
-            gl.thread_barrier()
+            tile = _split_tile(ds_ready, dq_bufs, it, C, CONSUMERS)
             _dq_piece(ds_all, k_bufs, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0,
                       h_layout, DQ_ROWS)  # fmt: skip
         elif DQ_ATOMIC == 1:
