@@ -142,8 +142,10 @@ def test_varlen_hopper_path_by_head_dim(monkeypatch):
         pd = check_varlen_inputs(qd, kd, vd, cu_q, cu_k, 4, 4, causal=True, softmax_scale=None)
         pd = dataclasses.replace(pd, capability=(9, 0), aligned16=True)
         assert dispatch.select(pd).name == family, d
-        if family == "hopper":  # d72..128: the deterministic path
-            assert hopper_bwd.auto_mode(pd) == "kernel-dq" and hopper_bwd.supports(pd) is None
+        if family == "hopper":  # d72..128: the atomic dQ too (since its FA3 order)
+            assert hopper_bwd.auto_mode(pd) == "atomic" and hopper_bwd.supports(pd) is None
+            assert hopper_bwd.auto_mode(dataclasses.replace(pd, deterministic=True)) == (
+                "kernel-dq")
     assert "d256 is not timed" in dict(dispatch.explain(pd))["hopper"]
     windowed = dataclasses.replace(p, window_left=8)
     assert "without window" in dict(dispatch.explain(windowed))["hopper"]

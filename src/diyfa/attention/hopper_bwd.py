@@ -249,7 +249,15 @@ def auto_mode(p: Problem) -> str | None:
     (variants suite, 8k d128 causal, ..._flash_variants-bwd-split_3dbec91.jsonl: softcap
     276 against 319, ALiBi 276 against 337), while a window or sinks take the atomic dQ at
     d72..128 (window 1023 343 against 331, sinks 463 against 442; d64 variants keep the
-    deterministic path, measured before the split)."""
+    deterministic path, measured before the split).
+
+    Since the split runs in FlashAttention-3's order (``DQ_FA3_ORDER``; H200, bf16, one
+    process, 2 rounds, backend="hopper" with and without ``deterministic``,
+    benchmarks/results/2026-11-24_h200_bwd-mode-ab_dba219c.txt, backward TFLOPS
+    deterministic / atomic): packed sequences at d128 (the varlen suite's mix, GQA 16/4) 445
+    / 491, causal 409 / 415, so they take "atomic" too; 8k d128 causal softcap 329 / 300
+    and ALiBi 402 / 395 keep the deterministic path; window 1023 332 / 402, sinks 460 /
+    528, plain 460 / 552."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
@@ -263,9 +271,8 @@ def auto_mode(p: Problem) -> str | None:
         return None
     window = p.window_left >= 0 or p.window_right > 0
     variant = window or p.softcap or p.alibi_slopes is not None or p.sinks is not None
-    packed_wide = wide and p.cu_seqlens_q is not None  # (causal: slower with the split dQ)
     heavy = p.softcap or p.alibi_slopes is not None  # (slower with the split dQ)
-    if p.deterministic or packed_wide or heavy or (variant and not wide):
+    if p.deterministic or heavy or (variant and not wide):
         return "kernel-dq"
     return "atomic"
 
