@@ -253,6 +253,7 @@ def auto_mode(p: Problem) -> str | None:
 
     Since the split runs in FlashAttention-3's order (``DQ_FA3_ORDER``; H200, bf16, one
     process, 2 rounds, backend="hopper" with and without ``deterministic``,
+    benchmarks/bwd_mode_ab.py,
     benchmarks/results/2026-11-24_h200_bwd-mode-ab_dba219c.txt, backward TFLOPS
     deterministic / atomic): packed sequences at d128 (the varlen suite's mix, GQA 16/4) 445
     / 491, causal 409 / 415, so they take "atomic" too; 8k d128 causal softcap 329 / 300
