@@ -84,7 +84,8 @@ WIDE_MULTI = (64, 4, 3)
 # programs per SM: 64-key blocks, 4 warps, 4 stages, whole waves of 2 per SM. A WIDE
 # program of 4-8 blocks spends much of its life filling and draining its pipeline, alone on
 # its SM; two smaller ones overlap theirs. H200, bf16 d128, one new token, same process,
-# best of 2 interleaved (benchmarks/results/2026-11-24_h200_decode-short-ab_cda48ed-wip.txt,
+# best of 2 interleaved (benchmarks/decode_short_ab.py,
+# benchmarks/results/2026-11-24_h200_decode-short-ab_cda48ed-wip.txt,
 # GB/s, WIDE / this; cuDNN): b128 x 512 3,251 / 3,441 (3,518), b128 x 768 3,590 / 3,731
 # (3,816), b128 x 1024 3,822 / 3,917 (3,978), b64 x 512 2,677 / 2,820 (2,931), b64 x 1024
 # 3,350 / 3,422 (3,538); b16 x 1024 (128 pairs) 899 / 829: WIDE there. (Calls of under
