@@ -68,8 +68,14 @@ DEFAULTS = {
         "attn_fwd": {64: (128, 64, 8, 3), 128: (128, 128, 8, 3), 256: (64, 64, 4, 2)},
         # d256 backward: 8 warps (the dK/dV and dQ accumulators spill with 4: measured on an
         # H200 with autotuning off, 2026-11-23, 86-102 TFLOPS against 218-242 autotuned).
+        # The dQ kernel's 128-row tiles since 2026-11-24 (H200, bf16, one process, the whole
+        # backward, benchmarks/portable_bwd_ab.py,
+        # benchmarks/results/2026-11-24_h200_portable-bwd-d256-configs_61b9d35.txt, TFLOPS
+        # 64-64-8-2 / 128-64-8-2: 2 x 8 x 8192 198 / 241, causal 178 / 212; 16 x 8 x 1024
+        # 183 / 218, causal 136 / 153; the same gradients); dK/dV's 64-64-8-2 stayed the best
+        # of seven there.
         "attn_bwd_dkdv": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 64, 8, 2)},
-        "attn_bwd_dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
+        "attn_bwd_dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 2)},
     },
     # Ampere (sm80/86/89): the seed guide's smaller shared memory, fewer stages.
     8: {
