@@ -72,10 +72,12 @@ DEFAULTS = {
         # backward, benchmarks/portable_bwd_ab.py,
         # benchmarks/results/2026-11-24_h200_portable-bwd-d256-configs_61b9d35.txt, TFLOPS
         # 64-64-8-2 / 128-64-8-2: 2 x 8 x 8192 198 / 241, causal 178 / 212; 16 x 8 x 1024
-        # 183 / 218, causal 136 / 153; the same gradients); dK/dV's 64-64-8-2 stayed the best
-        # of seven there.
+        # 183 / 218, causal 136 / 153; the same gradients), then 32-key blocks and 3 stages
+        # (..._portable-bwd-d256-configs-2_41ea514.txt, 128-64-8-2 / 128-32-8-3: 246 / 263,
+        # causal 211 / 225; 1k 219 / 237, causal 155 / 166). dK/dV's 64-64-8-2 stayed the
+        # best of twelve.
         "attn_bwd_dkdv": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 64, 8, 2)},
-        "attn_bwd_dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 2)},
+        "attn_bwd_dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 3)},
     },
     # Ampere (sm80/86/89): the seed guide's smaller shared memory, fewer stages.
     8: {
