@@ -80,6 +80,10 @@ def test_hopper_kernel_compiles_and_fits(dtype):
         assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx, where  # TMA loads
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx, where
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{l_regs};" in ptx, where
+        # No wgmma serialised by ptxas (its note C7515: an accumulator's registers written
+        # between a product's issue and its wait; every product then waits for the one
+        # before it: the backward's first try of FlashAttention-3's dQ order, 2026-11-24).
+        assert "C7515" not in r["ptxas"], (where, r["ptxas"])
         spilled = int(r["ptxas"].split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
         if (r["d"], r["causal"]) == (256, True):
             # At d256 (a 128-register accumulator) ptxas stashes a few kernel arguments in
