@@ -62,7 +62,7 @@ def main(path: str) -> None:
                         decode.short_cache = rule
                         decode._PREPARED.clear()
                     row[name] = max(row[name], round(nbytes / (ms * 1e-3) / 1e9))
-            row["takes_short"] = rule(False, 128, 128, 2, True, 16, n, b * 8, 132)
+            row["takes_short"] = rule(n, b * 8, 132)
             print(row, flush=True)
             out.write(json.dumps(row) + "\n")
             rows.append(row)

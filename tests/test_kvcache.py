@@ -5,8 +5,6 @@ the Triton interpreter.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -384,14 +382,11 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(False, 128, 128, 2, True, block_m=32) == (
         *decode.WIDE_MULTI, False)
     assert decode.pick_splits(16, 8, 16384, dev, 64, 2, True) == 2  # 256 of 264 slots
-    # short contiguous caches with pairs for two waves of two programs per SM: SHORT
-    short = functools.partial(decode.short_cache, False, 128, 128, 2, True, 16, sms=132)
-    assert short(keys=512, pairs=128 * 8) and short(keys=1024, pairs=64 * 8)
-    assert not short(keys=1025, pairs=128 * 8)  # longer: WIDE
-    assert not short(keys=1024, pairs=16 * 8)  # fewer pairs: WIDE (b16 x 1024 lost with it)
-    assert not decode.short_cache(True, 128, 128, 2, True, 16, 512, 1024, 132)  # paged
-    assert not decode.short_cache(False, 128, 128, 2, True, 32, 512, 1024, 132)  # 32 rows
-    assert not decode.short_cache(False, 128, 128, 1, True, 16, 512, 1024, 132)  # fp8
+    # where WIDE's launch applies (above: not paged, fp8, fp32 or 32 rows), short caches with
+    # (batch, kv head) pairs for two waves of two programs per SM take SHORT's
+    assert decode.short_cache(512, 128 * 8, 132) and decode.short_cache(1024, 64 * 8, 132)
+    assert not decode.short_cache(1025, 128 * 8, 132)  # longer: WIDE
+    assert not decode.short_cache(1024, 16 * 8, 132)  # fewer pairs: WIDE (b16 x 1024 lost)
     assert decode.split_stages(128, 128, 2, 232448, 64, decode.SHORT_STAGES) == 4
     assert decode.split_stages(128, 128, 2, 232448, 64) == 3
     # Contiguous 16-bit caches (decode.WIDE: one resident program per SM): the fewest splits

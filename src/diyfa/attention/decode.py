@@ -151,14 +151,12 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
 
 
-def short_cache(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
-                block_m: int, keys: int, pairs: int, sms: int) -> bool:
-    """Whether a decode call takes SHORT's launch: a contiguous 16-bit cache at head dims
-    <= 128 on a GPU, one block of <= 16 query rows, at most SHORT_KEYS keys, and (batch, kv
-    head) pairs for 90% of two waves of SHORT's programs."""
-    return (not paged and on_gpu and elem_bytes == 2 and max(d_pad, dv_pad) <= 128
-            and block_m <= 16 and keys <= SHORT_KEYS
-            and pairs >= 0.9 * 2 * SHORT[2] * sms)  # fmt: skip
+def short_cache(keys: int, pairs: int, sms: int) -> bool:
+    """Whether a call that :func:`launch_config` gives WIDE's launch (a contiguous 16-bit
+    cache at head dims <= 128 on a GPU, <= 16 query rows a program) takes SHORT's instead:
+    at most SHORT_KEYS keys, and (batch, kv head) pairs for 90% of two waves of SHORT's
+    programs on ``sms`` SMs."""
+    return keys <= SHORT_KEYS and pairs >= 0.9 * 2 * SHORT[2] * sms
 
 
 def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int,
@@ -674,9 +672,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     block_m = min(64, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad, dv_pad, k_cache.element_size(),
                                                   q.is_cuda, block_m)  # fmt: skip
-    short = q.is_cuda and short_cache(paged, d_pad, dv_pad, k_cache.element_size(), True,
-                                      block_m, max_seqlen_k, b * hk,
-                                      kernel_limits(q.device.index)["sm_count"])  # fmt: skip
+    short = (block_n, warps, per_sm) == WIDE and short_cache(
+        max_seqlen_k, b * hk, kernel_limits(q.device.index)["sm_count"])  # (WIDE: a GPU)
     if short:
         (block_n, warps, per_sm), waves = SHORT, True
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, waves)
