@@ -144,18 +144,24 @@ def test_delta_kernel(shape, layout):
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    (dict(d=256), "takes head dims up to 128, not 256"),
-    (dict(d=136), "takes head dims up to 128, not 136"),
+    (dict(d=256, window_left=100), "above 128 (here 256) does not take a window yet"),
+    (dict(d=136, softcap=30.0, causal=True), "(here 136) does not take softcap yet"),
+    (dict(d=192, alibi_slopes=torch.ones(4), window_left=50),
+     "(here 192) does not take a window or ALiBi yet"),
     (dict(capability=(8, 0)), "needs a Hopper GPU"),
     (dict(dtype=torch.float32), "fp16 or bf16"),
     (dict(d=60), "multiples of 8"),
-], ids=["d256", "d136", "sm80", "fp32", "d60"])
+], ids=["d256-window", "d136-softcap", "d192-alibi-window", "sm80", "fp32", "d60"])
 def test_supports_says_why_not(kwargs, reason):
     assert reason in hopper_bwd.supports(_problem(**kwargs))
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(d=64, causal=True), dict(d=96, layout="bshd"),
-                                    dict(d=72, hk=1)], ids=["d128", "d64-causal", "d96", "d72"])
+                                    dict(d=72, hk=1), dict(d=256, causal=True),
+                                    dict(d=136, hk=1, layout="bshd"),
+                                    dict(d=192, sinks=torch.zeros(4))],
+                         ids=["d128", "d64-causal", "d96", "d72", "d256-causal", "d136-mqa",
+                              "d192-sinks"])
 def test_supports_takes(kwargs):
     assert hopper_bwd.supports(_problem(**kwargs)) is None
 
@@ -173,8 +179,10 @@ def test_supports_takes(kwargs):
     ("0", "auto", dict(), "portable"),
     (None, "hopper", dict(), "hopper-atomic"),
     (None, "hopper", dict(deterministic=True), "hopper-kernel-dq"),
-    (None, "hopper", dict(d=256), "portable"),
-    ("1", "auto", dict(d=256), "portable"),
+    (None, "hopper", dict(d=256), "hopper-atomic"),
+    ("1", "auto", dict(d=256), "hopper-atomic"),
+    (None, "auto", dict(d=256), "portable"),
+    (None, "hopper", dict(d=192, variant=dict(window_left=100)), "portable"),
     (None, "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096, variant=dict(window_left=100)), "hopper-kernel-dq"),
     (None, "auto", dict(variant=dict(softcap=30.0), causal=True), "hopper-kernel-dq"),
@@ -187,6 +195,7 @@ def test_supports_takes(kwargs):
 ], ids=["auto-d128", "auto-d64", "auto-d64-causal", "auto-d80-det", "auto-d128-causal",
         "auto-d64-det", "auto-d64-causal-det", "enabled-d64",
         "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256",
+        "auto-d256", "named-d192-window",
         "auto-window", "auto-window-d64", "auto-softcap", "enabled-window", "named-softcap",
         "named-det-alibi", "named-sinks", "named-value-dim"])
 def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
@@ -413,6 +422,38 @@ def test_gpu_hopper_bwd_matrix(shape, dtype, causal, deterministic, monkeypatch)
                    deterministic=deterministic)  # fmt: skip
 
 
+# Head dims above 128 (hopper_bwd256's kernel, computed as 256): odd lengths both ways, GQA
+# and MQA, one query row, keys fewer than a block, d136/d160/d192 padded.
+BWD_SHAPES_WIDE = [
+    (2, 8, 2, 1024, 1024, 256), (1, 4, 4, 1023, 2049, 256), (2, 4, 1, 333, 77, 192),
+    (1, 8, 2, 777, 3, 160), (3, 2, 1, 65, 129, 256), (1, 4, 4, 1, 500, 256),
+    (2, 2, 2, 2049, 1000, 136), (1, 2, 1, 4096, 4096, 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", BWD_SHAPES_WIDE,
+                         ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_hopper_bwd_wide_heads(shape, dtype, causal, deterministic, monkeypatch):
+    """Head dims 136..256 through the d256 kernel (checked to have launched), both modes."""
+    from diyfa._launcher import ReplayCache
+    from diyfa.attention import hopper_bwd256
+
+    _hopper_only(monkeypatch)
+    monkeypatch.setenv("DIYFA_HOPPER_BWD", "1")
+    monkeypatch.setattr(hopper_bwd, "_REPLAYS", ReplayCache())  # every call launches
+    ran = []
+    launch = hopper_bwd.launch
+    monkeypatch.setattr(hopper_bwd, "launch", lambda fn, *a: ran.append(fn) or launch(fn, *a))
+    b, h, hk, sq, sk, d = shape
+    _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal,
+                   deterministic=deterministic)  # fmt: skip
+    assert ran == [hopper_bwd256._attn_bwd_d256]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 def test_gpu_hopper_bwd_16k_bshd_and_rows_without_keys(deterministic, monkeypatch):
@@ -444,10 +485,11 @@ def test_gpu_hopper_bwd_sum_gradient_and_packed_views(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gpu_hopper_bwd_deterministic_is_bitwise(causal):
+def test_gpu_hopper_bwd_deterministic_is_bitwise(causal, d):
     """deterministic=True: every gradient bitwise-equal over repeated runs (GQA, 4k)."""
-    q, k, v = _inputs(2, 16, 4, 4096, 4096, 128, torch.bfloat16, device="cuda")
+    q, k, v = _inputs(2, 16, 4, 4096, 4096, d, torch.bfloat16, device="cuda")
     do = torch.randn_like(q)
     grads = []
     for _ in range(3):

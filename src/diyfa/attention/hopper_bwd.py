@@ -158,6 +158,7 @@ BLOCK_N = CONSUMERS * SUB_N
 BWD_CONFIGS = {
     64: (64, 2, 240, 24),
     128: (64, 2, 240, 24),
+    256: (64, 2, 240, 24),  # hopper_bwd256's kernel (the head dim split between consumers)
 }
 # Atomic dQ: every step each consumer computes a column half of dQ (True), or the
 # consumers take turns computing all of it (False). A config's fifth field, when given,
@@ -265,6 +266,8 @@ def auto_mode(p: Problem) -> str | None:
     if env == "1":
         return "kernel-dq" if p.deterministic else "atomic"
     if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
+        return None
+    if head_dim_pad(p.head_dim) == 256:  # (hopper_bwd256: not measured against portable yet)
         return None
     wide = head_dim_pad(p.head_dim) > 64
     small = p.batch * p.heads * p.seqlen_q * p.seqlen_k < SHORT_WORK_D64
@@ -894,12 +897,13 @@ _DQ_STANDINS: dict = {}
 
 
 def _dq_desc(dq_acc: torch.Tensor, block_m: int, dpad: int, dq_atomic: bool,
-             halves: bool = False):
+             halves: bool = False, cols: int | None = None):
     """The TMA descriptor of the atomic mode's fp32 dQ workspace, blocks of BLOCK_M rows x
-    one column half (64 columns at d128; the whole 64 at d64 unless ``halves``); without
-    atomic dQ, one over a small stand-in of the same block shape (the kernel reads nothing
-    through it)."""
-    cols = dpad // 2 if dpad > 64 or halves else dpad
+    ``cols`` columns (default: one column half, 64 columns at d128; the whole 64 at d64
+    unless ``halves``); without atomic dQ, one over a small stand-in of the same block shape
+    (the kernel reads nothing through it)."""
+    if cols is None:
+        cols = dpad // 2 if dpad > 64 or halves else dpad
     if not dq_atomic:
         key = (dq_acc.device, block_m, cols)
         dq_acc = _DQ_STANDINS.get(key)
@@ -1095,11 +1099,21 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
                                 DK=dk, DV=dv, stride_dks=dk.stride(0), stride_dkh=dk.stride(1),
                                 stride_dvs=dv.stride(0), stride_dvh=dv.stride(1),
                                 VARLEN=True))  # fmt: skip
-    grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
-                                     p.softmax_scale, causal, atomic_dq, config, qk_scale,
-                                     variants, packed)  # fmt: skip
-    kernel = launch(_attn_bwd_hopper, grid, args, {}, num_warps, 1)
-    launched.append((_attn_bwd_hopper, kernel, grid, args))
+    if dpad == 256:  # the head dim split between the consumers (hopper_bwd256)
+        from diyfa.attention import hopper_bwd256
+
+        fn = hopper_bwd256._attn_bwd_d256
+        dq_desc = _dq_desc(dq_acc, block_m, dpad, atomic_dq, cols=hopper_bwd256.DQ_PIECE)
+        grid, args, num_warps = hopper_bwd256.bwd_args(
+            q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_desc, upper, p.softmax_scale, causal,
+            atomic_dq, permuted, config, qk_scale)  # fmt: skip
+    else:
+        fn = _attn_bwd_hopper
+        grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
+                                         p.softmax_scale, causal, atomic_dq, config, qk_scale,
+                                         variants, packed)  # fmt: skip
+    kernel = launch(fn, grid, args, {}, num_warps, 1)
+    launched.append((fn, kernel, grid, args))
     if atomic_dq:
         _finish(view(dq), dq_acc, p.softmax_scale, permuted, launched)
     if roles is not None and not compiling_only() and None not in launched:
@@ -1136,9 +1150,14 @@ def supports(p: Problem) -> str | None:
         return reason
     if p.head_dim_v != p.head_dim:
         return "its backward takes no value head dim other than q's yet (portable)"
-    if p.head_dim > 128:
-        return (f"its backward takes head dims up to 128, not {p.head_dim} (dK and dV "
-                "accumulators would not fit the registers)")  # fmt: skip
+    if p.head_dim > 128:  # (hopper_bwd256's kernel: the plain and causal band, GQA, sinks)
+        window = p.window_left >= 0 or p.window_right > 0
+        named = [name for name, on in (("a window", window), ("softcap", p.softcap),
+                                       ("ALiBi", p.alibi_slopes is not None),
+                                       ("packed sequences", p.cu_seqlens_q is not None)) if on]
+        if named:
+            return (f"its backward at head dims above 128 (here {p.head_dim}) does not take "
+                    f"{' or '.join(named)} yet")  # fmt: skip
     if p.batch * p.kv_heads > 65535:
         return (f"batch x kv heads = {p.batch * p.kv_heads} exceeds the 65535 programs its "
                 "grid's second axis may hold")  # fmt: skip

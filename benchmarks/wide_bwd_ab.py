@@ -1,0 +1,74 @@
+"""The backward at head dims above 128 on a CUDA GPU (sm90), one process: the portable
+backward against the Gluon one (``hopper_bwd256``: atomic dQ, and deterministic: the portable
+dQ kernel, then the Gluon kernel for dK / dV), on FlashAttention's sweep (16k tokens, hidden
+2048: 8 heads at d256) causal and not, bf16, bhsd. Backward TFLOPS (``torch.autograd.grad``
+timed by do_bench, median; 2.5x the forward's FLOPs, halved when causal), the best of
+``--rounds`` interleaved rounds, and each path's largest gradient difference from the
+portable one's.
+
+    python3 benchmarks/wide_bwd_ab.py [--dims 256,192] [--rounds 2] OUT.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
+
+import diyfa  # noqa: E402
+
+PATHS = {"portable": dict(backend="portable"), "hopper-atomic": dict(backend="hopper"),
+         "hopper-det": dict(backend="hopper", deterministic=True)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--dims", default="256")
+    ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    rows = []
+    for d in (int(x) for x in a.dims.split(",")):
+        for s in (int(x) for x in a.seqlens.split(",")):
+            b, h = 16384 // s, 2048 // d
+            for causal in (False, True):
+                torch.manual_seed(0)
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16,
+                                       requires_grad=True) for _ in range(3))  # fmt: skip
+                do = torch.randn_like(q)
+                flops = 4 * b * h * s * s * d * 2.5 / (2 if causal else 1)
+                best, grads = {}, {}
+                for _ in range(a.rounds):
+                    for name, opts in PATHS.items():
+                        out = diyfa.flash_attention(q, k, v, causal=causal, **opts)
+                        fn = functools.partial(torch.autograd.grad, out, (q, k, v), do,
+                                               retain_graph=True)  # fmt: skip
+                        grads[name] = fn()
+                        ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+                        best[name] = min(best.get(name, ms), ms)
+                rec = dict(d=d, b=b, h=h, s=s, causal=causal,
+                           tflops={n: round(flops / ms / 1e9, 1) for n, ms in best.items()},
+                           max_diff={n: max((x.float() - y.float()).abs().max().item()
+                                            for x, y in zip(g, grads["portable"], strict=True))
+                                     for n, g in grads.items()})  # fmt: skip
+                rows.append(rec)
+                print(json.dumps(rec), flush=True)
+    with open(a.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print("\nd b h s causal | " + " | ".join(PATHS))
+    for r in rows:
+        print(f"d{r['d']} {r['b']}x{r['h']}x{r['s']} {r['causal']} | "
+              + " | ".join(f"{r['tflops'][n]:.0f}" for n in PATHS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
