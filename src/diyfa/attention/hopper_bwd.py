@@ -189,6 +189,16 @@ DQ_FA3_ORDER = True
 # workspace keeps that order and _finish undoes it). Not for packed sequences, whose blocks
 # start anywhere in the workspace.
 DQ_ROWS_PERMUTED = True
+# Head dims above 128 (hopper_bwd256's kernel): the deterministic path (the portable dQ
+# kernel, then the kernel for dK / dV) is the default there even without ``deterministic``,
+# measured faster than the kernel's own atomic dQ at every point (H200, bf16, one process,
+# benchmarks/wide_bwd_ab.py, 2 rounds, backward TFLOPS portable / atomic / deterministic,
+# benchmarks/results/2026-11-25_h200_wide-bwd-ab_8d00954-wip.txt: 16 x 8 x 1024 236 / 254 /
+# 347, causal 165 / 204 / 274; 4 x 8 x 4096 264 / 296 / 389, causal 204 / 280 / 344; 1 x 8 x
+# 16384 259 / 305 / 404, causal 232 / 315 / 398). (Its atomic dQ stages each 64-column
+# piece through one 16 KB tile per consumer, all that 227 KB leaves, and waits for the
+# previous piece's reduce-add to have read it.)
+WIDE_DQ_ATOMIC = False
 
 
 def dq_rows_permuted(dq_atomic: bool, packed: bool) -> bool:
@@ -263,11 +273,11 @@ def auto_mode(p: Problem) -> str | None:
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
+    if head_dim_pad(p.head_dim) == 256:
+        return None if env != "1" and p.batch * p.heads > 65535 else "kernel-dq"
     if env == "1":
         return "kernel-dq" if p.deterministic else "atomic"
     if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
-        return None
-    if head_dim_pad(p.head_dim) == 256:  # (hopper_bwd256: not measured against portable yet)
         return None
     wide = head_dim_pad(p.head_dim) > 64
     small = p.batch * p.heads * p.seqlen_q * p.seqlen_k < SHORT_WORK_D64
@@ -1037,6 +1047,12 @@ def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
     return res
 
 
+def default_atomic(p: Problem) -> bool:
+    """Whether ``backend="hopper"`` runs ``p``'s backward with the atomic dQ: unless
+    ``deterministic``, and not above d128 (``WIDE_DQ_ATOMIC``: slower there)."""
+    return not p.deterministic and (WIDE_DQ_ATOMIC or head_dim_pad(p.head_dim) < 256)
+
+
 def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | None = None,
                     atomic_dq: bool | None = None):
     """(dq, dk, dv) through the Hopper kernel for a problem :func:`supports` accepts: dQ by
@@ -1044,7 +1060,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     the portable dQ kernel first (bitwise reproducible)."""
     p = problem
     if atomic_dq is None:
-        atomic_dq = not p.deterministic
+        atomic_dq = default_atomic(p)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     varlen = p.cu_seqlens_q is not None
     if (p.seqlen_q == 0 or p.seqlen_k == 0 or p.batch * p.heads == 0
@@ -1173,7 +1189,8 @@ def backward(do, q, k, v, out, lse2, problem: Problem, forced: bool = False):
     :func:`auto_mode` picks it; else the portable backward (which reads the same LSE)."""
     if supports(problem) is None:
         if forced:
-            return hopper_backward(do, q, k, v, out, lse2, problem)
+            return hopper_backward(do, q, k, v, out, lse2, problem,
+                                   atomic_dq=default_atomic(problem))  # fmt: skip
         mode = auto_mode(problem)
         if mode is not None:
             return hopper_backward(do, q, k, v, out, lse2, problem,

@@ -95,6 +95,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     STAGES: gl.constexpr = q_bufs.type.shape[0]
+    DO_STAGES: gl.constexpr = do_bufs.type.shape[0]
     n0, off_b, off_hk, m_lo, num_m = _program(heads, kv_group, seqlen_q, causal_offset,
                                               BLOCK_M, BLOCK_N, CAUSAL)  # fmt: skip
     offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
@@ -121,10 +122,11 @@ def _loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row0, 0], q_ready.index(s),
                                         q_bufs.index(s))  # fmt: skip
-        mbarrier.wait(do_empty.index(0), (it & 1) ^ 1)
-        mbarrier.expect(do_ready.index(0), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row0, 0], do_ready.index(0),
-                                        do_bufs.index(0))  # fmt: skip
+        ds = it % DO_STAGES
+        mbarrier.wait(do_empty.index(ds), ((it // DO_STAGES) & 1) ^ 1)
+        mbarrier.expect(do_ready.index(ds), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row0, 0], do_ready.index(ds),
+                                        do_bufs.index(ds))  # fmt: skip
         mi += 1
         if mi == num_m:
             mi = 0
@@ -161,6 +163,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     STAGES: gl.constexpr = q_bufs.type.shape[0]
+    DO_STAGES: gl.constexpr = do_bufs.type.shape[0]
     HALF: gl.constexpr = BLOCK_M // 2
     COLS: gl.constexpr = HEAD_DIM // 2
     PIECE: gl.constexpr = dq_desc.block_type.shape[3]
@@ -180,7 +183,6 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
     key_tail = n0 + BLOCK_N > seqlen_k
     k_smem = _tile2d(k_bufs, 0)
     v_smem = _tile2d(v_bufs, 0)
-    do_smem = _tile2d(do_bufs, 0)
     dk = gl.zeros([BLOCK_N, COLS], gl.float32, layout=d_layout)
     dv = gl.zeros([BLOCK_N, COLS], gl.float32, layout=d_layout)
     mbarrier.wait(kv_ready.index(0), 0)
@@ -196,7 +198,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
         q_t = q_smem.slice(C * HALF, HALF, dim=0).permute((1, 0))
         st_tok = warpgroup_mma(k_smem, q_t, gl.zeros([BLOCK_N, HALF], gl.float32, s_layout),
                                use_acc=False, is_async=True)  # fmt: skip
-        mbarrier.wait(do_ready.index(0), it & 1)
+        ds = it % DO_STAGES
+        mbarrier.wait(do_ready.index(ds), (it // DO_STAGES) & 1)
+        do_smem = _tile2d(do_bufs, ds)
         do_t = do_smem.slice(C * HALF, HALF, dim=0).permute((1, 0))
         dpt_tok = warpgroup_mma(v_smem, do_t, gl.zeros([BLOCK_N, HALF], gl.float32, s_layout),
                                 use_acc=False, is_async=True)  # fmt: skip
@@ -228,7 +232,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
         do_c = do_smem.slice(C * COLS, COLS, dim=1)
         dv_tok = warpgroup_mma(pt_all, do_c, dv, is_async=True)
         dv, _p, _do = warpgroup_mma_wait(0, deps=(dv_tok, pt_all, do_c))
-        mbarrier.arrive(do_empty.index(0))  # dO of this step is no longer read
+        mbarrier.arrive(do_empty.index(ds))  # dO of this step is no longer read
         q_c = q_smem.slice(C * COLS, COLS, dim=1)
         if DQ_ATOMIC:
             # dQ[:, half C] = dS K[:, half C] in two pieces, issued before dK and added to
@@ -298,7 +302,7 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
                    heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                   DQ_ROWS: gl.constexpr):
+                   DQ_ROWS: gl.constexpr, DO_STAGES: gl.constexpr):
     """Grid (cdiv(seqlen_k, 64), batch * kv_heads), num_warps=4 (consumer 0) plus 4 warps
     (consumer 1) and 1 loader warp. Descriptors are 4-D over (batch, heads, seqlen, dim):
     Q and dO blocks (1, 1, BLOCK_M, 256), K and V (1, 1, 64, 256), dK and dV (1, 1, 64,
@@ -308,7 +312,8 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [1] + do_desc.block_type.shape, do_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [DO_STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)  # fmt: skip
     k_bufs = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -323,17 +328,18 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     pds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
-    mbarrier.init(do_ready.index(0), count=1)
-    mbarrier.init(do_empty.index(0), count=2)  # one arrival per consumer
     mbarrier.init(pds_ready.index(0), count=2)
     mbarrier.init(pds_ready.index(1), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer
+    for i in gl.static_range(DO_STAGES):
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer0, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs,
                       v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready,
@@ -359,7 +365,8 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int
     softmax_scale * log2(e)."""
     b, h, sq, _d = q4.shape
     sk = k4.shape[2]
-    block_m, stages, c_regs, l_regs = config or BWD_CONFIGS[256]
+    block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[256]
+    do_stages = rest[0] if rest else 1
     args = dict(q_desc=_desc(q4, block_m, 256), do_desc=_desc(do4, block_m, 256),
                 k_desc=_desc(k4, BLOCK_N, 256), v_desc=_desc(v4, BLOCK_N, 256),
                 dk_desc=_desc(dk4, BLOCK_N, 128), dv_desc=_desc(dv4, BLOCK_N, 128),
@@ -368,12 +375,13 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int
                 qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
                 sm_scale=softmax_scale, CAUSAL=causal,
                 DQ_ATOMIC=dq_atomic, STAGES=stages, CONSUMER_REGS=c_regs,
-                LOADER_REGS=l_regs, DQ_ROWS=dq_rows)  # fmt: skip
+                LOADER_REGS=l_regs, DQ_ROWS=dq_rows, DO_STAGES=do_stages)  # fmt: skip
     return (cdiv(sk, BLOCK_N), b * k4.shape[1]), args, 4
 
 
 def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                       dq_atomic: bool = True, head_dim: int = 256):
+                       dq_atomic: bool = True, head_dim: int = 256,
+                       config: tuple | None = None):
     """Compile the kernel for sm90a without a GPU (a (2, 16, 4096, head_dim) problem with 4
     kv heads); returns Triton's ``CompiledKernel``. Run it in a process that has not run
     kernels under the interpreter."""
@@ -385,5 +393,5 @@ def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, causal: bool = False
     dq_acc = torch.empty(2, 16, 4096, 256, dtype=torch.float32)
     dq_desc = _desc(dq_acc, BWD_CONFIGS[256][0], DQ_PIECE)
     _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_desc, 0, 0.1, causal,
-                                  dq_atomic, dq_atomic)  # fmt: skip
+                                  dq_atomic, dq_atomic, config)  # fmt: skip
     return compile_for_sm90(_attn_bwd_d256, args, num_warps)
