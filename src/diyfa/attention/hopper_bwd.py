@@ -193,7 +193,7 @@ DQ_ROWS_PERMUTED = True
 # kernel, then the kernel for dK / dV) is the default there even without ``deterministic``,
 # measured faster than the kernel's own atomic dQ at every point (H200, bf16, one process,
 # benchmarks/wide_bwd_ab.py, 2 rounds, backward TFLOPS portable / atomic / deterministic,
-# benchmarks/results/2026-11-25_h200_wide-bwd-ab_8d00954-wip.txt: 16 x 8 x 1024 236 / 254 /
+# benchmarks/results/2026-11-25_h200_wide-bwd-ab_8d00954.txt: 16 x 8 x 1024 236 / 254 /
 # 347, causal 165 / 204 / 274; 4 x 8 x 4096 264 / 296 / 389, causal 204 / 280 / 344; 1 x 8 x
 # 16384 259 / 305 / 404, causal 232 / 315 / 398). (Its atomic dQ stages each 64-column
 # piece through one 16 KB tile per consumer, all that 227 KB leaves, and waits for the
