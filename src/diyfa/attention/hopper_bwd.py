@@ -81,9 +81,12 @@ of spills, ``tests/test_hopper_bwd.py``) and run on an H200
 2026-11-23); "auto" takes it for all four (:func:`auto_mode`).
 
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
-rules, positive scale), head dims 64..128 that are multiples of 8 (computed as 64 or 128;
-at 256 the two fp32 accumulators alone are 256 registers per thread: portable), no value
-head dim other than q's. dO is copied to a contiguous tensor when its strides break TMA's
+rules, positive scale), head dims 64..256 that are multiples of 8 (computed as 64, 128 or
+256), no value head dim other than q's. Above 128 the two fp32 accumulators of this
+kernel's division alone would be 256 registers per thread: those head dims run on
+``hopper_bwd256``'s kernel (the head dim split between the consumers; plain, causal, GQA
+and sinks; a window, softcap, ALiBi and packed sequences stay portable there), by default
+in the deterministic path (``WIDE_DQ_ATOMIC``). dO is copied to a contiguous tensor when its strides break TMA's
 rules (autograd hands an expanded, stride-0 gradient for ``out.sum()``).
 
 Packed sequences (``VARLEN``, 2026-11-24): the descriptors are over batch-of-one (1, heads,
