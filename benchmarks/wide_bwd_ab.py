@@ -7,6 +7,10 @@ timed by do_bench, median; 2.5x the forward's FLOPs, halved when causal), the be
 portable one's.
 
     python3 benchmarks/wide_bwd_ab.py [--dims 256,192] [--rounds 2] OUT.jsonl
+
+``--variants``: instead, 8k tokens causal (1 x 8 heads, the first of --dims) plain, with a
+1023-key window, softcap 30, ALiBi and sinks, portable against the Gluon deterministic
+path (FLOPs of full causal attention for every row: compare rows within a variant).
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ def main() -> int:
     ap.add_argument("--dims", default="256")
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", action="store_true")
     a = ap.parse_args()
+    if a.variants:
+        return variants(a)
     rows = []
     for d in (int(x) for x in a.dims.split(",")):
         for s in (int(x) for x in a.seqlens.split(",")):
@@ -70,6 +77,45 @@ def main() -> int:
     for r in rows:
         print(f"d{r['d']} {r['b']}x{r['h']}x{r['s']} {r['causal']} | "
               + " | ".join(f"{r['tflops'][n]:.0f}" for n in PATHS))
+    return 0
+
+
+def variants(a) -> int:
+    d = int(a.dims.split(",")[0])
+    b, h, s = 1, 8, 8192
+    flops = 4 * b * h * s * s * d * 2.5 / 2
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
+    cases = {"plain": {}, "window1023": dict(window_size=(1023, 0)),
+             "softcap30": dict(softcap=30.0), "alibi": dict(alibi_slopes=slopes),
+             "sinks": dict(sinks=torch.zeros(h, device="cuda"))}
+    paths = {"portable": dict(backend="portable"), "hopper-det": dict(backend="hopper")}
+    rows = []
+    for name, opts in cases.items():
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))  # fmt: skip
+        do = torch.randn_like(q)
+        best, grads = {}, {}
+        for _ in range(a.rounds):
+            for path, popts in paths.items():
+                out = diyfa.flash_attention(q, k, v, causal=True, **opts, **popts)
+                fn = functools.partial(torch.autograd.grad, out, (q, k, v), do,
+                                       retain_graph=True)  # fmt: skip
+                grads[path] = fn()
+                ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+                best[path] = min(best.get(path, ms), ms)
+        rec = dict(d=d, b=b, h=h, s=s, causal=True, variant=name,
+                   tflops={n: round(flops / ms / 1e9, 1) for n, ms in best.items()},
+                   max_diff=max((x.float() - y.float()).abs().max().item() for x, y in
+                                zip(grads["hopper-det"], grads["portable"], strict=True)))
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    with open(a.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print(f"\nd{d} {b}x{h}x{s} causal variant | " + " | ".join(paths))
+    for r in rows:
+        print(f"{r['variant']} | " + " | ".join(f"{r['tflops'][n]:.0f}" for n in paths))
     return 0
 
 

@@ -127,30 +127,39 @@ import json, os, subprocess, sys, tempfile, torch, triton
 from diyfa.attention import hopper_bwd256 as hb
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = []
-for d, causal, atomic in [(256, False, True), (256, True, True), (256, False, False),
-                          (256, True, False), (192, True, True)]:
-    k = hb.compile_for_hopper(getattr(torch, sys.argv[1]), causal, atomic, d)
+runs = [(256, False, True, (), False), (256, True, True, (), False),
+        (256, False, False, (), False), (256, True, False, (), False),
+        (192, True, True, (), False)]
+runs += [(256, True, atomic, ("WINDOW", "SOFTCAP", "ALIBI"), False) for atomic in (False, True)]
+runs += [(256, causal, atomic, (), True) for causal, atomic in ((True, False), (False, True))]
+for d, causal, atomic, variants, packed in runs:
+    k = hb.compile_for_hopper(getattr(torch, sys.argv[1]), causal, atomic, d, None, variants,
+                              packed)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
     done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                           capture_output=True, text=True, check=True)
-    out.append({"d": d, "causal": causal, "atomic": atomic, "shared": k.metadata.shared,
-                "ptx": k.asm["ptx"], "ptxas": done.stderr})
+    out.append({"d": d, "causal": causal, "atomic": atomic, "variants": variants,
+                "packed": packed, "shared": k.metadata.shared, "ptx": k.asm["ptx"],
+                "ptxas": done.stderr})
 print(json.dumps(out))
 """
 
 # ptxas's spill report of the d256 kernel (2026-11-25, triton 3.6): 280 / 288 bytes with the
-# atomic dQ (d256 / d192 causal), 52 / 68 without.
-SPILL_BOUND_WIDE = {True: 512, False: 128}
+# atomic dQ (d256 / d192 causal), 52 / 68 without; window + softcap + ALiBi 152 / 320; packed
+# sequences 52 (deterministic, causal) / 300 (atomic).
+SPILL_BOUND_WIDE = {True: 512, False: 256}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_hopper_bwd_d256_compiles_and_fits(dtype):
-    """hopper_bwd256's kernel (head dims 129..256) compiles for sm90a without a GPU, fits 227
-    KB of shared memory and is what its docstring says: n32 wgmma for each consumer's rows
-    of S^T and dP^T, m64n128 for its column halves of dV and dK, m64n64 dQ pieces added by
-    TMA reduce-adds only with the atomic dQ; one exp2 per score (16 per thread per step in
-    each consumer); 4-D TMA loads and stores; registers moved to the consumers; no wgmma
+    """hopper_bwd256's kernel (head dims 129..256; plain, window + softcap + ALiBi, packed
+    sequences) compiles for sm90a without a GPU, fits 227 KB of shared memory and is what
+    its docstring says: n32 wgmma for each consumer's rows of S^T and dP^T, m64n128 for its
+    column halves of dV and dK, m64n64 dQ pieces added by TMA reduce-adds only with the
+    atomic dQ; one exp2 per score (16 per thread per step in each consumer) and softcap's
+    tanh by the hardware instruction; 4-D TMA loads and stores (packed sequences: a
+    sequence's last block by masked stores); registers moved to the consumers; no wgmma
     serialised (ptxas C7515) and spills bounded. In a fresh process."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_WIDE, dtype], env=env,
@@ -159,7 +168,8 @@ def test_hopper_bwd_d256_compiles_and_fits(dtype):
     kind = {"bfloat16": "bf16", "float16": "f16"}[dtype]
     _, _, c_regs, l_regs = hopper_bwd.BWD_CONFIGS[256]
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
-        where = f"d{r['d']} causal={r['causal']} atomic={r['atomic']}"
+        where = (f"d{r['d']} causal={r['causal']} atomic={r['atomic']} {r['variants']} "
+                 f"packed={r['packed']}")
         ptx = r["ptx"]
         assert r["shared"] <= 227 * 1024, where
         for n in (32, 128):
@@ -173,6 +183,8 @@ def test_hopper_bwd_d256_compiles_and_fits(dtype):
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx, where
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{l_regs};" in ptx, where
         assert ptx.count("ex2.approx") == 2 * 16, where
+        assert ptx.count("tanh.approx.f32") == (32 if "SOFTCAP" in r["variants"] else 0), where
+        assert ("st.global" in ptx) == r["packed"], where
         assert "C7515" not in r["ptxas"], (where, r["ptxas"])
         assert _spilled(r["ptxas"]) <= SPILL_BOUND_WIDE[r["atomic"]], (where, r["ptxas"])
 
@@ -199,14 +211,11 @@ def test_delta_kernel(shape, layout):
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    (dict(d=256, window_left=100), "above 128 (here 256) does not take a window yet"),
-    (dict(d=136, softcap=30.0, causal=True), "(here 136) does not take softcap yet"),
-    (dict(d=192, alibi_slopes=torch.ones(4), window_left=50),
-     "(here 192) does not take a window or ALiBi yet"),
+    (dict(d=256, value_dim=128), "value head dim"),
     (dict(capability=(8, 0)), "needs a Hopper GPU"),
     (dict(dtype=torch.float32), "fp16 or bf16"),
     (dict(d=60), "multiples of 8"),
-], ids=["d256-window", "d136-softcap", "d192-alibi-window", "sm80", "fp32", "d60"])
+], ids=["d256-value-dim", "sm80", "fp32", "d60"])
 def test_supports_says_why_not(kwargs, reason):
     assert reason in hopper_bwd.supports(_problem(**kwargs))
 
@@ -214,9 +223,11 @@ def test_supports_says_why_not(kwargs, reason):
 @pytest.mark.parametrize("kwargs", [dict(), dict(d=64, causal=True), dict(d=96, layout="bshd"),
                                     dict(d=72, hk=1), dict(d=256, causal=True),
                                     dict(d=136, hk=1, layout="bshd"),
-                                    dict(d=192, sinks=torch.zeros(4))],
+                                    dict(d=192, sinks=torch.zeros(4)),
+                                    dict(d=256, window_left=100, softcap=30.0,
+                                         alibi_slopes=torch.ones(4), causal=True)],
                          ids=["d128", "d64-causal", "d96", "d72", "d256-causal", "d136-mqa",
-                              "d192-sinks"])
+                              "d192-sinks", "d256-variants"])
 def test_supports_takes(kwargs):
     assert hopper_bwd.supports(_problem(**kwargs)) is None
 
@@ -237,7 +248,7 @@ def test_supports_takes(kwargs):
     (None, "hopper", dict(d=256), "hopper-kernel-dq"),
     ("1", "auto", dict(d=256), "hopper-kernel-dq"),
     (None, "auto", dict(d=192, causal=True), "hopper-kernel-dq"),
-    (None, "hopper", dict(d=192, variant=dict(window_left=100)), "portable"),
+    (None, "hopper", dict(d=192, variant=dict(window_left=100)), "hopper-kernel-dq"),
     (None, "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096, variant=dict(window_left=100)), "hopper-kernel-dq"),
     (None, "auto", dict(variant=dict(softcap=30.0), causal=True), "hopper-kernel-dq"),

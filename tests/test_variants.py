@@ -350,6 +350,8 @@ HOPPER_VARIANT_CASES = [
     (1, 4, 4, 777, 777, 256, torch.bfloat16, True, (255, 0), 5.0, "heads", True, "bhsd"),
     (1, 2, 2, 200, 1500, 64, torch.bfloat16, False, (50, -1), 0.0, None, True, "bhsd"),
     (1, 2, 2, 1500, 100, 128, torch.bfloat16, True, (10, 0), 0.0, None, False, "bhsd"),
+    (1, 8, 4, 1000, 1000, 256, torch.bfloat16, True, (300, 0), 50.0, None, False, "bshd"),
+    (2, 4, 2, 333, 500, 192, torch.float16, False, (100, 50), 0.0, "batch", True, "bhsd"),
 ]
 
 
@@ -367,12 +369,16 @@ def test_gpu_hopper_forward_variants(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "kernel-dq"])
-@pytest.mark.parametrize("case", [c for c in HOPPER_VARIANT_CASES if c[5] <= 128],
+@pytest.mark.parametrize("case", HOPPER_VARIANT_CASES,
                          ids=lambda c: "d{}-c{}-w{}_{}-cap{}-alibi_{}-sinks{}".format(
                              c[5], int(c[7]), *c[8], c[9], c[10], int(c[11])))  # fmt: skip
-def test_gpu_hopper_backward_variants(case, deterministic):
+def test_gpu_hopper_backward_variants(case, deterministic, monkeypatch):
     """The Gluon backward's windows, softcap and ALiBi (sinks: through the LSE) in both dQ
-    modes, after the Hopper forward, against float64 by the 3x rule: the same cases."""
+    modes, after the Hopper forward, against float64 by the 3x rule: the same cases (above
+    d128 the d256 kernel, its atomic dQ switched on for the atomic-dq runs)."""
+    from diyfa.attention import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "WIDE_DQ_ATOMIC", True)
     _run_bias_case(case, seed=12, backend="hopper", deterministic=deterministic)
 
 

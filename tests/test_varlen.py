@@ -275,13 +275,14 @@ def test_gpu_varlen(dtype, causal):
     ([1000, 64, 129], [1000, 64, 4000], 4, 4, 64, torch.float16),
     ([300, 77], [257, 700], 4, 1, 256, torch.bfloat16),
     ([513, 2], [513, 90], 2, 2, 96, torch.float16),
-], ids=["d128-gqa-empty", "d64", "d256-mqa", "d96"])
+    ([1, 700, 0, 1025], [64, 700, 5, 1030], 8, 2, 192, torch.float16),
+], ids=["d128-gqa-empty", "d64", "d256-mqa", "d96", "d192-gqa-empty"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal, deterministic):
     """Packed sequences through the Hopper forward (backend="hopper": batch-of-one TMA views,
-    rows and keys offset per sequence, O by a masked store) and the Gluon backward (up to
-    d128; atomic dQ by TMA reduce-adds into a (1, heads, total, d) workspace, or the portable
-    dQ kernel when deterministic; a sequence's last key block's dK/dV by masked stores):
+    rows and keys offset per sequence, O by a masked store) and the Gluon backward (atomic
+    dQ by TMA reduce-adds into a (1, heads, total, d) workspace, or the portable dQ kernel
+    when deterministic and above d128; a sequence's last key block's dK/dV by masked stores):
     zero-length sequences on both sides, tiles that run past a sequence into the next one,
     seqlen_q != seqlen_k both ways, GQA/MQA, d64..256."""
     _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device="cuda", backend="hopper",

@@ -84,10 +84,10 @@ Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's 
 rules, positive scale), head dims 64..256 that are multiples of 8 (computed as 64, 128 or
 256), no value head dim other than q's. Above 128 the two fp32 accumulators of this
 kernel's division alone would be 256 registers per thread: those head dims run on
-``hopper_bwd256``'s kernel (the head dim split between the consumers; plain, causal, GQA
-and sinks; a window, softcap, ALiBi and packed sequences stay portable there), by default
-in the deterministic path (``WIDE_DQ_ATOMIC``). dO is copied to a contiguous tensor when its strides break TMA's
-rules (autograd hands an expanded, stride-0 gradient for ``out.sum()``).
+``hopper_bwd256``'s kernel (the head dim split between the consumers; the same variants
+and packed sequences), by default in the deterministic path (``WIDE_DQ_ATOMIC``). dO is
+copied to a contiguous tensor when its strides break TMA's rules (autograd hands an
+expanded, stride-0 gradient for ``out.sum()``).
 
 Packed sequences (``VARLEN``, 2026-11-24): the descriptors are over batch-of-one (1, heads,
 total, d) views; the host lists the (sequence, key block) pairs that hold keys, heaviest
@@ -990,6 +990,28 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     return grid, args, 4
 
 
+def compile_setup(head_dim: int, dtype: torch.dtype, variants: tuple[str, ...],
+                  packed: bool) -> tuple[dict, dict | None]:
+    """The compile-only problems' variant flags (``variants`` names them: WINDOW, SOFTCAP,
+    ALIBI) and packed-sequence setup (4 sequences in 4096 rows, or None), as ``bwd_args``
+    takes them."""
+    flags = {name: True for name in variants}
+    if "WINDOW" in flags:
+        flags["left_offset"] = -1000
+    if "ALIBI" in flags:  # (the flag's value as bwd_args gives it)
+        flags.update(ALIBI=alibi_flag(head_dim_pad(head_dim), backward=True),
+                     SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)  # fmt: skip
+    if not packed:
+        return flags, None
+    cu = torch.zeros(5, dtype=torch.int32)
+    dkv = torch.empty(4096, 4, head_dim, dtype=dtype)
+    bounds = (0, 1000, 2000, 3000, 4096)
+    return flags, dict(batch=4, seqlen_q=1096, seqlen_k=1096, cu_host=(bounds, bounds), args=dict(
+        CU_Q=cu, CU_K=cu, total_q=4096, DK=dkv, DV=dkv, stride_dks=dkv.stride(0),
+        stride_dkh=dkv.stride(1), stride_dvs=dkv.stride(0), stride_dvh=dkv.stride(1),
+        VARLEN=True))  # fmt: skip
+
+
 def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                            causal: bool = False, dq_atomic: bool = True,
                            config: tuple | None = None, variants: tuple[str, ...] = (),
@@ -1005,22 +1027,9 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     kv = torch.empty(2, 4, 4096, head_dim, dtype=dtype)
     stats = torch.empty(2, 16, 4096, dtype=torch.float32)
     dq_acc = torch.empty(2, 16, 4096, head_dim_pad(head_dim), dtype=torch.float32)
-    flags = {name: True for name in variants}
-    if "WINDOW" in flags:
-        flags["left_offset"] = -1000
-    if "ALIBI" in flags:  # (the flag's value as bwd_args gives it)
-        flags.update(ALIBI=alibi_flag(head_dim_pad(head_dim), backward=True),
-                     SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)  # fmt: skip
-    pack = None
+    flags, pack = compile_setup(head_dim, dtype, variants, packed)
     if packed:
         q, kv, stats, dq_acc = q[:1], kv[:1], stats[0], dq_acc[:1]
-        cu = torch.zeros(5, dtype=torch.int32)
-        dkv = torch.empty(4096, 4, head_dim, dtype=dtype)
-        bounds = (0, 1000, 2000, 3000, 4096)
-        pack = dict(batch=4, seqlen_q=1096, seqlen_k=1096, cu_host=(bounds, bounds), args=dict(
-            CU_Q=cu, CU_K=cu, total_q=4096, DK=dkv, DV=dkv, stride_dks=dkv.stride(0),
-            stride_dkh=dkv.stride(1), stride_dvs=dkv.stride(0), stride_dvh=dkv.stride(1),
-            VARLEN=True))  # fmt: skip
     _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_acc, 0, 0.1, causal,
                                   dq_atomic, config, variants=flags, packed=pack)  # fmt: skip
     return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
@@ -1125,7 +1134,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         dq_desc = _dq_desc(dq_acc, block_m, dpad, atomic_dq, cols=hopper_bwd256.DQ_PIECE)
         grid, args, num_warps = hopper_bwd256.bwd_args(
             q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_desc, upper, p.softmax_scale, causal,
-            atomic_dq, permuted, config, qk_scale)  # fmt: skip
+            atomic_dq, permuted, config, qk_scale, variants, packed)  # fmt: skip
     else:
         fn = _attn_bwd_hopper
         grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
@@ -1169,14 +1178,6 @@ def supports(p: Problem) -> str | None:
         return reason
     if p.head_dim_v != p.head_dim:
         return "its backward takes no value head dim other than q's yet (portable)"
-    if p.head_dim > 128:  # (hopper_bwd256's kernel: the plain and causal band, GQA, sinks)
-        window = p.window_left >= 0 or p.window_right > 0
-        named = [name for name, on in (("a window", window), ("softcap", p.softcap),
-                                       ("ALiBi", p.alibi_slopes is not None),
-                                       ("packed sequences", p.cu_seqlens_q is not None)) if on]
-        if named:
-            return (f"its backward at head dims above 128 (here {p.head_dim}) does not take "
-                    f"{' or '.join(named)} yet")  # fmt: skip
     if p.batch * p.kv_heads > 65535:
         return (f"batch x kv heads = {p.batch * p.kv_heads} exceeds the 65535 programs its "
                 "grid's second axis may hold")  # fmt: skip

@@ -61,48 +61,38 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from diyfa._launcher import cdiv
-from diyfa.attention.hopper_bwd import BWD_CONFIGS, _tma_reduce_add
-from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d
+from diyfa.attention.hopper_bwd import (
+    BWD_CONFIGS,
+    _kv_program,
+    _tma_reduce_add,
+    compile_setup,
+    kv_table,
+)
+from diyfa.attention.hopper_fwd import LOG2E, _desc, _tanh, _tile2d
 
 BLOCK_N = 64  # keys per program, shared by both consumers
 DQ_PIECE = 64  # columns of one dQ piece (one fp32 staging tile, one TMA reduce-add)
 
 
 @gluon.jit
-def _program(heads, kv_group, seqlen_q, causal_offset, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(first key, batch, kv head, first query block, query blocks per query head): causal
-    programs skip the query blocks wholly above the band (query i sees key j only if j <= i
-    + causal_offset)."""
-    n0 = gl.program_id(0) * BLOCK_N
-    off_bhk = gl.program_id(1)
-    kv_heads = heads // kv_group
-    off_b = off_bhk // kv_heads
-    off_hk = off_bhk % kv_heads
-    m_lo = 0
-    if CAUSAL:
-        m_lo = gl.maximum(n0 - causal_offset, 0) // BLOCK_M
-    num_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
-    return n0, off_b, off_hk, m_lo, num_m
-
-
-@gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs, v_bufs,
             lse_bufs, delta_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty, heads,
-            kv_group, seqlen_q, causal_offset, CAUSAL: gl.constexpr):
+            kv_group, seqlen_q, seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K,
+            TILES, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
     """The loader warp: K and V once, then per step Q (with its rows' LSE and delta) into
-    the Q ring and dO into its one stage."""
+    the Q ring and dO into its stage(s)."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     DO_STAGES: gl.constexpr = do_bufs.type.shape[0]
-    n0, off_b, off_hk, m_lo, num_m = _program(heads, kv_group, seqlen_q, causal_offset,
-                                              BLOCK_M, BLOCK_N, CAUSAL)  # fmt: skip
+    n0, tb, _b, off_hk, m_lo, num_m, q_start, k_start, seqlen_rows, _sk, _co = _kv_program(
+        heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
+        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, VARLEN)
     offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, n0, 0], kv_ready.index(0),
+    tma.async_copy_global_to_shared(k_desc, [tb, off_hk, k_start + n0, 0], kv_ready.index(0),
                                     k_bufs.index(0))  # fmt: skip
-    tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, n0, 0], kv_ready.index(0),
+    tma.async_copy_global_to_shared(v_desc, [tb, off_hk, k_start + n0, 0], kv_ready.index(0),
                                     v_bufs.index(0))  # fmt: skip
     off_h = off_hk * kv_group
     mi = 0
@@ -110,23 +100,26 @@ def _loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs
         row0 = (m_lo + mi) * BLOCK_M
         s = it % STAGES
         mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
-        # LSE and delta by cp.async (hopper_bwd's loader says why not TMA), rows past
-        # seqlen_q zero-filled; the copies' arrival first, then the expect (the one count).
+        # LSE and delta by cp.async (hopper_bwd's loader says why not TMA), rows past the
+        # sequence zero-filled; the copies' arrival first, then the expect (the one count).
         rows = row0 + offs
-        base = (off_b.to(gl.int64) * heads + off_h) * seqlen_q
+        if VARLEN:  # (heads, total_q)
+            base = off_h.to(gl.int64) * total_q + q_start
+        else:  # (batch, heads, seqlen_q)
+            base = (tb.to(gl.int64) * heads + off_h) * seqlen_q
         async_copy.async_copy_global_to_shared(lse_bufs.index(s), LSE + base + rows,
-                                               mask=rows < seqlen_q)  # fmt: skip
+                                               mask=rows < seqlen_rows)  # fmt: skip
         async_copy.async_copy_global_to_shared(delta_bufs.index(s), DELTA + base + rows,
-                                               mask=rows < seqlen_q)  # fmt: skip
+                                               mask=rows < seqlen_rows)  # fmt: skip
         async_copy.mbarrier_arrive(q_ready.index(s))
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row0, 0], q_ready.index(s),
-                                        q_bufs.index(s))  # fmt: skip
+        tma.async_copy_global_to_shared(q_desc, [tb, off_h, q_start + row0, 0],
+                                        q_ready.index(s), q_bufs.index(s))  # fmt: skip
         ds = it % DO_STAGES
         mbarrier.wait(do_empty.index(ds), ((it // DO_STAGES) & 1) ^ 1)
         mbarrier.expect(do_ready.index(ds), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row0, 0], do_ready.index(ds),
-                                        do_bufs.index(ds))  # fmt: skip
+        tma.async_copy_global_to_shared(do_desc, [tb, off_h, q_start + row0, 0],
+                                        do_ready.index(ds), do_bufs.index(ds))  # fmt: skip
         mi += 1
         if mi == num_m:
             mi = 0
@@ -134,10 +127,10 @@ def _loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs
 
 
 @gluon.jit
-def _dq_piece_add(dq, dq_bufs, dq_desc, off_b, off_h, row0, col, PERMUTE: gl.constexpr,
+def _dq_piece_add(dq, dq_bufs, dq_desc, tb, off_h, row, col, PERMUTE: gl.constexpr,
                   C: gl.constexpr):
     """A finished dQ piece to this consumer's fp32 staging tile (once its previous
-    reduce-add has read it) and into the workspace at (row0, col) by a TMA reduce-add."""
+    reduce-add has read it) and into the workspace at (row, col) by a TMA reduce-add."""
     BLOCK_M: gl.constexpr = dq.shape[0]
     WIDTH: gl.constexpr = dq.shape[1]
     tma.store_wait(0)
@@ -148,15 +141,50 @@ def _dq_piece_add(dq, dq_bufs, dq_desc, off_b, off_h, row0, col, PERMUTE: gl.con
     _tile2d(dq_bufs, C).store(dq)
     fence_async_shared()
     gl.thread_barrier()
-    _tma_reduce_add(dq_desc, [off_b, off_h, row0, col], dq_bufs.index(C))
+    _tma_reduce_add(dq_desc, [tb, off_h, row, col], dq_bufs.index(C))
+
+
+@gluon.jit
+def _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV, stride_dks,
+                stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb, off_hk, k_start,
+                n0, seqlen_k, masked, C: gl.constexpr):
+    """The epilogue: this consumer's column halves of dK (scaled) and dV, through its halves
+    of the K and V buffers by TMA (which clips rows past seqlen_k and columns past the head
+    dim), or, ``masked`` (a packed sequence's last block), by masked pointer stores of the
+    rows before ``seqlen_k``."""
+    COLS: gl.constexpr = dk.shape[1]
+    dtype: gl.constexpr = k_smem.dtype
+    if masked:
+        layout: gl.constexpr = dk.type.layout
+        rows = n0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = C * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        ok = (rows < seqlen_k)[:, None] & (cols < head_dim)[None, :]
+        at = (k_start + rows).to(gl.int64)[:, None]
+        gl.store(DK + at * stride_dks + off_hk * stride_dkh + cols[None, :],
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)  # fmt: skip
+        gl.store(DV + at * stride_dvs + off_hk * stride_dvh + cols[None, :],
+                 dv.to(DV.dtype.element_ty), mask=ok)  # fmt: skip
+    else:
+        k_smem.slice(C * COLS, COLS, dim=1).store((dk * sm_scale).to(dtype))
+        v_smem.slice(C * COLS, COLS, dim=1).store(dv.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dk_desc, [tb, off_hk, k_start + n0, C * COLS],
+                                        k_bufs.index(0).slice(C * COLS, COLS, dim=3))
+        tma.async_copy_shared_to_global(dv_desc, [tb, off_hk, k_start + n0, C * COLS],
+                                        v_bufs.index(0).slice(C * COLS, COLS, dim=3))
+    tma.store_wait(0)  # (the last dQ reduce-adds too)
 
 
 @gluon.jit
 def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              pds_ready, heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale,
-              sm_scale, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_ROWS: gl.constexpr,
-              C: gl.constexpr):
+              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+              qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+              alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+              WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+              VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: rows [32 C, 32 C + 32) of each step's scores, columns [128 C,
     128 C + 128) of the program's dK and dV and of each step's dQ."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
@@ -177,8 +205,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    n0, off_b, off_hk, m_lo, num_m = _program(heads, kv_group, seqlen_q, causal_offset,
-                                              BLOCK_M, BLOCK_N, CAUSAL)  # fmt: skip
+    n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
+        _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
+                    TILES, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, VARLEN))
     offs_k = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
     key_tail = n0 + BLOCK_N > seqlen_k
     k_smem = _tile2d(k_bufs, 0)
@@ -192,6 +221,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
         row0 = (m_lo + mi) * BLOCK_M
         my_row0 = row0 + C * HALF
         offs_m = my_row0 + gl.arange(0, HALF, layout=query_layout)
+        slope2 = 0.0
+        if ALIBI:  # the (sequence, head)'s slope times log2(e)
+            slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
         s = it % STAGES
         mbarrier.wait(q_ready.index(s), (it // STAGES) & 1)
         q_smem = _tile2d(q_bufs, s)
@@ -205,21 +237,47 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
         dpt_tok = warpgroup_mma(v_smem, do_t, gl.zeros([BLOCK_N, HALF], gl.float32, s_layout),
                                 use_acc=False, is_async=True)  # fmt: skip
         # Rows past seqlen_q: zero Q, dO, LSE and delta (TMA and cp.async zero-fill), so
-        # P^T = 1 but dP^T - delta = 0 and dO = 0 there: they add nothing.
+        # P^T = 1 but dP^T - delta = 0 and dO = 0 there: they add nothing. Packed
+        # sequences: the rows past the sequence are the next one's: LSE +inf (P = 0), delta
+        # 0 (hopper_bwd's consumer).
         lse = lse_bufs.index(s).slice(C * HALF, HALF).load(query_layout)
+        if VARLEN:
+            m_ok = offs_m < seqlen_q
+            lse = gl.where(m_ok & (lse != float("-inf")), lse, float("inf"))
         st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
-        pt = gl.exp2(st * qk_scale - lse[None, :])
+        # The forward's scores, recomputed in its order (hopper_bwd's consumer): SOFTCAP,
+        # tanh(q.k * tanh_scale) (qk_scale carries softcap * log2(e)); ALIBI, minus slope2 *
+        # |i + offset - j| once scaled (base 2).
+        if SOFTCAP:
+            st = _tanh(st * tanh_scale)
+        if ALIBI:  # (positions in fp32: see portable._alibi)
+            dist = ((offs_m + alibi_offset).to(gl.float32)[None, :]
+                    - offs_k.to(gl.float32)[:, None])  # fmt: skip
+            pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist) - lse[None, :])
+        else:
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+        if SOFTCAP:  # d tanh: the score's gradient reaches q.k times (1 - t^2)
+            st = 1.0 - st * st
         need_mask = key_tail
         if CAUSAL:
             need_mask = need_mask | (my_row0 + causal_offset < n0 + BLOCK_N - 1)
+        if WINDOW:
+            need_mask = need_mask | (my_row0 + HALF - 1 + left_offset > n0)
         if need_mask:
             keep = offs_k[:, None] < seqlen_k
             if CAUSAL:
                 keep = keep & (offs_k[:, None] <= offs_m[None, :] + causal_offset)
+            if WINDOW:
+                keep = keep & (offs_k[:, None] >= offs_m[None, :] + left_offset)
             pt = gl.where(keep, pt, 0.0)
         delta = delta_bufs.index(s).slice(C * HALF, HALF).load(query_layout)
+        if VARLEN:
+            delta = gl.where(m_ok, delta, 0.0)
         dpt, _v, _dot = warpgroup_mma_wait(0, deps=(dpt_tok, v_smem, do_t))
-        ds16 = (pt * (dpt - delta[None, :])).to(dtype)
+        if SOFTCAP:
+            ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
+        else:
+            ds16 = (pt * (dpt - delta[None, :])).to(dtype)
         # This consumer's rows of the step's P^T and dS^T, then the partner's.
         pt_all = pt_bufs.index(it % 2)
         ds_all = ds_bufs.index(it % 2)
@@ -235,8 +293,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
         mbarrier.arrive(do_empty.index(ds))  # dO of this step is no longer read
         q_c = q_smem.slice(C * COLS, COLS, dim=1)
         if DQ_ATOMIC:
-            # dQ[:, half C] = dS K[:, half C] in two pieces, issued before dK and added to
-            # the workspace while dK runs.
+            # dQ[:, half C] = dS K[:, half C] in two pieces, the first issued before dK and
+            # added to the workspace while dK runs.
             ds_t = ds_all.permute((1, 0))
             zero = gl.zeros([BLOCK_M, PIECE], gl.float32, q_layout)
             k_0 = k_smem.slice(C * COLS, PIECE, dim=1)
@@ -244,11 +302,12 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
             dq0_tok = warpgroup_mma(ds_t, k_0, zero, use_acc=False, is_async=True)
             dk_tok = warpgroup_mma(ds_all, q_c, dk, is_async=True)
             dq0 = warpgroup_mma_wait(1, deps=(dq0_tok,))
-            _dq_piece_add(dq0, dq_bufs, dq_desc, off_b, off_h, row0, C * COLS, DQ_ROWS, C)
+            _dq_piece_add(dq0, dq_bufs, dq_desc, tb, off_h, q_start + row0, C * COLS,
+                          DQ_ROWS, C)  # fmt: skip
             dq1_tok = warpgroup_mma(ds_t, k_1, zero, use_acc=False, is_async=True)
             dk, dq1, _ds, _q, _dst, _k0, _k1 = warpgroup_mma_wait(
                 0, deps=(dk_tok, dq1_tok, ds_all, q_c, ds_t, k_0, k_1))
-            _dq_piece_add(dq1, dq_bufs, dq_desc, off_b, off_h, row0, C * COLS + PIECE,
+            _dq_piece_add(dq1, dq_bufs, dq_desc, tb, off_h, q_start + row0, C * COLS + PIECE,
                           DQ_ROWS, C)  # fmt: skip
         else:
             dk_tok = warpgroup_mma(ds_all, q_c, dk, is_async=True)
@@ -259,55 +318,74 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
             mi = 0
             off_h += 1
 
-    # Epilogue: this consumer's column halves of dK (scaled) and dV through its halves of
-    # the K and V buffers by TMA (which clips rows past seqlen_k and columns past the head
-    # dim).
-    k_half = k_bufs.index(0).slice(C * COLS, COLS, dim=3)
-    v_half = v_bufs.index(0).slice(C * COLS, COLS, dim=3)
-    k_smem.slice(C * COLS, COLS, dim=1).store((dk * sm_scale).to(dtype))
-    v_smem.slice(C * COLS, COLS, dim=1).store(dv.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, n0, C * COLS], k_half)
-    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, n0, C * COLS], v_half)
-    tma.store_wait(0)
+    # Epilogue through this consumer's halves of the K and V buffers: the partner's last
+    # reads of the whole of K and V (its S^T and dP^T) precede its last pds_ready arrival,
+    # which this consumer has waited for; its dQ reads only its own half of K. (The plain
+    # kernel passes a literal False: see hopper_bwd's consumer.)
+    if VARLEN:
+        _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV,
+                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb,
+                    off_hk, k_start, n0, seqlen_k, key_tail, C)  # fmt: skip
+    else:
+        _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV,
+                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb,
+                    off_hk, k_start, n0, seqlen_k, False, C)  # fmt: skip
 
 
 @gluon.jit
 def _consumer0(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
                pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-               pds_ready, heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale,
-               sm_scale, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-               DQ_ROWS: gl.constexpr):
+               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+               qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+               alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+               WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+               VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
     _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              pds_ready, heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale,
-              sm_scale, CAUSAL, DQ_ATOMIC, DQ_ROWS, 0)  # fmt: skip
+              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+              qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+              alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS,
+              0)  # fmt: skip
 
 
 @gluon.jit
 def _consumer1(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
                pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-               pds_ready, heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale,
-               sm_scale, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-               DQ_ROWS: gl.constexpr):
+               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+               qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+               alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+               WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+               VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
     _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              pds_ready, heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale,
-              sm_scale, CAUSAL, DQ_ATOMIC, DQ_ROWS, 1)  # fmt: skip
+              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+              qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+              alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS,
+              1)  # fmt: skip
 
 
 @gluon.jit
 def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, dq_desc,
-                   heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
-                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, STAGES: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                   DQ_ROWS: gl.constexpr, DO_STAGES: gl.constexpr):
+                   heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                   alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   LOADER_REGS: gl.constexpr, DQ_ROWS: gl.constexpr, DO_STAGES: gl.constexpr,
+                   WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                   VARLEN: gl.constexpr):
     """Grid (cdiv(seqlen_k, 64), batch * kv_heads), num_warps=4 (consumer 0) plus 4 warps
     (consumer 1) and 1 loader warp. Descriptors are 4-D over (batch, heads, seqlen, dim):
     Q and dO blocks (1, 1, BLOCK_M, 256), K and V (1, 1, 64, 256), dK and dV (1, 1, 64,
     128: a consumer's half); LSE (base 2) and DELTA (batch, heads, seqlen_q) fp32; the
-    atomic dQ's fp32 workspace (batch, heads, rows, 256) in blocks (1, 1, BLOCK_M, 64)."""
+    atomic dQ's fp32 workspace (batch, heads, rows, 256) in blocks (1, 1, BLOCK_M, 64).
+    Packed sequences (VARLEN), the variants (WINDOW, SOFTCAP, ALIBI) and their arguments as
+    ``hopper_bwd._attn_bwd_hopper`` takes them (the grid then (work items, kv heads) over
+    ``kv_table``'s 64-key blocks)."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -343,47 +421,74 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
     gl.warp_specialize([
         (_consumer0, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs,
                       v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready,
-                      do_empty, pds_ready, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-                      qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, DQ_ROWS)),
+                      do_empty, pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q,
+                      CU_K, TILES, DK, DV, stride_dks, stride_dkh, stride_dvs, stride_dvh,
+                      head_dim, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
+                      SLOPES, stride_slopes_b, alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW,
+                      SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
         (_consumer1, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs,
                       v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready,
-                      do_empty, pds_ready, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
-                      qk_scale, sm_scale, CAUSAL, DQ_ATOMIC, DQ_ROWS)),
+                      do_empty, pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q,
+                      CU_K, TILES, DK, DV, stride_dks, stride_dkh, stride_dvs, stride_dvh,
+                      head_dim, causal_offset, qk_scale, sm_scale, left_offset, tanh_scale,
+                      SLOPES, stride_slopes_b, alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW,
+                      SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
                    v_bufs, lse_bufs, delta_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                   heads, kv_group, seqlen_q, causal_offset, CAUSAL)),
+                   heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset, left_offset,
+                   CU_Q, CU_K, TILES, CAUSAL, WINDOW, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
 def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int,
              softmax_scale: float, causal: bool, dq_atomic: bool, dq_rows: bool,
-             config: tuple | None = None,
-             qk_scale: float | None = None) -> tuple[tuple, dict, int]:
-    """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views; ``dq_desc``
-    the atomic dQ workspace's descriptor in (BLOCK_M, 64) blocks (or a stand-in's);
-    ``dq_rows``: its rows permuted (``hopper_bwd.dq_rows_permuted``); ``qk_scale``: default
-    softmax_scale * log2(e)."""
-    b, h, sq, _d = q4.shape
+             config: tuple | None = None, qk_scale: float | None = None,
+             variants: dict | None = None,
+             packed: dict | None = None) -> tuple[tuple, dict, int]:
+    """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views, as
+    ``hopper_bwd.bwd_args`` builds them for its kernel: ``dq_desc`` the atomic dQ
+    workspace's descriptor in (BLOCK_M, 64) blocks (or a stand-in's); ``dq_rows``: its rows
+    permuted (``hopper_bwd.dq_rows_permuted``); ``qk_scale`` (default softmax_scale *
+    log2(e)) and ``variants`` as ``hopper_fwd.variant_args`` gives them with
+    ``backward=True``; ``packed``: the sequence count, longest lengths and VARLEN kernel
+    arguments (``hopper_bwd.hopper_backward``). A config's fifth field: the dO stages."""
+    b, h, sq, d = q4.shape
     sk = k4.shape[2]
+    if packed is not None:
+        b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[256]
     do_stages = rest[0] if rest else 1
     args = dict(q_desc=_desc(q4, block_m, 256), do_desc=_desc(do4, block_m, 256),
                 k_desc=_desc(k4, BLOCK_N, 256), v_desc=_desc(v4, BLOCK_N, 256),
                 dk_desc=_desc(dk4, BLOCK_N, 128), dv_desc=_desc(dv4, BLOCK_N, 128),
                 LSE=lse2, DELTA=delta, dq_desc=dq_desc, heads=h, kv_group=h // k4.shape[1],
-                seqlen_q=sq, seqlen_k=sk, causal_offset=causal_offset,
+                seqlen_q=sq, seqlen_k=sk, total_q=0, CU_Q=lse2, CU_K=lse2, TILES=lse2,
+                DK=dk4, DV=dv4, stride_dks=0, stride_dkh=0, stride_dvs=0, stride_dvh=0,
+                head_dim=d, causal_offset=causal_offset,
                 qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
-                sm_scale=softmax_scale, CAUSAL=causal,
-                DQ_ATOMIC=dq_atomic, STAGES=stages, CONSUMER_REGS=c_regs,
-                LOADER_REGS=l_regs, DQ_ROWS=dq_rows, DO_STAGES=do_stages)  # fmt: skip
-    return (cdiv(sk, BLOCK_N), b * k4.shape[1]), args, 4
+                sm_scale=softmax_scale, left_offset=0, tanh_scale=1.0, SLOPES=lse2,
+                stride_slopes_b=0, alibi_offset=0, CAUSAL=causal, DQ_ATOMIC=dq_atomic,
+                STAGES=stages, CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, DQ_ROWS=dq_rows,
+                DO_STAGES=do_stages, WINDOW=False, SOFTCAP=False, ALIBI=False,
+                VARLEN=False)  # fmt: skip
+    if variants:
+        args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
+    grid = (cdiv(sk, BLOCK_N), b * k4.shape[1])
+    if packed is not None:
+        args.update(packed["args"])
+        table, items = kv_table(*packed["cu_host"], BLOCK_N, block_m, causal, lse2.device)
+        args.update(TILES=table)
+        grid = (items, k4.shape[1])
+    return grid, args, 4
 
 
 def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                        dq_atomic: bool = True, head_dim: int = 256,
-                       config: tuple | None = None):
+                       config: tuple | None = None, variants: tuple[str, ...] = (),
+                       packed: bool = False):
     """Compile the kernel for sm90a without a GPU (a (2, 16, 4096, head_dim) problem with 4
-    kv heads); returns Triton's ``CompiledKernel``. Run it in a process that has not run
+    kv heads, as ``hopper_bwd.compile_bwd_for_hopper`` sets up its ``variants`` and
+    ``packed``); returns Triton's ``CompiledKernel``. Run it in a process that has not run
     kernels under the interpreter."""
     from diyfa._compile import compile_for_sm90
 
@@ -392,6 +497,11 @@ def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, causal: bool = False
     stats = torch.empty(2, 16, 4096, dtype=torch.float32)
     dq_acc = torch.empty(2, 16, 4096, 256, dtype=torch.float32)
     dq_desc = _desc(dq_acc, BWD_CONFIGS[256][0], DQ_PIECE)
+    flags, pack = compile_setup(head_dim, dtype, variants, packed)
+    if packed:
+        q, kv, stats, dq_acc = q[:1], kv[:1], stats[0], dq_acc[:1]
+        dq_desc = _desc(dq_acc, BWD_CONFIGS[256][0], DQ_PIECE)
     _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_desc, 0, 0.1, causal,
-                                  dq_atomic, dq_atomic, config)  # fmt: skip
+                                  dq_atomic, dq_atomic and not packed, config, None, flags,
+                                  pack)  # fmt: skip
     return compile_for_sm90(_attn_bwd_d256, args, num_warps)
