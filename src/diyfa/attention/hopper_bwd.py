@@ -557,6 +557,55 @@ def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, lay
 
 
 @gluon.jit
+def _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail, causal_offset,
+             left_offset, qk_scale, tanh_scale, slope2, alibi_offset, CAUSAL: gl.constexpr,
+             WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    """P^T of a (keys ``offs_k`` from ``key0``, query rows ``offs_m`` from ``row0``) tile
+    of q.k products ``st``, and, with SOFTCAP, tanh's derivative 1 - t^2 there (else ``st``
+    back): the forward's scores recomputed in its order (SOFTCAP, tanh(q.k * tanh_scale),
+    qk_scale carrying softcap * log2(e); ALIBI, minus slope2 * |i + offset - j| once scaled,
+    base 2), P^T = 2^(scores - lse), zero where the key is past ``seqlen_k`` (``key_tail``:
+    the tile runs past it) or outside the causal band or the window (masked only on tiles
+    that cross an edge). Both backward kernels' (this one's and hopper_bwd256's)."""
+    KEYS: gl.constexpr = st.shape[0]
+    ROWS: gl.constexpr = st.shape[1]
+    if SOFTCAP:
+        st = _tanh(st * tanh_scale)
+    if ALIBI:  # (positions in fp32: see portable._alibi)
+        # As the forward does: a tile whose keys all lie on one side of every query's
+        # diagonal j = i + alibi_offset splits the distance into a key term, sign * slope2 *
+        # (j - key0), and a query term, -sign * slope2 * (i + alibi_offset - key0), taken off
+        # with the LSE (one add per score where |distance| costs four).
+        left = key0 + KEYS - 1 <= row0 + alibi_offset
+        if (ALIBI == 2) & (left | (key0 >= row0 + ROWS - 1 + alibi_offset)):
+            sign_slope = gl.where(left, slope2, -slope2)
+            key_term = (offs_k - key0).to(gl.float32) * sign_slope
+            query_term = (offs_m + (alibi_offset - key0)).to(gl.float32) * sign_slope
+            pt = gl.exp2(st * qk_scale + key_term[:, None] - (lse + query_term)[None, :])
+        else:
+            dist = ((offs_m + alibi_offset).to(gl.float32)[None, :]
+                    - offs_k.to(gl.float32)[:, None])  # fmt: skip
+            pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist) - lse[None, :])
+    else:
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+    if SOFTCAP:  # d tanh: the score's gradient reaches q.k times (1 - t^2)
+        st = 1.0 - st * st
+    need_mask = key_tail
+    if CAUSAL:
+        need_mask = need_mask | (row0 + causal_offset < key0 + KEYS - 1)
+    if WINDOW:
+        need_mask = need_mask | (row0 + ROWS - 1 + left_offset > key0)
+    if need_mask:
+        keep = offs_k[:, None] < seqlen_k
+        if CAUSAL:
+            keep = keep & (offs_k[:, None] <= offs_m[None, :] + causal_offset)
+        if WINDOW:
+            keep = keep & (offs_k[:, None] >= offs_m[None, :] + left_offset)
+        pt = gl.where(keep, pt, 0.0)
+    return pt, st
+
+
+@gluon.jit
 def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr):
     """The split dQ's (DQ_ATOMIC 2 and 3) wait at step ``it``: for the step's whole dS^T
     (both consumers' halves), and for the reduce-add of two steps back to have read this
@@ -645,42 +694,9 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         dpt_tok = warpgroup_mma(v_smem, do_t, gl.zeros([SUB_N, BLOCK_M], gl.float32, s_layout),
                                 use_acc=False, is_async=True)  # fmt: skip
         st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
-        # The forward's scores, recomputed in its order: SOFTCAP, tanh(q.k * tanh_scale)
-        # (qk_scale carries softcap * log2(e)); ALIBI, minus slope2 * |i + offset - j| once
-        # scaled (base 2). P^T = 2^(scores - lse).
-        if SOFTCAP:
-            st = _tanh(st * tanh_scale)
-        if ALIBI:  # (positions in fp32: see portable._alibi)
-            # As the forward does: a step whose keys all lie on one side of every query's
-            # diagonal j = i + alibi_offset splits the distance into a key term, sign *
-            # slope2 * (j - key0), and a query term, -sign * slope2 * (i + alibi_offset -
-            # key0), taken off with the LSE (one add per score where |distance| costs four).
-            left = key0 + SUB_N - 1 <= row0 + alibi_offset
-            if (ALIBI == 2) & (left | (key0 >= row0 + BLOCK_M - 1 + alibi_offset)):
-                sign_slope = gl.where(left, slope2, -slope2)
-                key_term = (offs_k - key0).to(gl.float32) * sign_slope
-                query_term = (offs_m + (alibi_offset - key0)).to(gl.float32) * sign_slope
-                pt = gl.exp2(st * qk_scale + key_term[:, None] - (lse + query_term)[None, :])
-            else:
-                dist = ((offs_m + alibi_offset).to(gl.float32)[None, :]
-                        - offs_k.to(gl.float32)[:, None])  # fmt: skip
-                pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist) - lse[None, :])
-        else:
-            pt = gl.exp2(st * qk_scale - lse[None, :])
-        if SOFTCAP:  # d tanh: the score's gradient reaches q.k times (1 - t^2)
-            st = 1.0 - st * st
-        need_mask = key_tail
-        if CAUSAL:
-            need_mask = need_mask | (row0 + causal_offset < key0 + SUB_N - 1)
-        if WINDOW:
-            need_mask = need_mask | (row0 + BLOCK_M - 1 + left_offset > key0)
-        if need_mask:
-            keep = offs_k[:, None] < seqlen_k
-            if CAUSAL:
-                keep = keep & (offs_k[:, None] <= offs_m[None, :] + causal_offset)
-            if WINDOW:
-                keep = keep & (offs_k[:, None] >= offs_m[None, :] + left_offset)
-            pt = gl.where(keep, pt, 0.0)
+        pt, st = _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail,
+                          causal_offset, left_offset, qk_scale, tanh_scale, slope2,
+                          alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI)  # fmt: skip
         # dV's product (P^T rounded to the input dtype, as in the forward) runs while dS^T
         # is computed from the fp32 P^T (as the portable kernel does).
         p16 = gl.convert_layout(pt.to(dtype), a_layout)

@@ -64,11 +64,12 @@ from diyfa._launcher import cdiv
 from diyfa.attention.hopper_bwd import (
     BWD_CONFIGS,
     _kv_program,
+    _probs_t,
     _tma_reduce_add,
     compile_setup,
     kv_table,
 )
-from diyfa.attention.hopper_fwd import LOG2E, _desc, _tanh, _tile2d
+from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d
 
 BLOCK_N = 64  # keys per program, shared by both consumers
 DQ_PIECE = 64  # columns of one dQ piece (one fp32 staging tile, one TMA reduce-add)
@@ -278,31 +279,9 @@ def _consumer(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
             m_ok = offs_m < seqlen_q
             lse = gl.where(m_ok & (lse != float("-inf")), lse, float("inf"))
         st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
-        # The forward's scores, recomputed in its order (hopper_bwd's consumer): SOFTCAP,
-        # tanh(q.k * tanh_scale) (qk_scale carries softcap * log2(e)); ALIBI, minus slope2 *
-        # |i + offset - j| once scaled (base 2).
-        if SOFTCAP:
-            st = _tanh(st * tanh_scale)
-        if ALIBI:  # (positions in fp32: see portable._alibi)
-            dist = ((offs_m + alibi_offset).to(gl.float32)[None, :]
-                    - offs_k.to(gl.float32)[:, None])  # fmt: skip
-            pt = gl.exp2(st * qk_scale - slope2 * gl.abs(dist) - lse[None, :])
-        else:
-            pt = gl.exp2(st * qk_scale - lse[None, :])
-        if SOFTCAP:  # d tanh: the score's gradient reaches q.k times (1 - t^2)
-            st = 1.0 - st * st
-        need_mask = key_tail
-        if CAUSAL:
-            need_mask = need_mask | (my_row0 + causal_offset < n0 + BLOCK_N - 1)
-        if WINDOW:
-            need_mask = need_mask | (my_row0 + HALF - 1 + left_offset > n0)
-        if need_mask:
-            keep = offs_k[:, None] < seqlen_k
-            if CAUSAL:
-                keep = keep & (offs_k[:, None] <= offs_m[None, :] + causal_offset)
-            if WINDOW:
-                keep = keep & (offs_k[:, None] >= offs_m[None, :] + left_offset)
-            pt = gl.where(keep, pt, 0.0)
+        pt, st = _probs_t(st, lse, offs_k, offs_m, n0, my_row0, seqlen_k, key_tail,
+                          causal_offset, left_offset, qk_scale, tanh_scale, slope2,
+                          alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI)  # fmt: skip
         delta = delta_bufs.index(s).slice(C * HALF, HALF).load(query_layout)
         if VARLEN:
             delta = gl.where(m_ok, delta, 0.0)
