@@ -27,21 +27,20 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
 from diyfa._launcher import ReplayCache  # noqa: E402
-from diyfa.attention import hopper_bwd, hopper_bwd256  # noqa: E402
+from diyfa.attention import hopper_bwd  # noqa: E402
 
 # (the atomic dQ is not backend="hopper"'s default above d128: hopper_bwd.WIDE_DQ_ATOMIC;
-# "hopper-red": the atomic dQ by register reductions, hopper_bwd256.DQ_RED; "-do2": with two
-# dO stages, hopper_bwd.BWD_CONFIGS[256]'s fifth field)
+# "-do2": with two dO stages, hopper_bwd.BWD_CONFIGS[256]'s fifth field. The atomic dQ by
+# register reductions was measured with this script at commit 9f375c4 and dropped.)
 PATHS = {"portable": dict(backend="portable"), "hopper-atomic": dict(backend="hopper"),
          "hopper-det": dict(backend="hopper", deterministic=True),
-         "hopper-red": dict(backend="hopper"), "hopper-red-do2": dict(backend="hopper")}
+         "hopper-det-do2": dict(backend="hopper", deterministic=True)}
 CONFIG = hopper_bwd.BWD_CONFIGS[256]
 
 
 def setup(name: str) -> None:
     """The module switches a path runs with."""
-    hopper_bwd.WIDE_DQ_ATOMIC = name.startswith(("hopper-atomic", "hopper-red"))
-    hopper_bwd256.DQ_RED = name.startswith("hopper-red")
+    hopper_bwd.WIDE_DQ_ATOMIC = name.startswith("hopper-atomic")
     do2 = name.endswith("-do2")
     hopper_bwd._REPLAYS = ReplayCache()  # (its keys do not name these switches)
     hopper_bwd.BWD_CONFIGS[256] = (*CONFIG[:4], 2) if do2 else CONFIG
@@ -102,8 +101,7 @@ def variants(a) -> int:
     cases = {"plain": {}, "window1023": dict(window_size=(1023, 0)),
              "softcap30": dict(softcap=30.0), "alibi": dict(alibi_slopes=slopes),
              "sinks": dict(sinks=torch.zeros(h, device="cuda"))}
-    paths = {"portable": dict(backend="portable"), "hopper-det": dict(backend="hopper"),
-             "hopper-red": dict(backend="hopper")}
+    paths = {"portable": dict(backend="portable"), "hopper-det": dict(backend="hopper")}
     rows = []
     for name, opts in cases.items():
         torch.manual_seed(0)

@@ -498,28 +498,25 @@ BWD_SHAPES_WIDE = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("atomic", ["tma", "red", None], ids=["atomic", "atomic-red",
-                                                               "deterministic"])
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", BWD_SHAPES_WIDE,
                          ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_hopper_bwd_wide_heads(shape, dtype, causal, atomic, monkeypatch):
     """Head dims 136..256 through the d256 kernel (checked to have launched), with its
-    atomic dQ (not the default there: WIDE_DQ_ATOMIC) by TMA reduce-adds or register
-    reductions (hopper_bwd256.DQ_RED), and in the deterministic path."""
+    atomic dQ (not the default there: WIDE_DQ_ATOMIC) and in the deterministic path."""
     from diyfa._launcher import ReplayCache
     from diyfa.attention import hopper_bwd256
 
-    monkeypatch.setattr(hopper_bwd, "WIDE_DQ_ATOMIC", atomic is not None)
-    monkeypatch.setattr(hopper_bwd256, "DQ_RED", atomic == "red")
+    monkeypatch.setattr(hopper_bwd, "WIDE_DQ_ATOMIC", atomic)
     monkeypatch.setattr(hopper_bwd, "_REPLAYS", ReplayCache())  # every call launches
     ran = []
     launch = hopper_bwd.launch
     monkeypatch.setattr(hopper_bwd, "launch", lambda fn, *a: ran.append(fn) or launch(fn, *a))
     b, h, hk, sq, sk, d = shape
     _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal,
-                   backend="hopper", deterministic=atomic is None)  # fmt: skip
+                   backend="hopper", deterministic=not atomic)  # fmt: skip
     assert ran and set(ran) == {hopper_bwd256._attn_bwd_d256}  # (prefetch may compile it too)
 
 

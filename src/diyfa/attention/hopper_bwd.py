@@ -1150,7 +1150,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         dq_desc = _dq_desc(dq_acc, block_m, dpad, atomic_dq, cols=hopper_bwd256.DQ_PIECE)
         grid, args, num_warps = hopper_bwd256.bwd_args(
             q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_desc, upper, p.softmax_scale, causal,
-            atomic_dq, permuted, config, qk_scale, variants, packed, dq_acc)  # fmt: skip
+            atomic_dq, permuted, config, qk_scale, variants, packed)  # fmt: skip
     else:
         fn = _attn_bwd_hopper
         grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,

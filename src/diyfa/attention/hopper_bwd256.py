@@ -73,7 +73,6 @@ from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d
 
 BLOCK_N = 64  # keys per program, shared by both consumers
 DQ_PIECE = 64  # columns of one dQ piece (one fp32 staging tile, one TMA reduce-add)
-DQ_RED = False  # the atomic dQ by register reductions (not measured yet; a config's 6th field)
 
 
 @gluon.jit
@@ -147,37 +146,6 @@ def _dq_piece_add(dq, dq_bufs, dq_desc, tb, off_h, row, col, PERMUTE: gl.constex
 
 
 @gluon.jit
-def _red_add_v2(base, offs, x):
-    """``base[offs] += x`` in fp32, two neighbouring columns per instruction (``red.global
-    .add.v2.f32``, sm90; the d128 kernel's dQ left this way before its TMA reduce-adds): ``x``
-    in a wgmma accumulator layout, whose threads hold column pairs (2c, 2c + 1), taken two at
-    a time (``pack=2``); no value returned. ``offs``: int32 element offsets from the scalar
-    pointer ``base``."""
-    addr0 = base.to(gl.int64, bitcast=True)
-    gl.inline_asm_elementwise(
-        "{ .reg .b64 a; mad.wide.s32 a, $2, 4, $4; red.global.add.v2.f32 [a], {$6, $7}; }\n"
-        "mov.b32 $0, 0; mov.b32 $1, 0;",
-        "=r,=r,r,r,l,l,r,r", [offs, addr0, x], dtype=gl.int32, is_pure=False, pack=2)
-
-
-@gluon.jit
-def _dq_piece_red(dq, DQ, ws_rows, tb, heads, off_h, row, col, PERMUTE: gl.constexpr):
-    """A finished dQ piece added to the fp32 workspace DQ ((batch, heads, ws_rows, 256)
-    contiguous) at (row, col) straight from registers by ``red.global.add.v2.f32``
-    (``DQ_ATOMIC == 2``: no staging tile), rows permuted as the TMA path stores them."""
-    BLOCK_M: gl.constexpr = dq.shape[0]
-    WIDTH: gl.constexpr = dq.shape[1]
-    layout: gl.constexpr = dq.type.layout
-    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    if PERMUTE:  # row 8a + 4b + c at 8a + 2c + b (hopper_bwd.dq_rows_permuted)
-        r = r // 8 * 8 + r % 4 * 2 + r % 8 // 4
-    cols = col + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    offs = (row + r)[:, None] * 256 + cols[None, :]
-    base = DQ + (tb.to(gl.int64) * heads + off_h) * ws_rows * 256
-    _red_add_v2(base, offs, dq)
-
-
-@gluon.jit
 def _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV, stride_dks,
                 stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb, off_hk, k_start,
                 n0, seqlen_k, masked, C: gl.constexpr):
@@ -210,8 +178,7 @@ def _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV
 
 
 @gluon.jit
-def _consumer(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
-              lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
+def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -314,21 +281,13 @@ def _consumer(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
             dq0_tok = warpgroup_mma(ds_t, k_0, zero, use_acc=False, is_async=True)
             dk_tok = warpgroup_mma(ds_all, q_c, dk, is_async=True)
             dq0 = warpgroup_mma_wait(1, deps=(dq0_tok,))
-            if DQ_ATOMIC == 2:
-                _dq_piece_red(dq0, DQ, dq_ws_rows, tb, heads, off_h, q_start + row0, C * COLS,
-                              DQ_ROWS)  # fmt: skip
-            else:
-                _dq_piece_add(dq0, dq_bufs, dq_desc, tb, off_h, q_start + row0, C * COLS,
-                              DQ_ROWS, C)  # fmt: skip
+            _dq_piece_add(dq0, dq_bufs, dq_desc, tb, off_h, q_start + row0, C * COLS,
+                          DQ_ROWS, C)  # fmt: skip
             dq1_tok = warpgroup_mma(ds_t, k_1, zero, use_acc=False, is_async=True)
             dk, dq1, _ds, _q, _dst, _k0, _k1 = warpgroup_mma_wait(
                 0, deps=(dk_tok, dq1_tok, ds_all, q_c, ds_t, k_0, k_1))
-            if DQ_ATOMIC == 2:
-                _dq_piece_red(dq1, DQ, dq_ws_rows, tb, heads, off_h, q_start + row0,
-                              C * COLS + PIECE, DQ_ROWS)  # fmt: skip
-            else:
-                _dq_piece_add(dq1, dq_bufs, dq_desc, tb, off_h, q_start + row0,
-                              C * COLS + PIECE, DQ_ROWS, C)  # fmt: skip
+            _dq_piece_add(dq1, dq_bufs, dq_desc, tb, off_h, q_start + row0, C * COLS + PIECE,
+                          DQ_ROWS, C)  # fmt: skip
         else:
             dk_tok = warpgroup_mma(ds_all, q_c, dk, is_async=True)
             dk, _ds, _q = warpgroup_mma_wait(0, deps=(dk_tok, ds_all, q_c))
@@ -353,8 +312,7 @@ def _consumer(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
 
 
 @gluon.jit
-def _consumer0(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
-               lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
+def _consumer0(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
                pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
                pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
                DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -362,8 +320,7 @@ def _consumer0(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
                alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
-    _consumer(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
-              lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
+    _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -373,8 +330,7 @@ def _consumer0(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
 
 
 @gluon.jit
-def _consumer1(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
-               lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
+def _consumer1(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
                pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
                pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
                DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -382,8 +338,7 @@ def _consumer1(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
                alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
-    _consumer(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
-              lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
+    _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
@@ -394,8 +349,7 @@ def _consumer1(DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc,
 
 @gluon.jit
 def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, dq_desc,
-                   DQ, dq_ws_rows, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
-                   TILES, DK, DV,
+                   heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                    alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
@@ -422,7 +376,7 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     pt_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
-    DQ_TILES: gl.constexpr = 2 if DQ_ATOMIC == 1 else 1
+    DQ_TILES: gl.constexpr = 2 if DQ_ATOMIC else 1
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,
                                         dq_desc.layout)  # fmt: skip
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -444,14 +398,14 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=2)
     gl.warp_specialize([
-        (_consumer0, (DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs,
+        (_consumer0, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs,
                       do_bufs, k_bufs, v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready,
                       q_empty, do_ready, do_empty, pds_ready, heads, kv_group, seqlen_q,
                       seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV, stride_dks, stride_dkh,
                       stride_dvs, stride_dvh, head_dim, causal_offset, qk_scale, sm_scale,
                       left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset, CAUSAL,
                       DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
-        (_consumer1, (DQ, dq_ws_rows, dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs,
+        (_consumer1, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs,
                       do_bufs, k_bufs, v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready,
                       q_empty, do_ready, do_empty, pds_ready, heads, kv_group, seqlen_q,
                       seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV, stride_dks, stride_dkh,
@@ -468,38 +422,32 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
 def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int,
              softmax_scale: float, causal: bool, dq_atomic: bool, dq_rows: bool,
              config: tuple | None = None, qk_scale: float | None = None,
-             variants: dict | None = None, packed: dict | None = None,
-             dq_acc: torch.Tensor | None = None) -> tuple[tuple, dict, int]:
+             variants: dict | None = None,
+             packed: dict | None = None) -> tuple[tuple, dict, int]:
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views, as
     ``hopper_bwd.bwd_args`` builds them for its kernel: ``dq_desc`` the atomic dQ
     workspace's descriptor in (BLOCK_M, 64) blocks (or a stand-in's); ``dq_rows``: its rows
     permuted (``hopper_bwd.dq_rows_permuted``); ``qk_scale`` (default softmax_scale *
     log2(e)) and ``variants`` as ``hopper_fwd.variant_args`` gives them with
     ``backward=True``; ``packed``: the sequence count, longest lengths and VARLEN kernel
-    arguments (``hopper_bwd.hopper_backward``); ``dq_acc`` the workspace itself (read by
-    the register reductions). A config's fifth field: the dO stages; its sixth: the atomic
-    dQ by register reductions (``DQ_ATOMIC == 2``) instead of TMA reduce-adds (default
-    ``DQ_RED``)."""
+    arguments (``hopper_bwd.hopper_backward``). A config's fifth field: the dO stages."""
     b, h, sq, d = q4.shape
     sk = k4.shape[2]
     if packed is not None:
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[256]
     do_stages = rest[0] if rest else 1
-    red = rest[1] if len(rest) > 1 else DQ_RED
-    ws = lse2 if dq_acc is None else dq_acc
     args = dict(q_desc=_desc(q4, block_m, 256), do_desc=_desc(do4, block_m, 256),
                 k_desc=_desc(k4, BLOCK_N, 256), v_desc=_desc(v4, BLOCK_N, 256),
                 dk_desc=_desc(dk4, BLOCK_N, 128), dv_desc=_desc(dv4, BLOCK_N, 128),
-                LSE=lse2, DELTA=delta, dq_desc=dq_desc, DQ=ws, dq_ws_rows=ws.shape[-2],
-                heads=h, kv_group=h // k4.shape[1],
+                LSE=lse2, DELTA=delta, dq_desc=dq_desc, heads=h, kv_group=h // k4.shape[1],
                 seqlen_q=sq, seqlen_k=sk, total_q=0, CU_Q=lse2, CU_K=lse2, TILES=lse2,
                 DK=dk4, DV=dv4, stride_dks=0, stride_dkh=0, stride_dvs=0, stride_dvh=0,
                 head_dim=d, causal_offset=causal_offset,
                 qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
                 sm_scale=softmax_scale, left_offset=0, tanh_scale=1.0, SLOPES=lse2,
                 stride_slopes_b=0, alibi_offset=0, CAUSAL=causal,
-                DQ_ATOMIC=(2 if red else 1) if dq_atomic else 0,
+                DQ_ATOMIC=dq_atomic,
                 STAGES=stages, CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, DQ_ROWS=dq_rows,
                 DO_STAGES=do_stages, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 VARLEN=False)  # fmt: skip
@@ -535,5 +483,5 @@ def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, causal: bool = False
         dq_desc = _desc(dq_acc, BWD_CONFIGS[256][0], DQ_PIECE)
     _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_desc, 0, 0.1, causal,
                                   dq_atomic, dq_atomic and not packed, config, None, flags,
-                                  pack, dq_acc)  # fmt: skip
+                                  pack)  # fmt: skip
     return compile_for_sm90(_attn_bwd_d256, args, num_warps)
