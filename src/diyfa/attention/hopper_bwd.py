@@ -188,6 +188,13 @@ DQ_FA3_ORDER = True
 # previous step's dQ piece, so the consumers no longer wait for each other's half of the same
 # step's dS^T (three dS^T buffers, one fp32 staging tile per consumer). Not measured yet.
 DQ_LATE = False
+# (The split one step late, each step's dK issued with the previous step's dQ piece so that
+# the consumers never wait for each other's half of the same step's dS^T (three dS^T buffers,
+# one staging tile per consumer; commit 8622146, reverted), measured level or slower: H200,
+# bf16, twice interleaved, benchmarks/results/2026-11-25_h200_bwd-dq-late-ab_8622146.txt,
+# TFLOPS FA3 order / late: 2 x 16 x 8192 578, 538 / 549, 547; causal 578, 527 / 524, 473;
+# 4 x 16 x 4096 527, 484 / 496, 507; causal 459, 471 / 414, 433; and its dQ was wrong with
+# GQA (11 GPU tests failed), a bug not chased.)
 # (d64's turns in that order, the whole dQ issued before dK on a consumer's turn, measured
 # 1-5% slower: benchmarks/results/2026-11-24_h200_bwd-d64-turns-fa3-order-ab_d86407c.txt,
 # 2 x 32 x 8192 478, 467 against 455, 451 TFLOPS; not kept.)
