@@ -184,10 +184,6 @@ DQ_SPLIT_D64 = False
 # wgmma serialised by ptxas then. Leaving dK running into the next step as well, in
 # pairs of steps, spilled 692 bytes: not kept.)
 DQ_FA3_ORDER = True
-# The split one step late (the kernel's DQ_ATOMIC == 4): each step's dK issued with the
-# previous step's dQ piece, so the consumers no longer wait for each other's half of the same
-# step's dS^T (three dS^T buffers, one fp32 staging tile per consumer). Not measured yet.
-DQ_LATE = False
 # (The split one step late, each step's dK issued with the previous step's dQ piece so that
 # the consumers never wait for each other's half of the same step's dS^T (three dS^T buffers,
 # one staging tile per consumer; commit 8622146, reverted), measured level or slower: H200,
@@ -677,9 +673,6 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
     # division by num_m per step sat on the softmax's path: ncu, 2026-11-24).
     off_h = off_hk * kv_group
     mi = 0
-    NDS: gl.constexpr = ds_bufs.type.shape[0]
-    prev_row0 = 0  # (DQ_LATE: the previous step's query block and head)
-    prev_h = off_h
     for it in range(kv_group * num_m):
         row0 = (m_lo + mi) * BLOCK_M
         offs_m = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
@@ -723,41 +716,15 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
         else:
             ds16 = (pt * (dpt - delta[None, :])).to(dtype)
-        if DQ_ATOMIC == 4:
-            # (DQ_LATE) The partner's half of the previous step's dS^T, which this step's dQ
-            # piece reads; its arrival also means the partner has done step it - 2's dQ,
-            # the last reader of buffer it % 3 (written again now).
-            if it > 0:
-                mbarrier.wait(ds_ready.index((it - 1) % NDS), ((it - 1) // NDS) & 1)
         if DQ_ATOMIC:
             # This consumer's 64 rows of the step's (128 keys, BLOCK_M) dS^T, for dQ below.
-            ds_all = ds_bufs.index(it % NDS)
+            ds_all = ds_bufs.index(it % 2)
             ds_all.slice(C * SUB_N, SUB_N, dim=0).store(ds16)
             fence_async_shared()
             gl.thread_barrier()  # every thread's rows are written before the arrival
-            mbarrier.arrive(ds_ready.index(it % NDS))
+            mbarrier.arrive(ds_ready.index(it % 2))
         dsa = gl.convert_layout(ds16, a_layout)
-        if DQ_ATOMIC == 4:
-            # (DQ_LATE) The split dQ one step late: this step's dK with the previous step's
-            # dQ piece (both dS^T halves long written), so neither consumer waits for the
-            # other's half of the same step; one fp32 staging tile per consumer (its
-            # reduce-add, a step old, is done).
-            dv, _p, _do = warpgroup_mma_wait(0, deps=(dv_tok, p16, do_smem))
-            if it > 0:
-                tma.store_wait(0)
-                gl.thread_barrier()
-                prev = ds_bufs.index((it - 1) % NDS)
-                dq_tok = _dq_issue(prev, k_bufs, C, h_layout, dq_desc.block_type.shape[3])
-                dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
-                dq = warpgroup_mma_wait(1, deps=(dq_tok,))
-                _dq_add(dq, dq_bufs, C, C, dq_desc, tb, prev_h, q_start + prev_row0, DQ_ROWS)
-            else:
-                dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
-            dk, _ds, _q = warpgroup_mma_wait(0, deps=(dk_tok, dsa, q_smem))
-            mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
-            prev_row0 = row0
-            prev_h = off_h
-        elif DQ_ATOMIC == 3:
+        if DQ_ATOMIC == 3:
             # (DQ_FA3_ORDER) The column-half split below in FlashAttention-3's order: this
             # step's dQ piece is issued before dK, and stored and added to the workspace
             # while dK runs. dV (issued long before) is waited for first: a product issued
@@ -812,16 +779,6 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         if mi == num_m:
             mi = 0
             off_h += 1
-    if DQ_ATOMIC == 4:  # the last step's dQ piece
-        last = kv_group * num_m - 1
-        if last >= 0:
-            mbarrier.wait(ds_ready.index(last % NDS), (last // NDS) & 1)
-            tma.store_wait(0)
-            gl.thread_barrier()
-            dq = _dq_issue(ds_bufs.index(last % NDS), k_bufs, C, h_layout,
-                           dq_desc.block_type.shape[3])  # fmt: skip
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            _dq_add(dq, dq_bufs, C, C, dq_desc, tb, prev_h, q_start + prev_row0, DQ_ROWS)
 
     # Epilogue: a packed sequence's last block by masked stores, every other one by TMA.
     # (The plain kernel passes a literal False: a run-time flag there, even one always
@@ -912,13 +869,10 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * SUB_N, BLOCK_M], dtype)
-    NDS: gl.constexpr = 3 if DQ_ATOMIC == 4 else 2  # dS^T buffers (DQ_LATE: three)
-    ds_bufs = gl.allocate_shared_memory(dtype, [NDS, 2 * SUB_N, BLOCK_M], ds_layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * SUB_N, BLOCK_M], ds_layout)
     # The atomic mode's fp32 dQ tiles on their way to the workspace: per consumer, the
     # column halves its turn computes (whole blocks of the workspace's descriptor).
-    DQ_TILES: gl.constexpr = (2 if DQ_ATOMIC == 4  # (DQ_LATE: one per consumer)
-                              else 2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC
-                              else 1)
+    DQ_TILES: gl.constexpr = 2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC else 1
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,
                                         dq_desc.layout)  # fmt: skip
     # Each stage's LSE and delta (BLOCK_M fp32 each), loaded with its Q and dO.
@@ -928,11 +882,11 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
-    for i in gl.static_range(NDS):
-        mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer
+    mbarrier.init(ds_ready.index(0), count=2)  # one arrival per consumer
+    mbarrier.init(ds_ready.index(1), count=2)
     mbarrier.init(done.index(0), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect; TMA counts the bytes
@@ -1026,11 +980,10 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[dpad]
     # atomic dQ: 2 = every step a column half per consumer (DQ_SPLIT at d128, DQ_SPLIT_D64
     # at d64: halves of 32 columns), 3 = that in FlashAttention-3's order (DQ_FA3_ORDER),
-    # 4 = that one step late (DQ_LATE), 1 = turns; a config's fifth field: 0 turns, 1 split,
-    # 2 split in FA3's order, 3 one step late
+    # 1 = turns; a config's fifth field: 0 turns, 1 split, 2 split in FA3's order
     split = rest[0] if rest else (DQ_SPLIT if dpad > 64 else DQ_SPLIT_D64)
     if split and not rest and DQ_FA3_ORDER:
-        split = 3 if DQ_LATE else 2
+        split = 2
     dq_mode = 1 + int(split) if dq_atomic else 0
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
                 k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
