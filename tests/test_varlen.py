@@ -109,7 +109,7 @@ def test_keys_of_a_sequence_without_queries_get_zero_gradients():
 
 def test_varlen_hopper_path_by_head_dim(monkeypatch):
     """On an H100/H200 (capability set by hand here) the Hopper family takes packed
-    sequences up to d128 under "auto" (d256 is not timed: portable, saying why); at d64 its
+    sequences under "auto" at every head dim (above d128 since 2026-11-25); at d64 its
     "auto" forward is the Hopper kernel too (the portable one's until 2026-11-24, measured
     faster then) and its backward the Gluon one where hopper_bwd.auto_mode picks it (plain
     attention's rule: at d64 the atomic dQ, the deterministic path when asked for; at
@@ -137,16 +137,16 @@ def test_varlen_hopper_path_by_head_dim(monkeypatch):
     assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True)) == "atomic"
     assert hopper_bwd.auto_mode(dataclasses.replace(p, causal=True, deterministic=True)) == (
         "kernel-dq")
-    for d, family in ((128, "hopper"), (96, "hopper"), (256, "portable")):
+    for d in (128, 96, 256, 192):
         qd, kd, vd, _, _ = _packed([3, 4], [3, 4], 2, 2, d, torch.bfloat16)
         pd = check_varlen_inputs(qd, kd, vd, cu_q, cu_k, 4, 4, causal=True, softmax_scale=None)
         pd = dataclasses.replace(pd, capability=(9, 0), aligned16=True)
-        assert dispatch.select(pd).name == family, d
-        if family == "hopper":  # d72..128: the atomic dQ too (since its FA3 order)
-            assert hopper_bwd.auto_mode(pd) == "atomic" and hopper_bwd.supports(pd) is None
-            assert hopper_bwd.auto_mode(dataclasses.replace(pd, deterministic=True)) == (
-                "kernel-dq")
-    assert "d256 is not timed" in dict(dispatch.explain(pd))["hopper"]
+        assert dispatch.select(pd).name == "hopper", d
+        assert hopper_bwd.supports(pd) is None
+        # d72..128: the atomic dQ too (since its FA3 order); above, the deterministic path
+        fast = "atomic" if d <= 128 else "kernel-dq"
+        assert hopper_bwd.auto_mode(pd) == fast
+        assert hopper_bwd.auto_mode(dataclasses.replace(pd, deterministic=True)) == "kernel-dq"
     windowed = dataclasses.replace(p, window_left=8)
     assert "without window" in dict(dispatch.explain(windowed))["hopper"]
 

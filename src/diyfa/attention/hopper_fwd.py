@@ -1688,24 +1688,24 @@ def prefer(p: Problem) -> str | None:
       fp16 seed shape (4 x 8 heads) at 2048 keys 391 against 291; at 1024 keys 400 against
       397 (16 x 32 heads), causal 311 against 288, but 137-154 against 175 on the small
       seed shape and 43-46 against 50 at 512 keys (host-bound sizes).
-    - Packed sequences at head dims above 128 (not timed). At d128 (GQA 16/4) this kernel
-      is ahead (H200, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
-      benchmarks/results/2026-11-23_h200_inference_*.jsonl: 516 / 426 TFLOPS full / causal
-      against 462 / 399); at d64 the family keeps them too (its Gluon backward is faster
-      there, and since 2026-11-24 its forward: :func:`auto_forward`).
-    - A value head dim other than q's: passes its GPU test (H200,
-      benchmarks/results/2026-11-23_h200_gpu-tests-hopper-fwd_34dc924.txt) but has not been
-      timed against the portable kernel yet.
+    Packed sequences run here at every head dim: at d128 (GQA 16/4) this kernel is ahead
+    (H200, 29 sequences of 128..7626 tokens, 64k tokens, bf16,
+    benchmarks/results/2026-11-23_h200_inference_*.jsonl: 516 / 426 TFLOPS full / causal
+    against 462 / 399); at d64 the family keeps them too (its Gluon backward is faster there,
+    and since 2026-11-24 its forward: :func:`auto_forward`); above d128 since 2026-11-25, with
+    the d256 Gluon backward (H200, the same mix, bf16, benchmarks/untimed_ab.py, one process,
+    2 rounds, benchmarks/results/2026-11-25_h200_untimed-ab_e8cd208.txt, ms portable / this
+    family, forward and backward: d256 8 / 2 heads 6.16 / 3.12 and 22.0 / 13.9, causal 3.37 /
+    1.64 and 11.6 / 7.8; d192 10 / 2 heads 7.30 / 3.83 and 27.1 / 16.5, causal 4.10 / 1.97
+    and 14.4 / 9.1). So does a value head dim other than q's since then (its backward is
+    portable either way): q/k 192 with v 128, 2 x 16 x 4096, forward 1.230 / 0.608 ms, causal
+    0.733 / 0.347; 16 x 16 x 1024 0.755 / 0.356, causal 0.471 / 0.226 (same file; before, it
+    passed its GPU test, benchmarks/results/2026-11-23_h200_gpu-tests-hopper-fwd_34dc924.txt,
+    untimed).
     The variants (window, softcap, ALiBi, sinks) are taken: measured faster on an H200 (8k
     tokens, d128, causal; ..._flash_variants-fa4_34dc924.jsonl): window 1023 411 against 296
     TFLOPS, softcap 319 / 278, ALiBi 357 / 306, sinks 472 / 372.
     """
-    if p.cu_seqlens_q is not None and head_dim_pad(p.head_dim) > 128:
-        return ("packed sequences run on it at head dims up to 128 only: d256 is not timed "
-                '(backend="hopper" runs them)')  # fmt: skip
-    if p.head_dim_v != p.head_dim:
-        return ("its value head dim other than q's passes the GPU tests but is not timed "
-                'against the portable kernel yet (backend="hopper" runs it)')  # fmt: skip
     if (head_dim_pad(p.head_dim) == 64 and p.causal and p.seqlen_k < SHORT_KEYS_D64
             and p.batch * p.heads * p.seqlen_q * p.seqlen_k < SHORT_WORK_D64):
         return (f"the portable kernel measured as fast or faster at head dims <= 64 with the "
