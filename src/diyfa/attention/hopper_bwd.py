@@ -157,7 +157,10 @@ BLOCK_N = CONSUMERS * SUB_N
 # registers). Registers per consumer thread at d128: dK + dV 128, S^T + dP^T 64 (BLOCK_M
 # 64), dQ 64 once S^T and dP^T are dead. Shared memory (2-byte types): K, V 2 * 128 * d,
 # Q + dO 2 * BLOCK_M * d per stage, dS^T 2 * 64 * BLOCK_M: 128 KB at d64, 144 KB at d128.
-# Not yet measured: FlashAttention-3's choices for these head dims, as a starting point.
+# (FlashAttention-3's 128-row query blocks at d64 measured far slower here: 792-892 bytes of
+# spills, H200, bf16, 2026-11-25, benchmarks/results/2026-11-25_h200_bwd-d64-block128-*-ab_*,
+# TFLOPS 64 / 128 rows, atomic dQ: 2 x 32 x 8192 462 / 282, causal 451 / 183; 16 x 32 x 1024
+# 366 / 243; deterministic 407 / 310, causal 385 / 174.)
 BWD_CONFIGS = {
     64: (64, 2, 240, 24),
     128: (64, 2, 240, 24),
