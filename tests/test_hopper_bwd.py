@@ -132,22 +132,24 @@ runs = [(256, False, True, (), False), (256, True, True, (), False),
         (192, True, True, (), False)]
 runs += [(256, True, atomic, ("WINDOW", "SOFTCAP", "ALIBI"), False) for atomic in (False, True)]
 runs += [(256, causal, atomic, (), True) for causal, atomic in ((True, False), (False, True))]
-for d, causal, atomic, variants, packed in runs:
+runs = [(*r, None) for r in runs]
+runs += [(192, True, False, (), False, 128), (192, False, True, (), True, 128)]  # value dims
+for d, causal, atomic, variants, packed, dv in runs:
     k = hb.compile_for_hopper(getattr(torch, sys.argv[1]), causal, atomic, d, None, variants,
-                              packed)
+                              packed, dv)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
     done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                           capture_output=True, text=True, check=True)
     out.append({"d": d, "causal": causal, "atomic": atomic, "variants": variants,
-                "packed": packed, "shared": k.metadata.shared, "ptx": k.asm["ptx"],
+                "packed": packed, "dv": dv, "shared": k.metadata.shared, "ptx": k.asm["ptx"],
                 "ptxas": done.stderr})
 print(json.dumps(out))
 """
 
 # ptxas's spill report of the d256 kernel (2026-11-25, triton 3.6): 280 / 288 bytes with the
 # atomic dQ (d256 / d192 causal), 52 / 68 without; window + softcap + ALiBi 152 / 320; packed
-# sequences 52 (deterministic, causal) / 300 (atomic).
+# sequences 52 (deterministic, causal) / 300 (atomic); a value head dim of 128: none.
 SPILL_BOUND_WIDE = {True: 512, False: 256}
 
 
@@ -169,14 +171,15 @@ def test_hopper_bwd_d256_compiles_and_fits(dtype):
     _, _, c_regs, l_regs = hopper_bwd.BWD_CONFIGS[256]
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
         where = (f"d{r['d']} causal={r['causal']} atomic={r['atomic']} {r['variants']} "
-                 f"packed={r['packed']}")
+                 f"packed={r['packed']} dv={r['dv']}")
         ptx = r["ptx"]
         assert r["shared"] <= 227 * 1024, where
         for n in (32, 128):
             assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}" in ptx, where
-        dq = f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}" in ptx
+        n64 = f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}" in ptx  # dQ pieces
         reductions = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
-        assert dq == reductions == r["atomic"], where
+        assert reductions == r["atomic"], where
+        assert n64 == (r["atomic"] or r["dv"] == 128), where  # (and dV's half at v 128)
         assert not re.search(r"\b(red|atom)\.global", ptx), where
         assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx, where  # TMA loads
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx, where  # TMA stores
@@ -211,11 +214,12 @@ def test_delta_kernel(shape, layout):
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    (dict(d=256, value_dim=128), "value head dim"),
+    (dict(d=256, value_dim=64), "value head dim other than q's (here 64 and 256)"),
+    (dict(d=128, value_dim=64), "only with q/k head dims above 128"),
     (dict(capability=(8, 0)), "needs a Hopper GPU"),
     (dict(dtype=torch.float32), "fp16 or bf16"),
     (dict(d=60), "multiples of 8"),
-], ids=["d256-value-dim", "sm80", "fp32", "d60"])
+], ids=["d256-value-dim64", "d128-value-dim", "sm80", "fp32", "d60"])
 def test_supports_says_why_not(kwargs, reason):
     assert reason in hopper_bwd.supports(_problem(**kwargs))
 
@@ -225,9 +229,10 @@ def test_supports_says_why_not(kwargs, reason):
                                     dict(d=136, hk=1, layout="bshd"),
                                     dict(d=192, sinks=torch.zeros(4)),
                                     dict(d=256, window_left=100, softcap=30.0,
-                                         alibi_slopes=torch.ones(4), causal=True)],
+                                         alibi_slopes=torch.ones(4), causal=True),
+                                    dict(d=192, value_dim=128)],
                          ids=["d128", "d64-causal", "d96", "d72", "d256-causal", "d136-mqa",
-                              "d192-sinks", "d256-variants"])
+                              "d192-sinks", "d256-variants", "d192-value-dim128"])
 def test_supports_takes(kwargs):
     assert hopper_bwd.supports(_problem(**kwargs)) is None
 

@@ -436,10 +436,17 @@ def test_value_head_dim(shape, dtype, causal, layout):
     ((1, 4, 4, 333, 700, 128, 64), torch.float16, False, "bhsd"),
     ((1, 4, 1, 513, 257, 96, 64), torch.bfloat16, True, "bhsd"),
     ((1, 2, 2, 200, 200, 256, 128), torch.bfloat16, False, "bshd"),
-], ids=["d192-dv128", "d128-dv64", "d96-dv64", "d256-dv128"])
-def test_gpu_hopper_value_head_dim(shape, dtype, causal, layout):
+    ((2, 4, 2, 777, 333, 160, 96), torch.float16, True, "bhsd"),
+], ids=["d192-dv128", "d128-dv64", "d96-dv64", "d256-dv128", "d160-dv96"])
+@pytest.mark.parametrize("atomic", [False, True], ids=["det", "atomic"])
+def test_gpu_hopper_value_head_dim(shape, dtype, causal, layout, atomic, monkeypatch):
     """The Hopper forward with a value head dim below q's (O's tile in the front of Q's
-    buffer, stored by TMA), gradients through the portable backward: 2x / 3x rule."""
+    buffer, stored by TMA), gradients through the Gluon backward above d128 (the d256
+    kernel; its atomic dQ switched on for "atomic") and the portable one below: 2x / 3x
+    rule."""
+    from diyfa.attention import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "WIDE_DQ_ATOMIC", atomic)
     b, h, hk, sq, sk, d, dv = shape
     q, k, _ = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
     _, _, v = _inputs(b, h, hk, sq, sk, dv, dtype, layout=layout, seed=1)
@@ -474,7 +481,7 @@ def test_value_head_dim_everywhere_else():
     problem = dataclasses.replace(_problem(), value_dim=64)
     assert dispatch.select(problem).name == "hopper"  # (measured faster, 2026-11-25)
     assert dispatch.select(problem, "hopper").name == "hopper"
-    assert "no value head dim" in hopper_bwd.supports(problem)
+    assert "only with q/k head dims above 128" in hopper_bwd.supports(problem)
     for dv, why in ((20, "multiples of 8"), (192, "pad to at most q's (128)")):
         assert why in dispatch.explain(dataclasses.replace(problem, value_dim=dv))[0][1]
 

@@ -82,10 +82,11 @@ of spills, ``tests/test_hopper_bwd.py``) and run on an H200
 
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
 rules, positive scale), head dims 64..256 that are multiples of 8 (computed as 64, 128 or
-256), no value head dim other than q's. Above 128 the two fp32 accumulators of this
+256), no value head dim other than q's below d129. Above 128 the two fp32 accumulators of this
 kernel's division alone would be 256 registers per thread: those head dims run on
 ``hopper_bwd256``'s kernel (the head dim split between the consumers; the same variants
-and packed sequences), by default in the deterministic path (``WIDE_DQ_ATOMIC``). dO is
+and packed sequences, and a value head dim of 72..256 of its own), by default in the
+deterministic path (``WIDE_DQ_ATOMIC``). dO is
 copied to a contiguous tensor when its strides break TMA's rules (autograd hands an
 expanded, stride-0 gradient for ``out.sum()``).
 
@@ -1202,8 +1203,11 @@ def supports(p: Problem) -> str | None:
     reason = forward_supports(p)
     if reason is not None:
         return reason
-    if p.head_dim_v != p.head_dim:
-        return "its backward takes no value head dim other than q's yet (portable)"
+    if p.head_dim_v != p.head_dim and (head_dim_pad(p.head_dim) < 256
+                                       or head_dim_pad(p.head_dim_v) < 128):
+        return (f"its backward takes a value head dim other than q's (here {p.head_dim_v} "
+                f"and {p.head_dim}) only with q/k head dims above 128 and value head dims "
+                "above 64 (portable)")  # fmt: skip
     if p.batch * p.kv_heads > 65535:
         return (f"batch x kv heads = {p.batch * p.kv_heads} exceeds the 65535 programs its "
                 "grid's second axis may hold")  # fmt: skip

@@ -69,7 +69,7 @@ from diyfa.attention.hopper_bwd import (
     compile_setup,
     kv_table,
 )
-from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d
+from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d, head_dim_pad
 
 BLOCK_N = 64  # keys per program, shared by both consumers
 DQ_PIECE = 64  # columns of one dQ piece (one fp32 staging tile, one TMA reduce-add)
@@ -147,33 +147,39 @@ def _dq_piece_add(dq, dq_bufs, dq_desc, tb, off_h, row, col, PERMUTE: gl.constex
 
 @gluon.jit
 def _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV, stride_dks,
-                stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb, off_hk, k_start,
-                n0, seqlen_k, masked, C: gl.constexpr):
+                stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v, sm_scale, tb, off_hk,
+                k_start, n0, seqlen_k, masked, C: gl.constexpr):
     """The epilogue: this consumer's column halves of dK (scaled) and dV, through its halves
     of the K and V buffers by TMA (which clips rows past seqlen_k and columns past the head
     dim), or, ``masked`` (a packed sequence's last block), by masked pointer stores of the
     rows before ``seqlen_k``."""
     COLS: gl.constexpr = dk.shape[1]
+    COLS_V: gl.constexpr = dv.shape[1]
     dtype: gl.constexpr = k_smem.dtype
     if masked:
         layout: gl.constexpr = dk.type.layout
+        layout_v: gl.constexpr = dv.type.layout
         rows = n0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
         cols = C * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        ok = (rows < seqlen_k)[:, None] & (cols < head_dim)[None, :]
         at = (k_start + rows).to(gl.int64)[:, None]
         gl.store(DK + at * stride_dks + off_hk * stride_dkh + cols[None, :],
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)  # fmt: skip
-        gl.store(DV + at * stride_dvs + off_hk * stride_dvh + cols[None, :],
-                 dv.to(DV.dtype.element_ty), mask=ok)  # fmt: skip
+                 (dk * sm_scale).to(DK.dtype.element_ty),
+                 mask=(rows < seqlen_k)[:, None] & (cols < head_dim)[None, :])  # fmt: skip
+        rows_v = n0 + gl.arange(0, dv.shape[0], layout=gl.SliceLayout(1, layout_v))
+        cols_v = C * COLS_V + gl.arange(0, COLS_V, layout=gl.SliceLayout(0, layout_v))
+        at_v = (k_start + rows_v).to(gl.int64)[:, None]
+        gl.store(DV + at_v * stride_dvs + off_hk * stride_dvh + cols_v[None, :],
+                 dv.to(DV.dtype.element_ty),
+                 mask=(rows_v < seqlen_k)[:, None] & (cols_v < head_dim_v)[None, :])  # fmt: skip
     else:
         k_smem.slice(C * COLS, COLS, dim=1).store((dk * sm_scale).to(dtype))
-        v_smem.slice(C * COLS, COLS, dim=1).store(dv.to(dtype))
+        v_smem.slice(C * COLS_V, COLS_V, dim=1).store(dv.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(dk_desc, [tb, off_hk, k_start + n0, C * COLS],
                                         k_bufs.index(0).slice(C * COLS, COLS, dim=3))
-        tma.async_copy_shared_to_global(dv_desc, [tb, off_hk, k_start + n0, C * COLS],
-                                        v_bufs.index(0).slice(C * COLS, COLS, dim=3))
+        tma.async_copy_shared_to_global(dv_desc, [tb, off_hk, k_start + n0, C * COLS_V],
+                                        v_bufs.index(0).slice(C * COLS_V, COLS_V, dim=3))
     tma.store_wait(0)  # (the last dQ reduce-adds too)
 
 
@@ -181,8 +187,8 @@ def _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV
 def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
-              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-              qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
+              causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
               alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
               WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
               VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr, C: gl.constexpr):
@@ -195,6 +201,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
     DO_STAGES: gl.constexpr = do_bufs.type.shape[0]
     HALF: gl.constexpr = BLOCK_M // 2
     COLS: gl.constexpr = HEAD_DIM // 2
+    COLS_V: gl.constexpr = do_bufs.type.shape[4] // 2  # (the value head dim's half)
     PIECE: gl.constexpr = dq_desc.block_type.shape[3]
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -203,6 +210,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
                                                        instr_shape=[16, COLS, 16])
     q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, PIECE, 16])
+    v_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, COLS_V, 16])
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -214,7 +223,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
     k_smem = _tile2d(k_bufs, 0)
     v_smem = _tile2d(v_bufs, 0)
     dk = gl.zeros([BLOCK_N, COLS], gl.float32, layout=d_layout)
-    dv = gl.zeros([BLOCK_N, COLS], gl.float32, layout=d_layout)
+    dv = gl.zeros([BLOCK_N, COLS_V], gl.float32, layout=v_layout)
     mbarrier.wait(kv_ready.index(0), 0)
     off_h = off_hk * kv_group
     mi = 0
@@ -266,7 +275,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
         gl.thread_barrier()
         mbarrier.arrive(pds_ready.index(it % 2))
         mbarrier.wait(pds_ready.index(it % 2), (it // 2) & 1)
-        do_c = do_smem.slice(C * COLS, COLS, dim=1)
+        do_c = do_smem.slice(C * COLS_V, COLS_V, dim=1)
         dv_tok = warpgroup_mma(pt_all, do_c, dv, is_async=True)
         dv, _p, _do = warpgroup_mma_wait(0, deps=(dv_tok, pt_all, do_c))
         mbarrier.arrive(do_empty.index(ds))  # dO of this step is no longer read
@@ -303,28 +312,28 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
     # kernel passes a literal False: see hopper_bwd's consumer.)
     if VARLEN:
         _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV,
-                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb,
-                    off_hk, k_start, n0, seqlen_k, key_tail, C)  # fmt: skip
+                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v, sm_scale,
+                    tb, off_hk, k_start, n0, seqlen_k, key_tail, C)  # fmt: skip
     else:
         _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV,
-                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb,
-                    off_hk, k_start, n0, seqlen_k, False, C)  # fmt: skip
+                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v, sm_scale,
+                    tb, off_hk, k_start, n0, seqlen_k, False, C)  # fmt: skip
 
 
 @gluon.jit
 def _consumer0(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
                pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
                pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
-               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-               qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
+               causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
     _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
-              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-              qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
+              causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
               alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS,
               0)  # fmt: skip
 
@@ -333,16 +342,16 @@ def _consumer0(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs,
 def _consumer1(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
                pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
                pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
-               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-               qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
+               causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
     _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
-              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-              qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+              DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
+              causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
               alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS,
               1)  # fmt: skip
 
@@ -350,9 +359,9 @@ def _consumer1(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs,
 @gluon.jit
 def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, dq_desc,
                    heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
-                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                   alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
+                   causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES,
+                   stride_slopes_b, alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    LOADER_REGS: gl.constexpr, DQ_ROWS: gl.constexpr, DO_STAGES: gl.constexpr,
                    WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
@@ -402,16 +411,16 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
                       do_bufs, k_bufs, v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready,
                       q_empty, do_ready, do_empty, pds_ready, heads, kv_group, seqlen_q,
                       seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV, stride_dks, stride_dkh,
-                      stride_dvs, stride_dvh, head_dim, causal_offset, qk_scale, sm_scale,
-                      left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset, CAUSAL,
-                      DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
+                      stride_dvs, stride_dvh, head_dim, head_dim_v, causal_offset, qk_scale,
+                      sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+                      CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
         (_consumer1, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs,
                       do_bufs, k_bufs, v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready,
                       q_empty, do_ready, do_empty, pds_ready, heads, kv_group, seqlen_q,
                       seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV, stride_dks, stride_dkh,
-                      stride_dvs, stride_dvh, head_dim, causal_offset, qk_scale, sm_scale,
-                      left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset, CAUSAL,
-                      DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
+                      stride_dvs, stride_dvh, head_dim, head_dim_v, causal_offset, qk_scale,
+                      sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
+                      CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
                    v_bufs, lse_bufs, delta_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
                    heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset, left_offset,
@@ -437,13 +446,14 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[256]
     do_stages = rest[0] if rest else 1
-    args = dict(q_desc=_desc(q4, block_m, 256), do_desc=_desc(do4, block_m, 256),
-                k_desc=_desc(k4, BLOCK_N, 256), v_desc=_desc(v4, BLOCK_N, 256),
-                dk_desc=_desc(dk4, BLOCK_N, 128), dv_desc=_desc(dv4, BLOCK_N, 128),
+    dv_pad = head_dim_pad(v4.shape[3])  # (a value head dim of its own: 128 or 256 here)
+    args = dict(q_desc=_desc(q4, block_m, 256), do_desc=_desc(do4, block_m, dv_pad),
+                k_desc=_desc(k4, BLOCK_N, 256), v_desc=_desc(v4, BLOCK_N, dv_pad),
+                dk_desc=_desc(dk4, BLOCK_N, 128), dv_desc=_desc(dv4, BLOCK_N, dv_pad // 2),
                 LSE=lse2, DELTA=delta, dq_desc=dq_desc, heads=h, kv_group=h // k4.shape[1],
                 seqlen_q=sq, seqlen_k=sk, total_q=0, CU_Q=lse2, CU_K=lse2, TILES=lse2,
                 DK=dk4, DV=dv4, stride_dks=0, stride_dkh=0, stride_dvs=0, stride_dvh=0,
-                head_dim=d, causal_offset=causal_offset,
+                head_dim=d, head_dim_v=v4.shape[3], causal_offset=causal_offset,
                 qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
                 sm_scale=softmax_scale, left_offset=0, tanh_scale=1.0, SLOPES=lse2,
                 stride_slopes_b=0, alibi_offset=0, CAUSAL=causal,
@@ -465,23 +475,26 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int
 def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                        dq_atomic: bool = True, head_dim: int = 256,
                        config: tuple | None = None, variants: tuple[str, ...] = (),
-                       packed: bool = False):
+                       packed: bool = False, head_dim_v: int | None = None):
     """Compile the kernel for sm90a without a GPU (a (2, 16, 4096, head_dim) problem with 4
     kv heads, as ``hopper_bwd.compile_bwd_for_hopper`` sets up its ``variants`` and
-    ``packed``); returns Triton's ``CompiledKernel``. Run it in a process that has not run
-    kernels under the interpreter."""
+    ``packed``; ``head_dim_v``: a value head dim of its own); returns Triton's
+    ``CompiledKernel``. Run it in a process that has not run kernels under the
+    interpreter."""
     from diyfa._compile import compile_for_sm90
 
     q = torch.empty(2, 16, 4096, head_dim, dtype=dtype)
     kv = torch.empty(2, 4, 4096, head_dim, dtype=dtype)
+    vv = kv if head_dim_v is None else torch.empty(2, 4, 4096, head_dim_v, dtype=dtype)
+    oo = q if head_dim_v is None else torch.empty(2, 16, 4096, head_dim_v, dtype=dtype)
     stats = torch.empty(2, 16, 4096, dtype=torch.float32)
     dq_acc = torch.empty(2, 16, 4096, 256, dtype=torch.float32)
     dq_desc = _desc(dq_acc, BWD_CONFIGS[256][0], DQ_PIECE)
     flags, pack = compile_setup(head_dim, dtype, variants, packed)
     if packed:
-        q, kv, stats, dq_acc = q[:1], kv[:1], stats[0], dq_acc[:1]
+        q, kv, vv, oo, stats, dq_acc = q[:1], kv[:1], vv[:1], oo[:1], stats[0], dq_acc[:1]
         dq_desc = _desc(dq_acc, BWD_CONFIGS[256][0], DQ_PIECE)
-    _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_desc, 0, 0.1, causal,
+    _, args, num_warps = bwd_args(q, kv, vv, oo, kv, vv, stats, stats, dq_desc, 0, 0.1, causal,
                                   dq_atomic, dq_atomic and not packed, config, None, flags,
                                   pack)  # fmt: skip
     return compile_for_sm90(_attn_bwd_d256, args, num_warps)
