@@ -39,11 +39,14 @@ divided the other way, by query rows, and the two halves meet in shared memory:
     the K and V buffers (the partner's last reads of the whole of K and V, its S^T and
     dP^T, precede its last ``pds_ready`` arrival; its dQ reads only its own half of K).
 
-Scope (``hopper_bwd.supports``): what the d128 kernel takes at head dims 129..256 (GQA/MQA,
-causal bottom-right, sinks: they are in the LSE), without a window, softcap, ALiBi or packed
-sequences (portable). Both dQ modes: the atomic one (dQ added by TMA reduce-adds, as in
+Scope (``hopper_bwd.supports``): what the d128 kernel takes, at head dims 129..256 (GQA/MQA,
+causal bottom-right, sinks: they are in the LSE; a window, softcap, ALiBi, packed sequences,
+as ``hopper_bwd``'s kernel takes them), and a value head dim of its own above 64 (V, dO and
+dV computed at its padded width, 128 or 256: each consumer's dV half as wide as half of it;
+DeepSeek MLA's 192 / 128). Both dQ modes: the atomic one (dQ added by TMA reduce-adds, as in
 ``hopper_bwd``) and the deterministic one (the portable dQ kernel first, this kernel for dK
-and dV only).
+and dV only), the default here, faster at every point measured
+(``hopper_bwd.WIDE_DQ_ATOMIC``; docs/attention.md, "Head dims above 128").
 """
 
 from __future__ import annotations
