@@ -428,6 +428,25 @@ def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset,
 
 
 @gluon.jit
+def _stats_async(LSE, DELTA, lse_smem, delta_smem, bar, rows, seqlen_rows, tb, heads, off_h,
+                 seqlen_q, total_q, q_start, VARLEN: gl.constexpr):
+    """A query block's LSE and delta into shared memory by cp.async (4-byte copies: a row of
+    odd length starts anywhere, where TMA needs 16-byte aligned boxes), rows past the
+    sequence zero-filled (the consumers mask them), with each thread's arrival on ``bar``
+    waiting for its copies (and counting none: the caller's expect that follows is the one
+    arrival; this one comes first, so the stage cannot complete on the TMA bytes alone).
+    Both backward kernels' loaders."""
+    if VARLEN:  # (heads, total_q)
+        base = off_h.to(gl.int64) * total_q + q_start
+    else:  # (batch, heads, seqlen_q)
+        base = (tb.to(gl.int64) * heads + off_h) * seqlen_q
+    async_copy.async_copy_global_to_shared(lse_smem, LSE + base + rows, mask=rows < seqlen_rows)
+    async_copy.async_copy_global_to_shared(delta_smem, DELTA + base + rows,
+                                           mask=rows < seqlen_rows)  # fmt: skip
+    async_copy.mbarrier_arrive(bar)
+
+
+@gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
                 k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready,
                 ready, empty, heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset,
@@ -460,21 +479,9 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
         # A fresh mbarrier counts as having completed the phase before phase 0: the first
         # lap's waits on "empty" pass at once.
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-        # The block's LSE and delta by cp.async (4-byte copies: a row of odd length starts
-        # anywhere, where TMA needs 16-byte aligned boxes), rows past the sequence zero-filled
-        # (the consumers mask them). Each thread's arrival on ``ready`` waits for its copies
-        # (and counts none: the expect below is the one arrival); it comes first, so the
-        # stage cannot complete on the TMA bytes alone.
-        rows = row0 + offs
-        if VARLEN:  # (heads, total_q)
-            base = off_h.to(gl.int64) * total_q + q_start
-        else:  # (batch, heads, seqlen_q)
-            base = (tb.to(gl.int64) * heads + off_h) * seqlen_q
-        async_copy.async_copy_global_to_shared(lse_bufs.index(s), LSE + base + rows,
-                                               mask=rows < seqlen_rows)  # fmt: skip
-        async_copy.async_copy_global_to_shared(delta_bufs.index(s), DELTA + base + rows,
-                                               mask=rows < seqlen_rows)  # fmt: skip
-        async_copy.mbarrier_arrive(ready.index(s))
+        _stats_async(LSE, DELTA, lse_bufs.index(s), delta_bufs.index(s), ready.index(s),
+                     row0 + offs, seqlen_rows, tb, heads, off_h, seqlen_q, total_q, q_start,
+                     VARLEN)  # fmt: skip
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [tb, off_h, q_start + row0, 0], ready.index(s),
                                         q_bufs.index(s))  # fmt: skip

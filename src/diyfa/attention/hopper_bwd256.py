@@ -54,7 +54,6 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -68,6 +67,7 @@ from diyfa.attention.hopper_bwd import (
     BWD_CONFIGS,
     _kv_program,
     _probs_t,
+    _stats_async,
     _tma_reduce_add,
     compile_setup,
     kv_table,
@@ -104,18 +104,9 @@ def _loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs
         row0 = (m_lo + mi) * BLOCK_M
         s = it % STAGES
         mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
-        # LSE and delta by cp.async (hopper_bwd's loader says why not TMA), rows past the
-        # sequence zero-filled; the copies' arrival first, then the expect (the one count).
-        rows = row0 + offs
-        if VARLEN:  # (heads, total_q)
-            base = off_h.to(gl.int64) * total_q + q_start
-        else:  # (batch, heads, seqlen_q)
-            base = (tb.to(gl.int64) * heads + off_h) * seqlen_q
-        async_copy.async_copy_global_to_shared(lse_bufs.index(s), LSE + base + rows,
-                                               mask=rows < seqlen_rows)  # fmt: skip
-        async_copy.async_copy_global_to_shared(delta_bufs.index(s), DELTA + base + rows,
-                                               mask=rows < seqlen_rows)  # fmt: skip
-        async_copy.mbarrier_arrive(q_ready.index(s))
+        _stats_async(LSE, DELTA, lse_bufs.index(s), delta_bufs.index(s), q_ready.index(s),
+                     row0 + offs, seqlen_rows, tb, heads, off_h, seqlen_q, total_q, q_start,
+                     VARLEN)  # fmt: skip
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [tb, off_h, q_start + row0, 0],
                                         q_ready.index(s), q_bufs.index(s))  # fmt: skip
