@@ -283,12 +283,18 @@ def auto_mode(p: Problem) -> str | None:
     deterministic / atomic): packed sequences at d128 (the varlen suite's mix, GQA 16/4) 445
     / 491, causal 409 / 415, so they take "atomic" too; 8k d128 causal softcap 329 / 300
     and ALiBi 402 / 395 keep the deterministic path; window 1023 332 / 402, sinks 460 /
-    528, plain 460 / 552."""
+    528, plain 460 / 552.
+
+    Head dims above 128 (hopper_bwd256's kernel, 2026-11-25) take the deterministic path,
+    variants and packed sequences too (``WIDE_DQ_ATOMIC``), or, past the portable dQ
+    kernel's 65535 (batch x heads) programs, the atomic dQ."""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
-    if head_dim_pad(p.head_dim) == 256:
-        return None if env != "1" and p.batch * p.heads > 65535 else "kernel-dq"
+    if head_dim_pad(p.head_dim) == 256:  # hopper_bwd256's kernel, whatever DIYFA_HOPPER_BWD=1
+        if p.batch * p.heads > 65535:  # (past the portable dQ kernel's grid: see supports)
+            return None if p.deterministic else "atomic"
+        return "atomic" if WIDE_DQ_ATOMIC and not p.deterministic else "kernel-dq"
     if env == "1":
         return "kernel-dq" if p.deterministic else "atomic"
     if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
@@ -1095,8 +1101,10 @@ def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
 
 def default_atomic(p: Problem) -> bool:
     """Whether ``backend="hopper"`` runs ``p``'s backward with the atomic dQ: unless
-    ``deterministic``, and not above d128 (``WIDE_DQ_ATOMIC``: slower there)."""
-    return not p.deterministic and (WIDE_DQ_ATOMIC or head_dim_pad(p.head_dim) < 256)
+    ``deterministic``, and not above d128 (``WIDE_DQ_ATOMIC``: slower there) unless batch x
+    heads passes the portable dQ kernel's grid (65535)."""
+    return not p.deterministic and (WIDE_DQ_ATOMIC or head_dim_pad(p.head_dim) < 256
+                                    or p.batch * p.heads > 65535)
 
 
 def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | None = None,
