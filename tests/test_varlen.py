@@ -278,13 +278,16 @@ def test_gpu_varlen(dtype, causal):
     ([1, 700, 0, 1025], [64, 700, 5, 1030], 8, 2, 192, torch.float16),
 ], ids=["d128-gqa-empty", "d64", "d256-mqa", "d96", "d192-gqa-empty"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
-def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal, deterministic):
+def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal, deterministic, monkeypatch):
     """Packed sequences through the Hopper forward (backend="hopper": batch-of-one TMA views,
     rows and keys offset per sequence, O by a masked store) and the Gluon backward (atomic
     dQ by TMA reduce-adds into a (1, heads, total, d) workspace, or the portable dQ kernel
     when deterministic and above d128; a sequence's last key block's dK/dV by masked stores):
     zero-length sequences on both sides, tiles that run past a sequence into the next one,
     seqlen_q != seqlen_k both ways, GQA/MQA, d64..256."""
+    from diyfa.attention import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "WIDE_DQ_ATOMIC", True)  # ("fast" above d128: atomic too)
     _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device="cuda", backend="hopper",
                    deterministic=deterministic)  # fmt: skip
 
