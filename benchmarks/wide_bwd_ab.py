@@ -46,6 +46,22 @@ def setup(name: str) -> None:
     hopper_bwd.BWD_CONFIGS[256] = (*CONFIG[:4], 2) if do2 else CONFIG
 
 
+def time_paths(paths: dict, q, k, v, do, rounds: int, **opts) -> tuple[dict, dict]:
+    """Each path's best backward milliseconds over ``rounds`` interleaved rounds
+    (``torch.autograd.grad`` after ``flash_attention(q, k, v, **opts, **path options)``,
+    do_bench medians) and its last gradients."""
+    best, grads = {}, {}
+    for _ in range(rounds):
+        for name, popts in paths.items():
+            setup(name)
+            out = diyfa.flash_attention(q, k, v, **opts, **popts)
+            fn = functools.partial(torch.autograd.grad, out, (q, k, v), do, retain_graph=True)
+            grads[name] = fn()
+            ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+            best[name] = min(best.get(name, ms), ms)
+    return best, grads
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -66,16 +82,7 @@ def main() -> int:
                                        requires_grad=True) for _ in range(3))  # fmt: skip
                 do = torch.randn_like(q)
                 flops = 4 * b * h * s * s * d * 2.5 / (2 if causal else 1)
-                best, grads = {}, {}
-                for _ in range(a.rounds):
-                    for name, opts in PATHS.items():
-                        setup(name)
-                        out = diyfa.flash_attention(q, k, v, causal=causal, **opts)
-                        fn = functools.partial(torch.autograd.grad, out, (q, k, v), do,
-                                               retain_graph=True)  # fmt: skip
-                        grads[name] = fn()
-                        ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
-                        best[name] = min(best.get(name, ms), ms)
+                best, grads = time_paths(PATHS, q, k, v, do, a.rounds, causal=causal)
                 rec = dict(d=d, b=b, h=h, s=s, causal=causal,
                            tflops={n: round(flops / ms / 1e9, 1) for n, ms in best.items()},
                            max_diff={n: max((x.float() - y.float()).abs().max().item()
@@ -108,16 +115,7 @@ def variants(a) -> int:
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))  # fmt: skip
         do = torch.randn_like(q)
-        best, grads = {}, {}
-        for _ in range(a.rounds):
-            for path, popts in paths.items():
-                setup(path)
-                out = diyfa.flash_attention(q, k, v, causal=True, **opts, **popts)
-                fn = functools.partial(torch.autograd.grad, out, (q, k, v), do,
-                                       retain_graph=True)  # fmt: skip
-                grads[path] = fn()
-                ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
-                best[path] = min(best.get(path, ms), ms)
+        best, grads = time_paths(paths, q, k, v, do, a.rounds, causal=True, **opts)
         rec = dict(d=d, b=b, h=h, s=s, causal=True, variant=name,
                    tflops={n: round(flops / ms / 1e9, 1) for n, ms in best.items()},
                    max_diff=max((x.float() - y.float()).abs().max().item() for x, y in
