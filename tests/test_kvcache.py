@@ -192,6 +192,88 @@ def test_kvcache_value_head_dim(d, dv, dtype, paged):
             assert torch.equal(v_cache, after_v)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("latent", [True, False], ids=["one-latent-cache", "two-caches"])
+def test_kvcache_mla_decode_form(latent, paged, monkeypatch):
+    """DeepSeek's MLA in its decode form: q/k head dim 576 (512 latent + 64 rope columns),
+    value head dim 512, one kv head for 16 query heads (two chunks, 512 + 64:
+    decode.head_chunks). One latent cache, v_cache = k_cache[..., :512] (the split kernel
+    reads the key tile as the value tile, V_IN_K; the append writes the keys only), or two
+    caches; a 3-token append and a decode step over 3 splits, against float64 per sequence
+    by the 2x rule."""
+    from diyfa.attention import decode
+
+    seen = []
+    launch = decode.launch_recorded
+
+    def spy(fn, grid, args, *rest, **kw):
+        if fn is decode._decode_split:
+            seen.append((args["HEAD_DIM_PAD"], args["HEAD_DIM_TAIL"], args["V_IN_K"]))
+        if fn is decode._append:
+            seen.append(("append writes v", args["WRITE_V"]))
+        return launch(fn, grid, args, *rest, **kw)
+
+    monkeypatch.setattr(decode, "launch_recorded", spy)
+    dtype = torch.bfloat16
+    for sq, s_new in ((3, 3), (1, 0)):
+        (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+         after_v) = _setup(dtype, sq, s_new, h=16, hk=1, d=576, dv=512)  # fmt: skip
+        if latent:
+            v_cache, v_pages, after_v = k_cache[..., :512], k_pages[..., :512], after_k[..., :512]
+            v_new = None if k_new is None else k_new[..., :512]
+        kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+        seen.clear()
+        with torch.no_grad():
+            out = diyfa.flash_attention_with_kvcache(q, kc, vc, k_new, v_new,
+                                                     cache_seqlens=seqlens, block_table=bt,
+                                                     num_splits=3)  # fmt: skip
+        assert (512, 64, latent) in seen, seen
+        if s_new:
+            assert ("append writes v", not latent) in seen, seen
+        assert out.shape == (q.shape[0], sq, q.shape[2], 512)
+        lengths = [n + s_new for n in LENS]
+        ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
+                         torch.float64)  # fmt: skip
+        _check("out", out, _reference(q, after_k, after_v, lengths, True, dtype), ref, 2, dtype)
+        if not paged:  # the append wrote exactly the new rows
+            assert torch.equal(k_cache, after_k) and torch.equal(v_cache, after_v)
+        else:
+            for i, n in enumerate(LENS):
+                for j in range(n, n + s_new):
+                    assert torch.equal(k_pages[table[i, j // 16], j % 16], after_k[i, j])
+                    assert torch.equal(v_pages[table[i, j // 16], j % 16], after_v[i, j])
+
+
+def test_kvcache_mla_bad_inputs():
+    """Head dims past MLA's (q/k 576, values 512) are refused with the accepted range; with
+    one latent cache (v_cache = k_cache[..., :512]) the new values must be the new keys'
+    leading columns, and an fp8 latent cache takes one descale for both: clear errors, and
+    nothing written to the cache."""
+    dtype = torch.bfloat16
+    (q, k_cache, _, k_new, _, seqlens, *_) = _setup(dtype, 1, 1, h=4, hk=1, d=576, dv=512)
+    v_cache, before = k_cache[..., :512], k_cache.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="new keys' leading columns"):
+        diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, k_new,
+                                           torch.zeros_like(k_new[..., :512]),
+                                           cache_seqlens=seqlens)  # fmt: skip
+    assert torch.equal(k_cache, before)
+    wide = torch.zeros(3, 8, 1, 577, dtype=dtype, device=DEVICE)
+    with torch.no_grad(), pytest.raises(ValueError, match="head_dim in 1..576, got q 577"):
+        diyfa.flash_attention_with_kvcache(wide[:, :1], wide, wide[..., :512],
+                                           cache_seqlens=seqlens)  # fmt: skip
+    with torch.no_grad(), pytest.raises(ValueError, match="v_cache's head_dim must be in "
+                                                          "1..512, got 513"):
+        diyfa.flash_attention_with_kvcache(wide[:, :1, :, :576], wide[..., :576],
+                                           wide[..., :513], cache_seqlens=seqlens)  # fmt: skip
+    if DEVICE != "cpu" and torch.cuda.get_device_capability() < (8, 9):
+        return
+    k8 = torch.zeros(3, 8, 1, 576, dtype=torch.float8_e4m3fn, device=DEVICE)
+    one = torch.ones(1, dtype=torch.float32, device=DEVICE)
+    with torch.no_grad(), pytest.raises(ValueError, match="same tensor as k_descale"):
+        diyfa.flash_attention_with_kvcache(q, k8, k8[..., :512], cache_seqlens=seqlens,
+                                           k_descale=one, v_descale=one.clone())  # fmt: skip
+
+
 def test_splits_merge_to_the_unsplit_result():
     q, k_cache, v_cache, *_ = _setup(torch.float32, 1, 0)
     seqlens = torch.tensor([150, 299, 64], dtype=torch.int32, device=q.device)
@@ -432,7 +514,7 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
                 SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024,
                 ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, DIRECT=False, PDL=True,
-                PDL_WAIT=True, PAGE=16)
+                PDL_WAIT=True, PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, WRITE_V=True)
     for fn in (decode._decode_split, decode._combine, decode._cache_status, decode._append):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
@@ -486,7 +568,7 @@ def first(ptx, *needles):
 base = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
             HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", WINDOW=False, SOFTCAP=False,
             ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=128, DIRECT=False, PDL=True,
-            PAGE=16)
+            PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False)
 for paged in (False, True):
     ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
                            PAGED=paged, PDL_WAIT=True), num_warps=8, num_stages=3).asm["ptx"]
@@ -501,7 +583,8 @@ ptx = compile_for_sm90(decode._combine, values(decode._combine, NUM_SPLITS=4, HE
                        num_stages=3).asm["ptx"]
 assert first(ptx, "griddepcontrol.wait") < first(ptx, "ld.global"), "combine reads first"
 ptx = compile_for_sm90(decode._append, values(decode._append, HEAD_DIM=128, HEAD_DIM_V=128,
-                       BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, PAGED=True, FP8=False, PDL=True),
+                       BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, PAGED=True, FP8=False, PDL=True,
+                       WRITE_V=True),
                        num_warps=4, num_stages=1).asm["ptx"]
 assert first(ptx, "griddepcontrol.wait") < first(ptx, "st.global"), "append writes first"
 ptx = compile_for_sm90(decode._cache_status, values(decode._cache_status, PAGED=True,
@@ -550,7 +633,7 @@ tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32}
 args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=147, HEAD_DIM_PAD=256, HEAD_DIM_V=147,
             HEAD_DIM_V_PAD=256, CAUSAL=True, PAGED=False, PRECISION="ieee", WINDOW=False,
             SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64, DIRECT=False,
-            PDL=False, PDL_WAIT=False, PAGE=0)
+            PDL=False, PDL_WAIT=False, PAGE=0, HEAD_DIM_TAIL=0, V_IN_K=False)
 values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.float32))
           if p.name.isupper() else 17) for p in decode._decode_split.params}
 kernel = compile_for_sm90(decode._decode_split, values, num_warps=4, num_stages=stages)
@@ -580,6 +663,84 @@ def test_split_stages_fit_the_shared_memory():
     assert done.returncode == 0, done.stderr[-3000:]
     words = done.stdout.split()
     assert int(words[1]) <= limit, done.stdout
+
+
+_COMPILE_MLA = """
+import os, subprocess, sys, tempfile
+import torch, triton
+from diyfa._compile import compile_for_sm90
+from diyfa.attention import decode
+
+H100_SHARED = 232448
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+block_n, warps, _ = decode.WIDE_HEAD
+d_pad, tail = decode.head_chunks(576)
+assert (d_pad, tail) == (512, 64)
+for fp8, latent, paged in ((False, True, False), (False, False, True), (True, True, False),
+                           (True, False, True)):
+    e4m3 = {"K": torch.float8_e4m3fn, "V": torch.float8_e4m3fn} if fp8 else {}
+    args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=576, HEAD_DIM_PAD=d_pad, HEAD_DIM_V=512,
+                HEAD_DIM_V_PAD=512, CAUSAL=True, PAGED=paged, PRECISION="tf32", WINDOW=False,
+                SOFTCAP=False, ALIBI=False, FP8=fp8, BLOCK_M=decode.WIDE_HEAD_ROWS,
+                BLOCK_N=block_n, DIRECT=False, PDL=True, PDL_WAIT=True, PAGE=64 if paged else 0,
+                HEAD_DIM_TAIL=tail, V_IN_K=latent)
+    values = {p.name: args.get(p.name, torch.empty(16, dtype=e4m3.get(p.name, torch.int32 if
+              p.name in ("BLOCK_TABLE", "CACHE_SEQLENS") else torch.float32 if p.name in (
+              "O_PART", "LSE_PART", "LSE", "K_DESCALE", "V_DESCALE") else torch.bfloat16)))
+              if p.name.isupper() else (1 if p.name.startswith("stride") and p.name.endswith("d")
+              else 1024) for p in decode._decode_split.params}
+    stages = decode.split_stages(d_pad + tail, 0 if latent else 512, 1 if fp8 else 2,
+                                 H100_SHARED, block_n)
+    k = compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=stages)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    where = (fp8, latent, paged, stages)
+    assert k.metadata.shared <= H100_SHARED, (where, k.metadata.shared)
+    assert "0 bytes spill stores" in log, (where, log)
+print("compiled")
+"""
+
+
+def test_mla_decode_kernel_compiles_and_fits():
+    """The split kernel at MLA's head dims (576 / 512, WIDE_HEAD's launch: 8 warps, 32 query
+    rows a program) compiles for sm90, bf16 and fp8 caches, one latent cache or two,
+    contiguous and paged, within an H100 / H200 block's shared memory and with nothing
+    spilled (ptxas's report)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_MLA], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [16, 128])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("latent", [True, False], ids=["one-latent-cache", "two-caches"])
+def test_gpu_kvcache_mla(latent, paged, h):
+    """MLA's decode form on the GPU (q/k 576, values 512, one kv head for 16 or 128 query
+    heads: 1 or 4 row blocks of 32 a program): a decode step with its append, and 4 new
+    tokens, over the default splits, against float64 per sequence by the 2x rule."""
+    dtype = torch.bfloat16
+    for sq in (1, 4):
+        (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
+         after_v) = _setup(dtype, sq, sq, h=h, hk=1, d=576, dv=512, device="cuda")  # fmt: skip
+        if latent:
+            v_cache, v_pages, after_v = k_cache[..., :512], k_pages[..., :512], after_k[..., :512]
+            v_new = k_new[..., :512]
+        kc, vc, bt = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+        with torch.no_grad():
+            out = diyfa.flash_attention_with_kvcache(q, kc, vc, k_new, v_new,
+                                                     cache_seqlens=seqlens, block_table=bt)
+        lengths = [n + sq for n in LENS]
+        ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
+                         torch.float64)  # fmt: skip
+        _check("out", out, _reference(q, after_k, after_v, lengths, True, dtype), ref, 2, dtype)
 
 
 @pytest.mark.gpu

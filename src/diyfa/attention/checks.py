@@ -23,6 +23,9 @@ from diyfa.attention.problem import (
 from diyfa.device import require_kernel_device
 
 MAX_HEAD_DIM = 256
+# The KV-cache path also takes MLA's decode form: q / k head dims up to 576, values up to 512.
+MAX_CACHE_HEAD_DIM = 576
+MAX_CACHE_HEAD_DIM_V = 512
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -489,6 +492,10 @@ def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale) -> bool:
                              f"{tuple(t.shape)}")  # fmt: skip
         if t.device != q.device or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous on {q.device}")
+    if values_in_keys(k_cache, v_cache) and k_descale.data_ptr() != v_descale.data_ptr():
+        raise ValueError("v_cache is k_cache's leading columns (one latent cache), so its "
+                         "values have the keys' descale: pass the same tensor as k_descale "
+                         "and v_descale")  # fmt: skip
     if k_descale.shape != v_descale.shape:
         raise ValueError(f"k_descale {tuple(k_descale.shape)} and v_descale "
                          f"{tuple(v_descale.shape)} must have one shape (both per kv head, or "
@@ -496,6 +503,20 @@ def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale) -> bool:
     if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
         raise ValueError("an fp8 cache needs a GPU with fp8 (compute capability >= 8.9)")
     return True
+
+
+def values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``v_cache`` is ``k_cache``'s leading columns (a view ``k_cache[..., :dv]``:
+    MLA's one latent cache, whose first 512 columns are the values): same storage, same
+    start, same strides."""
+    if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+            and k_cache.dim() == v_cache.dim() == 4):  # fmt: skip
+        return False  # (the checks will say what is wrong)
+    try:
+        same = v_cache.data_ptr() == k_cache.data_ptr()
+    except RuntimeError:  # fake tensors (a trace) have no addresses: the real call checks
+        return False
+    return same and v_cache.shape[3] <= k_cache.shape[3] and v_cache.stride() == k_cache.stride()
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,
@@ -541,11 +562,11 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
                          "must agree but for the head dim")  # fmt: skip
     _, rows, hk, dk = k_cache.shape
     dv = v_cache.shape[3]
-    if dk != d or not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"q and k_cache must share a head_dim in 1..{MAX_HEAD_DIM}, got q "
-                         f"{d}, k_cache {dk}")  # fmt: skip
-    if not 1 <= dv <= MAX_HEAD_DIM:
-        raise ValueError(f"v_cache's head_dim must be in 1..{MAX_HEAD_DIM}, got {dv}")
+    if dk != d or not 1 <= d <= MAX_CACHE_HEAD_DIM:
+        raise ValueError(f"q and k_cache must share a head_dim in 1..{MAX_CACHE_HEAD_DIM}, got "
+                         f"q {d}, k_cache {dk}")  # fmt: skip
+    if not 1 <= dv <= MAX_CACHE_HEAD_DIM_V:
+        raise ValueError(f"v_cache's head_dim must be in 1..{MAX_CACHE_HEAD_DIM_V}, got {dv}")
     if hk == 0 or h % hk:
         raise ValueError(f"q heads ({h}) must be a multiple of the cache's kv heads ({hk})")
     s_new = 0
@@ -556,6 +577,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
                              f"head_dim={d} / {dv}), got k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)}")  # fmt: skip
         s_new = k.shape[1]
+        if values_in_keys(k_cache, v_cache) and not values_in_keys(k, v):
+            raise ValueError("v_cache is k_cache's leading columns (k_cache[..., :dv], one "
+                             "latent cache as MLA keeps it), so the new values must be the "
+                             "new keys' leading columns too: pass v=k[..., :dv]")  # fmt: skip
     _check_int32_tensor("cache_seqlens", cache_seqlens, 1, q.device)
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens must have one entry per sequence ({b}), got "

@@ -50,6 +50,7 @@ from diyfa._launcher import (
     launch_recorded,
     next_power_of_2,
 )
+from diyfa.attention.checks import values_in_keys
 from diyfa.attention.portable import _tanh
 from diyfa.device import interpreter_enabled, kernel_limits
 
@@ -123,6 +124,24 @@ PAGED_WAVES_FP8 = (128, 4, 3)
 # asserts on, is never read out of bounds), the combine for the splits. It hides the check
 # (~1 us) and a kernel boundary per launch. ``DIYFA_DECODE_PDL=0`` turns it off.
 PDL = os.environ.get("DIYFA_DECODE_PDL", "1") != "0"
+# Head dims above 256 (MLA's decode form: 576 / 512, one latent kv head shared by 16-128
+# query heads): 8 warps, at most 32 query rows a program (the fp32 output accumulator of 32
+# rows x 512 columns is 64 registers a thread there), 32-key blocks (a 576-wide key tile
+# is 36 KB in bf16), one program per SM in whole waves. Not yet tuned on a GPU.
+WIDE_HEAD = (32, 8, 1)
+WIDE_HEAD_ROWS = 32
+
+
+def head_chunks(d: int) -> tuple[int, int]:
+    """The split kernel's (HEAD_DIM_PAD, HEAD_DIM_TAIL) for q's and k's head dim ``d``: up
+    to 256 one power-of-two chunk (at least 16), no tail; above it the largest power of two
+    below ``d`` and a power-of-two tail for the rest (576 -> 512 + 64, 320 -> 256 + 64), so a
+    576-wide head is not padded to 1024."""
+    if d <= 256:
+        return max(16, next_power_of_2(d)), 0
+    main = 1 << (d.bit_length() - 1)
+    return main, (max(16, next_power_of_2(d - main)) if d > main else 0)
+
 
 
 def pdl_on(device: torch.device) -> bool:
@@ -141,6 +160,8 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     warps), so 2 of them fit an SM, not 3."""
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
     wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
+    if max(d_pad, dv_pad) > 256:  # (d_pad: both chunks)
+        return (*WIDE_HEAD, True)
     if wide and narrow and not paged:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
@@ -188,7 +209,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                  PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PAGE: tl.constexpr):
+                  PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PAGE: tl.constexpr,
+                  HEAD_DIM_TAIL: tl.constexpr = 0, V_IN_K: tl.constexpr = False):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
     query r % seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no
@@ -199,7 +221,13 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     and pages to the pool [0, ``pool``): a no-op for checked inputs, and no read out of
     bounds for bad ones while the device check, which asserts on them, runs alongside.
     PAGE: the page size where it is a power of two (a block then reads one table entry per
-    page it covers, not one per key, and divides by shifts), else 0."""
+    page it covers, not one per key, and divides by shifts), else 0.
+
+    Head dims above 256 (MLA's decode form, 576 / 512: :func:`head_chunks`): q's and k's
+    columns are two power-of-two chunks, [0, HEAD_DIM_PAD) and HEAD_DIM_TAIL more after
+    it, and the scores are the sum of the two products. V_IN_K: the values are the keys'
+    first HEAD_DIM_V (= HEAD_DIM_PAD) columns (v_cache a view of k_cache, MLA's one latent
+    cache): the key tile is used as the value tile, so each cache byte is read once."""
     if PDL:
         gdc_launch_dependents()  # the combine may be launched (it waits for this grid)
     off_bhk = tl.program_id(0)
@@ -225,8 +253,14 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     d_ok = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # the value / output head dim
     dv_ok = offs_dv < HEAD_DIM_V
-    q = tl.load(Q + off_b * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
-                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = Q + off_b * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)  # fmt: skip
+    if HEAD_DIM_TAIL:  # the columns past the first chunk (e.g. 512..575)
+        offs_t = HEAD_DIM_PAD + tl.arange(0, HEAD_DIM_TAIL)
+        t_ok = offs_t < HEAD_DIM
+        q_t = tl.load(q_rows + offs_t[None, :] * stride_qd, mask=row_ok[:, None] & t_ok[None, :],
+                      other=0.0)  # fmt: skip
     if FP8:  # e4m3 cache: its descales fold into the scores' scale and the output
         k_descale = tl.load(K_DESCALE + off_b * stride_descale_b + off_hk)
         v_descale = tl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
@@ -238,8 +272,12 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
             # the scores' scale. (Paged caches measured slower this way, 0.73x against 1.02x
             # the bf16 cache's tokens/s, not yet understood: they widen to q's dtype.)
             q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+            if HEAD_DIM_TAIL:
+                q_max = tl.maximum(q_max, tl.max(tl.max(tl.abs(q_t.to(tl.float32)), 1), 0))
             q_exp = tl.maximum(tl.math.ceil(tl.math.log2(q_max) - 15.0), 0.0)
             q = (q.to(tl.float32) * tl.math.exp2(-q_exp)).to(tl.float16)
+            if HEAD_DIM_TAIL:
+                q_t = (q_t.to(tl.float32) * tl.math.exp2(-q_exp)).to(tl.float16)
             k_descale = k_descale * tl.math.exp2(q_exp)
         if SOFTCAP:
             tanh_scale = tanh_scale * k_descale
@@ -288,6 +326,12 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
         if FP8:  # exact in fp16 / bf16 (q's dtype): e4m3 has fewer exponent and mantissa bits
             k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HEAD_DIM_TAIL:
+            k_t = tl.load(K + k_rows[:, None] + off_hk * stride_kh + offs_t[None, :] * stride_kd,
+                          mask=n_ok[:, None] & t_ok[None, :], other=0.0)  # fmt: skip
+            if FP8:
+                k_t = k_t.to(q.dtype)
+            qk = tl.dot(q_t, tl.trans(k_t), qk, input_precision=PRECISION)
         if SOFTCAP:
             qk = _tanh(qk * tanh_scale, PRECISION)
         qk = qk * qk_scale
@@ -305,10 +349,13 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + v_rows[:, None] + off_hk * stride_vh + offs_dv[None, :] * stride_vd,
-                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # fmt: skip
-        if FP8:
-            v = v.to(q.dtype)
+        if V_IN_K:  # (k already in q's dtype; keys past hi are zero rows)
+            v = k
+        else:
+            v = tl.load(V + v_rows[:, None] + off_hk * stride_vh + offs_dv[None, :] * stride_vd,
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # fmt: skip
+            if FP8:
+                v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
@@ -438,12 +485,13 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
             stride_tb, page_size, capacity, kv_heads, stride_descale_b,
             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
-            FP8: tl.constexpr, PDL: tl.constexpr):
+            FP8: tl.constexpr, PDL: tl.constexpr, WRITE_V: tl.constexpr = True):
     """Program (sequence b, new token t): k_new[b, t] and v_new[b, t] (every kv head) into
     cache row cache_seqlens[b] + t (paged: through the block table), quantised to e4m3 with
     the descales when FP8. Rows outside [0, capacity) are not written (the checks reject
     them before; this keeps a write inside the cache even so). PDL: launched while the
-    device check runs; nothing is written before that check is done."""
+    device check runs; nothing is written before that check is done. WRITE_V off: v_cache
+    is k_cache's leading columns (and v k's), which the keys' write fills."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -480,8 +528,9 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
                      propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     tl.store(K_CACHE + k_row + h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
              k.to(K_CACHE.dtype.element_ty), mask=k_mask)  # fmt: skip
-    tl.store(V_CACHE + v_row + h[:, None] * stride_vh + offs_dv[None, :] * stride_vd,
-             v.to(V_CACHE.dtype.element_ty), mask=v_mask)  # fmt: skip
+    if WRITE_V:
+        tl.store(V_CACHE + v_row + h[:, None] * stride_vh + offs_dv[None, :] * stride_vd,
+                 v.to(V_CACHE.dtype.element_ty), mask=v_mask)  # fmt: skip
 
 
 def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
@@ -508,7 +557,8 @@ def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
                 stride_descale_b=k_descale.stride(0) if fp8 and k_descale.dim() == 2 else 0,
                 HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_H=next_power_of_2(hk),
                 BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(dv), PAGED=paged,
-                FP8=fp8, PDL=pdl_on(k.device))  # fmt: skip
+                FP8=fp8, PDL=pdl_on(k.device),
+                WRITE_V=not values_in_keys(k_cache, v_cache))  # fmt: skip
     if b * s_new == 0:
         return
     launch_recorded(_append, (b, s_new), args, k.is_cuda, launched,
@@ -569,8 +619,11 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
                k_descale, v_descale)  # fmt: skip
     sig = None
     if max_seqlen_k is not None and isinstance(q, torch.Tensor) and q.is_cuda:
+        # (whether v_cache is k_cache's leading columns, and v k's: the checks and the
+        # kernels differ, and an aliased call is never recorded: two roles at one address)
         sig = _signature(tensors, (causal, softmax_scale, num_splits, window_size, softcap,
-                                   max_seqlen_k))  # fmt: skip
+                                   max_seqlen_k, values_in_keys(k_cache, v_cache),
+                                   values_in_keys(k, v)))  # fmt: skip
         try:
             prepared = None if sig is None else _PREPARED.get(sig)
         except TypeError:  # an unhashable option: the checks will say what is wrong with it
@@ -665,18 +718,24 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     fp8 = k_descale is not None
     if b * h * sq == 0:
         return out, lse2
-    d_pad = max(16, next_power_of_2(d))
+    d_pad, d_tail = head_chunks(d)
     dv_pad = max(16, next_power_of_2(dv))
+    v_in_k = dv == d_pad and values_in_keys(k_cache, v_cache)
     paged = block_table is not None
     pdl = pdl_on(q.device)
-    block_m = min(64, max(16, next_power_of_2(group * sq)))
-    block_n, warps, per_sm, waves = launch_config(paged, d_pad, dv_pad, k_cache.element_size(),
-                                                  q.is_cuda, block_m)  # fmt: skip
+    most_rows = 64 if max(d_pad + d_tail, dv_pad) <= 256 else WIDE_HEAD_ROWS
+    block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
+    block_n, warps, per_sm, waves = launch_config(paged, d_pad + d_tail, dv_pad,
+                                                  k_cache.element_size(), q.is_cuda,
+                                                  block_m)  # fmt: skip
     short = (block_n, warps, per_sm) == WIDE and short_cache(
         max_seqlen_k, b * hk, kernel_limits(q.device.index)["sm_count"])  # (WIDE: a GPU)
     if short:
         (block_n, warps, per_sm), waves = SHORT, True
-    splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, waves)
+    # (wide heads: a group of up to 128 query heads is several row blocks, each a program)
+    row_blocks = cdiv(group * sq, block_m) if most_rows == WIDE_HEAD_ROWS else 1
+    splits = num_splits or pick_splits(b * row_blocks, hk, max_seqlen_k, q.device, block_n,
+                                       per_sm, waves)  # fmt: skip
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     rows = b * h * sq
     # One split and no sinks: the split kernel writes the output itself (no workspace, no
@@ -715,7 +774,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW=left >= 0,
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
-        PAGE=_pow2_page(k_cache.shape[1]) if paged else 0,
+        PAGE=_pow2_page(k_cache.shape[1]) if paged else 0, HEAD_DIM_TAIL=d_tail,
+        V_IN_K=v_in_k,
     )  # fmt: skip
     combine_args = dict(
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
@@ -726,7 +786,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
-    stages = split_stages(d_pad, dv_pad, k_cache.element_size(),
+    stages = split_stages(d_pad + d_tail, 0 if v_in_k else dv_pad, k_cache.element_size(),
                           kernel_limits(q.device.index)["max_shared_mem"],
                           block_n, SHORT_STAGES if short else 3) if q.is_cuda else 1  # fmt: skip
     launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
