@@ -539,7 +539,7 @@ def test_dropout(shape, dtype, causal, p, layout):
 def test_dropout_seeding_and_rate():
     """torch.manual_seed repeats a run bitwise, another seed changes the mask; about
     1 - p of the pairs are kept; the SDPA drop-in and packed sequences run it on the kernel;
-    bad rates are refused; torch.compile refuses it clearly (the seed is drawn on the host)."""
+    bad rates are refused."""
     q, k, v = (t.detach() for t in _inputs(1, 2, 2, 64, 64, 16, torch.float32))
     torch.manual_seed(5)
     a = diyfa.flash_attention(q, k, v, dropout_p=0.25)
@@ -573,12 +573,62 @@ def test_dropout_seeding_and_rate():
     for bad, err in ((1.0, ValueError), (-0.1, ValueError), ("0.1", TypeError)):
         with pytest.raises(err, match="dropout_p must be"):
             diyfa.flash_attention(q, k, v, dropout_p=bad)
-    f = torch.compile(lambda q, k, v: diyfa.flash_attention(q, k, v, dropout_p=0.1),
-                      fullgraph=True, backend="aot_eager")  # fmt: skip
-    with pytest.raises(Exception, match="dropout_p > 0 under torch.compile is not supported"):
-        f(q, k, v)
     problem = dataclasses.replace(_problem(), dropout_p=0.1)
     assert "no dropout yet" in dict(dispatch.explain(problem))["hopper"]
+
+
+def test_dropout_under_torch_compile():
+    """Dropout through the custom ops (fullgraph, no graph break): the seed is drawn inside
+    the graph from torch's default generator, the same draw as the eager call's, so after
+    the same torch.manual_seed the compiled call's output and gradients are bitwise the
+    eager ones (flash_attention causal with GQA, packed sequences, the SDPA drop-in), and a
+    second draw changes the mask; opcheck passes with dropout's rate and seed; a generator
+    cannot be traced and is refused by name."""
+    q, k, v = _inputs(1, 4, 2, 48, 40, 16, torch.float32)
+    do = torch.randn(1, 4, 48, 16, device=DEVICE)
+
+    def attn(q, k, v):
+        return diyfa.flash_attention(q, k, v, causal=True, dropout_p=0.3)
+
+    def sdpa(q, k, v):
+        return diyfa.scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True)
+
+    for fn in (attn, sdpa):
+        results = []
+        for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+            torch.manual_seed(11)
+            out = f(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+            results.append((out, *grads))
+            again = f(q, k, v)  # the next draw: another mask
+        for eager, compiled in zip(*results, strict=True):
+            assert torch.equal(eager, compiled)
+        assert not torch.equal(again, results[1][0])
+    cu = torch.tensor([0, 20, 48], dtype=torch.int32, device=DEVICE)
+    qp = q[0].detach().transpose(0, 1).contiguous().requires_grad_()
+    kp, vp = (t[0].detach().transpose(0, 1)[:48].contiguous().requires_grad_()
+              for t in (torch.cat([k, k[:, :, :8]], 2), torch.cat([v, v[:, :, :8]], 2)))
+
+    def packed(q, k, v):
+        return diyfa.flash_attention_varlen(q, k, v, cu, cu, 28, 28, dropout_p=0.3)
+
+    results = []
+    for f in (packed, torch.compile(packed, fullgraph=True, backend="aot_eager")):
+        torch.manual_seed(12)
+        out = f(qp, kp, vp)
+        results.append((out, *torch.autograd.grad(out, (qp, kp, vp), torch.ones_like(out))))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+    seed = torch.tensor(2**40 + 7)
+    args = (q.detach(), k.detach(), v.detach(), True, "bottom_right", None, "bhsd", "auto",
+            False, -1, 0, 0.0, None, None, None, None, None, 0.3, seed)  # fmt: skip
+    torch.library.opcheck(torch.ops.diyfa.attention_fwd.default, args)
+    g = torch.Generator().manual_seed(1)
+    f = torch.compile(lambda q, k, v: diyfa.flash_attention(q, k, v, dropout_p=0.1,
+                                                            generator=g),
+                      fullgraph=True, backend="aot_eager")  # fmt: skip
+    with pytest.raises(Exception, match="generator= under torch.compile is not supported"):
+        f(q, k, v)
 
 
 _COMPILE_VARIANTS = """

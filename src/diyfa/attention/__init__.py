@@ -27,9 +27,10 @@ import math
 
 import torch
 
-from diyfa.attention import ops  # noqa: F401  (registers torch.ops.diyfa.attention_*)
+from diyfa.attention import ops  # (also registers torch.ops.diyfa.attention_*)
 from diyfa.attention.checks import (
     SUPPORTED_DTYPES,
+    check_dropout,
     check_flag,
     check_inputs,
     check_varlen_inputs,
@@ -59,10 +60,17 @@ def _dropout_seed(dropout_p, generator) -> int:
     return int(torch.randint(0, 2**62, (), generator=generator, device=device))
 
 
-def _no_compiled_dropout(dropout_p) -> None:
-    if dropout_p:
-        raise NotImplementedError("dropout_p > 0 under torch.compile is not supported yet "
-                                  "(the mask's seed is drawn on the host): call it eagerly")
+def _compiled_dropout(dropout_p, generator=None) -> tuple:
+    """(dropout_p, seed) for a traced call's custom op: the rate checked, and the mask's seed
+    drawn inside the graph from torch's default generator (``ops.dropout_seed``); a
+    ``generator`` cannot be traced (Dynamo has no proxy for one) and is refused."""
+    dropout_p = check_dropout(dropout_p)
+    if dropout_p and generator is not None:
+        raise NotImplementedError("generator= under torch.compile is not supported (Dynamo "
+                                  "cannot trace a torch.Generator): leave it None to draw the "
+                                  "dropout seed from torch's default generator (seeded by "
+                                  "torch.manual_seed), or call eagerly")  # fmt: skip
+    return dropout_p, ops.dropout_seed(dropout_p)
 
 
 def flash_attention(
@@ -143,12 +151,13 @@ def flash_attention(
     """
     check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
-        _no_compiled_dropout(dropout_p)
         wl, wr = window_size
         out, lse2 = torch.ops.diyfa.attention_fwd(q, k, v, causal, "bottom_right", softmax_scale,
                                                   layout, backend, deterministic, wl, wr,
                                                   float(softcap), alibi_slopes, sinks,
-                                                  q_descale, k_descale, v_descale)  # fmt: skip
+                                                  q_descale, k_descale, v_descale,
+                                                  *_compiled_dropout(dropout_p,
+                                                                     generator))  # fmt: skip
     else:
         problem = key = None
         if (window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None
@@ -214,11 +223,11 @@ def flash_attention_varlen(
     """
     check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
-        _no_compiled_dropout(dropout_p)
         wl, wr = window_size
         out, lse2 = torch.ops.diyfa.attention_varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-            softmax_scale, backend, deterministic, wl, wr, float(softcap), alibi_slopes, sinks)
+            softmax_scale, backend, deterministic, wl, wr, float(softcap), alibi_slopes, sinks,
+            *_compiled_dropout(dropout_p, generator))
     else:
         problem = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
@@ -397,10 +406,10 @@ def scaled_dot_product_attention(
             "for grouped-query attention"
         )
     if torch.compiler.is_compiling():  # one opaque custom op for the tracer (see ops.py)
-        _no_compiled_dropout(dropout_p)
         out, _ = torch.ops.diyfa.attention_fwd(query, key, value, bool(is_causal), "top_left",
                                                scale, "bhsd", "auto", False, -1, -1,
-                                               0.0, None, None)  # fmt: skip
+                                               0.0, None, None, None, None, None,
+                                               *_compiled_dropout(dropout_p))  # fmt: skip
         return out
     problem = check_inputs(query, key, value, causal=bool(is_causal), softmax_scale=scale,
                            layout="bhsd", align="top_left", dropout_p=dropout_p,

@@ -2,8 +2,10 @@
 
 ``torch.ops.diyfa.attention_fwd(q, k, v, causal, align, softmax_scale, layout, backend,
     deterministic, window_left, window_right, softcap, alibi_slopes, sinks, q_descale=None,
-    k_descale=None, v_descale=None)`` -> (out, lse2), lse2 the base-2 log-sum-exp (batch,
-    heads, seqlen_q) fp32 (the descales: fp8 inputs, forward only, a bf16 out);
+    k_descale=None, v_descale=None, dropout_p=0.0, dropout_seed=None)`` -> (out, lse2), lse2
+    the base-2 log-sum-exp (batch, heads, seqlen_q) fp32 (the descales: fp8 inputs, forward
+    only, a bf16 out; ``dropout_seed``: the mask's Philox seed as a 0-dim int64 CPU tensor,
+    drawn inside the traced graph, see :func:`dropout_seed`);
 ``torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, <the same options but the
     descales>)`` -> (dq, dk, dv, dsinks) (dsinks empty without sinks);
 ``torch.ops.diyfa.attention_varlen_fwd`` / ``attention_varlen_bwd``: the same for packed
@@ -40,14 +42,30 @@ from diyfa.attention.dispatch import select
 from diyfa.attention.problem import bhsd_shape
 
 
+def dropout_seed(dropout_p) -> torch.Tensor | None:
+    """The Philox seed of a traced call's dropout mask, for the ops: a 0-dim int64 CPU tensor
+    drawn by ``torch.randint`` from torch's default generator inside the traced graph (each
+    run of the compiled graph draws anew; ``torch.manual_seed`` repeats a run), None without
+    dropout. The eager path draws the same way (``attention._dropout_seed``)."""
+    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p == 0:
+        return None
+    return torch.randint(0, 2**62, (), device="cpu")
+
+
+def _seed(dropout_seed: torch.Tensor | None, fake: bool) -> int:
+    # (a CPU tensor: reading it does not wait for any GPU)
+    return 0 if dropout_seed is None or fake else int(dropout_seed)
+
+
 def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, window_left,
              window_right, softcap, alibi_slopes, sinks, q_descale=None, k_descale=None,
-             v_descale=None, fake=False):
+             v_descale=None, dropout_p=0.0, dropout_seed=None, fake=False):
     return check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                         align=align, fake=fake, deterministic=deterministic,
                         window_size=(window_left, window_right), softcap=softcap,
                         alibi_slopes=alibi_slopes, sinks=sinks, q_descale=q_descale,
-                        k_descale=k_descale, v_descale=v_descale)  # fmt: skip
+                        k_descale=k_descale, v_descale=v_descale, dropout_p=dropout_p,
+                        dropout_seed=_seed(dropout_seed, fake))  # fmt: skip
 
 
 def _sink_grad(do, out, lse2, problem):
@@ -67,21 +85,24 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   q_descale: Optional[torch.Tensor] = None,  # noqa: UP045
                   k_descale: Optional[torch.Tensor] = None,  # noqa: UP045
                   v_descale: Optional[torch.Tensor] = None,  # noqa: UP045
+                  dropout_p: float = 0.0,
+                  dropout_seed: Optional[torch.Tensor] = None,  # noqa: UP045
                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
                        window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
-                       k_descale, v_descale)  # fmt: skip
+                       k_descale, v_descale, dropout_p, dropout_seed)  # fmt: skip
     return select(problem, backend).forward(q, k, v, problem)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, causal, align, softmax_scale, layout, backend, deterministic,
                         window_left, window_right, softcap, alibi_slopes, sinks,
-                        q_descale=None, k_descale=None, v_descale=None):  # fmt: skip
+                        q_descale=None, k_descale=None, v_descale=None, dropout_p=0.0,
+                        dropout_seed=None):  # fmt: skip
     # The eager errors, now.
     problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
                        window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
-                       k_descale, v_descale, fake=True)  # fmt: skip
+                       k_descale, v_descale, dropout_p, dropout_seed, fake=True)  # fmt: skip
     b, h, sq, _ = bhsd_shape(q, layout)
     # The families return a contiguous output in the call's layout: q's shape with v's head
     # dim (bf16 for fp8 inputs).
@@ -96,9 +117,12 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   backend: str, deterministic: bool, window_left: int, window_right: int,
                   softcap: float, alibi_slopes: Optional[torch.Tensor],  # noqa: UP045
                   sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                  dropout_p: float = 0.0,
+                  dropout_seed: Optional[torch.Tensor] = None,  # noqa: UP045
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
-                       window_left, window_right, softcap, alibi_slopes, sinks)
+                       window_left, window_right, softcap, alibi_slopes, sinks,
+                       dropout_p=dropout_p, dropout_seed=dropout_seed)  # fmt: skip
     dq, dk, dv = select(problem, backend).backward(do, q, k, v, out, lse2, problem)
     return dq, dk, dv, _sink_grad(do, out, lse2, problem)
 
@@ -106,7 +130,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, out, lse2, causal, align, softmax_scale, layout,
                         backend, deterministic, window_left, window_right, softcap,
-                        alibi_slopes, sinks):  # fmt: skip
+                        alibi_slopes, sinks, dropout_p=0.0, dropout_seed=None):  # fmt: skip
     # The families allocate gradients with empty_like (the inputs' strides).
     dsinks = (torch.empty((0,), dtype=torch.float32, device=q.device) if sinks is None
               else torch.empty_like(sinks))  # fmt: skip
@@ -116,21 +140,25 @@ def _attention_bwd_fake(do, q, k, v, out, lse2, causal, align, softmax_scale, la
 def _setup_context(ctx, inputs, output):
     q, k, v, *options = inputs
     out, lse2 = output
-    ctx.save_for_backward(q, k, v, out, lse2)
     # The options end with the fp8 descales, which the backward does not take (fp8 is
-    # forward only: the checks refuse it with gradients).
+    # forward only: the checks refuse it with gradients), and dropout's rate and seed,
+    # which it does (the seed is saved: the backward draws the same mask).
+    *options, dropout_p, seed = options
+    ctx.save_for_backward(q, k, v, out, lse2, seed)
     ctx.options = options[:-3]
+    ctx.dropout_p = dropout_p
     ctx.mark_non_differentiable(lse2)
 
 
 def _backward(ctx, do, _dlse2):
-    q, k, v, out, lse2 = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, *ctx.options)
+    q, k, v, out, lse2, seed = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.diyfa.attention_bwd(do, q, k, v, out, lse2, *ctx.options,
+                                                       ctx.dropout_p, seed)  # fmt: skip
     # The backward's options end with (alibi_slopes, sinks): sinks get their gradient; then
-    # the three descales, none.
+    # the three descales and dropout's rate and seed, none.
     grads = (None,) * (len(ctx.options) - 1)
     return ((dq, dk, dv) + grads + (dsinks if ctx.options[-1] is not None else None,)
-            + (None,) * 3)  # fmt: skip
+            + (None,) * 5)  # fmt: skip
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -138,11 +166,14 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # ------------------------------------------------------------------------ packed sequences
 def _varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, deterministic,
-                    window_left, window_right, softcap, alibi_slopes, sinks, fake=False):
+                    window_left, window_right, softcap, alibi_slopes, sinks, dropout_p=0.0,
+                    dropout_seed=None, fake=False):  # fmt: skip
     return check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                softmax_scale=softmax_scale, deterministic=deterministic,
                                window_size=(window_left, window_right), softcap=softcap,
-                               fake=fake, alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                               fake=fake, alibi_slopes=alibi_slopes, sinks=sinks,
+                               dropout_p=dropout_p,
+                               dropout_seed=_seed(dropout_seed, fake))  # fmt: skip
 
 
 @torch.library.custom_op("diyfa::attention_varlen_fwd", mutates_args=())
@@ -154,22 +185,25 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          window_right: int, softcap: float,
                          alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
                          sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                         dropout_p: float = 0.0,
+                         dropout_seed: Optional[torch.Tensor] = None,  # noqa: UP045
                          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``flash_attention_varlen`` -> (out (total_q, heads, d), lse2 (heads, total_q))."""
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, softmax_scale, deterministic, window_left, window_right,
-                              softcap, alibi_slopes, sinks)  # fmt: skip
+                              softcap, alibi_slopes, sinks, dropout_p, dropout_seed)  # fmt: skip
     return select(problem, backend).forward(q, k, v, problem)
 
 
 @attention_varlen_fwd.register_fake
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal, softmax_scale, backend, deterministic, window_left,
-                               window_right, softcap, alibi_slopes, sinks):  # fmt: skip
+                               window_right, softcap, alibi_slopes, sinks, dropout_p=0.0,
+                               dropout_seed=None):  # fmt: skip
     # Every check that needs no values of the lengths (those are read when it runs).
     _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                     softmax_scale, deterministic, window_left, window_right, softcap,
-                    alibi_slopes, sinks, fake=True)  # fmt: skip
+                    alibi_slopes, sinks, dropout_p, dropout_seed, fake=True)  # fmt: skip
     total, h, _ = q.shape
     return (torch.empty((total, h, v.shape[-1]), dtype=q.dtype, device=q.device),
             torch.empty((h, total), dtype=torch.float32, device=q.device))  # fmt: skip
@@ -185,38 +219,43 @@ def attention_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          window_right: int, softcap: float,
                          alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
                          sinks: Optional[torch.Tensor],  # noqa: UP045 (schema parser)
+                         dropout_p: float = 0.0,
+                         dropout_seed: Optional[torch.Tensor] = None,  # noqa: UP045
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                     torch.Tensor]:  # fmt: skip
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, softmax_scale, deterministic, window_left, window_right,
-                              softcap, alibi_slopes, sinks)  # fmt: skip
+                              softcap, alibi_slopes, sinks, dropout_p, dropout_seed)  # fmt: skip
     dq, dk, dv = select(problem, backend).backward(do, q, k, v, out, lse2, problem)
     return dq, dk, dv, _sink_grad(do, out, lse2, problem)
 
 
 @attention_varlen_bwd.register_fake
-def _attention_varlen_bwd_fake(do, q, k, v, *options):
-    sinks = options[-1]
+def _attention_varlen_bwd_fake(do, q, k, v, out, lse2, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, causal, softmax_scale, backend,
+                               deterministic, window_left, window_right, softcap,
+                               alibi_slopes, sinks, dropout_p=0.0, dropout_seed=None):  # fmt: skip
     dsinks = (torch.empty((0,), dtype=torch.float32, device=q.device) if sinks is None
               else torch.empty_like(sinks))  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *options = inputs
+    q, k, v, cu_q, cu_k, *options, dropout_p, seed = inputs
     out, lse2 = output
-    ctx.save_for_backward(q, k, v, out, lse2, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse2, cu_q, cu_k, seed)
     ctx.options = options
+    ctx.dropout_p = dropout_p
     ctx.mark_non_differentiable(lse2)
 
 
 def _varlen_backward(ctx, do, _dlse2):
-    q, k, v, out, lse2, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.diyfa.attention_varlen_bwd(do, q, k, v, out, lse2, cu_q,
-                                                              cu_k, *ctx.options)  # fmt: skip
+    q, k, v, out, lse2, cu_q, cu_k, seed = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.diyfa.attention_varlen_bwd(
+        do, q, k, v, out, lse2, cu_q, cu_k, *ctx.options, ctx.dropout_p, seed)
     grads = (None,) * (len(ctx.options) - 1)
     return (dq, dk, dv, None, None) + grads + (
-        dsinks if ctx.options[-1] is not None else None,)
+        dsinks if ctx.options[-1] is not None else None, None, None)
 
 
 attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
