@@ -6,16 +6,19 @@ Providers, in one process, interleaved rounds (median of each round's ``do_bench
 best round kept): ``latent`` (one cache, v_cache = k_cache[..., :512]: the split kernel reads
 each cache byte once, decode's V_IN_K), ``two-caches`` (a separate 512-wide v cache, read
 too), and PyTorch's SDPA on the same cache (q (b, h, 1, 576), k / v (b, 1, n, d) with
-``enable_gqa``; whichever backend it picks for these head dims, or the error). Launch
-variants of the split kernel (BLOCK_N, warps, query rows a program, programs per SM;
-decode.WIDE_HEAD / WIDE_HEAD_ROWS) run the latent cache. Every diyfa output is checked
-against float64 attention of sequence 0 first (max |diff| printed, failures marked).
+``enable_gqa``; whichever backend it picks for these head dims, or the error; 16 heads
+only). Launch variants of the split kernel (BLOCK_N, warps, query rows a program, programs
+per SM, stages; decode.WIDE_HEAD / WIDE_HEAD_ROWS / split_stages). Every diyfa output is
+checked against float64 attention of sequence 0 first (max |diff| printed, failures
+marked).
 
 Reported: microseconds, GB/s (cache bytes read + q + out over the time), % of the measured
 copy bandwidth, TFLOPS (2 * b * h * n * (576 + 512) per call).
 
 Usage (device): python3 benchmarks/mla_decode.py [--out mla.jsonl] [--rounds 2]
-  [--variants "32,8,32,1;64,8,32,1;32,8,64,1;64,8,64,1;32,4,16,2"]
+  [--variants "32,4,16,2;reload/32,4,16,2;two/32,8,64,1,2"]
+     ([reload/|two/]BLOCK_N,warps,rows,programs per SM[,stages]: reload = the latent cache's
+     values loaded again through v_cache (decode.LATENT_REUSE off), two = two caches)
 """
 
 from __future__ import annotations
@@ -38,19 +41,33 @@ D, DV = 576, 512
 SHAPES = [(64, 16, 4096, None), (128, 16, 8192, None), (16, 16, 32768, None),
           (64, 128, 4096, None), (16, 128, 16384, None), (64, 16, 4096, 64),
           (64, 128, 4096, 64)]  # fmt: skip
-DEFAULT_VARIANTS = "32,8,32,1;64,8,32,1;32,8,64,1;64,8,64,1;32,4,16,2"
+DEFAULT_VARIANTS = ("32,4,16,2;reload/32,4,16,2;two/32,4,16,2;64,4,16,2;32,4,16,3;"
+                    "32,8,64,1;reload/32,8,64,1;32,8,64,1,2;64,8,64,1,2;reload/64,8,64,1,2;"
+                    "64,8,64,1")
+
+
+def parse(spec: str):
+    """"[reload/|two/]BLOCK_N,warps,rows,programs per SM[,stages]" -> (kind, launch):
+    reload: the latent cache with decode.LATENT_REUSE off; two: two caches."""
+    kind, _, nums = spec.rpartition("/")
+    return kind or "latent", tuple(int(x) for x in nums.split(","))
 
 
 @contextlib.contextmanager
-def variant(block_n, warps, rows, per_sm):
-    saved = decode.WIDE_HEAD, decode.WIDE_HEAD_ROWS
+def variant(kind, launch):
+    block_n, warps, rows, per_sm, *stages = launch
+    saved = decode.WIDE_HEAD, decode.WIDE_HEAD_ROWS, decode.LATENT_REUSE, decode.split_stages
     decode.WIDE_HEAD, decode.WIDE_HEAD_ROWS = (block_n, warps, per_sm), rows
+    decode.LATENT_REUSE = kind != "reload"
+    if stages:
+        decode.split_stages = lambda *_, **__: stages[0]
     decode._PREPARED.clear()
     try:
         yield
     finally:
         decode._PREPARED.clear()
-        decode.WIDE_HEAD, decode.WIDE_HEAD_ROWS = saved
+        (decode.WIDE_HEAD, decode.WIDE_HEAD_ROWS, decode.LATENT_REUSE,
+         decode.split_stages) = saved  # fmt: skip
 
 
 def inputs(b, h, n, page):
@@ -90,7 +107,7 @@ def main() -> int:
     a = ap.parse_args()
     from triton.testing import do_bench
 
-    variants = [tuple(int(x) for x in v.split(",")) for v in a.variants.split(";") if v]
+    variants = [v for v in a.variants.split(";") if v]
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__)  # fmt: skip
     copy = copy_bandwidth()
@@ -112,10 +129,12 @@ def main() -> int:
             cases = {"latent": (None, functools.partial(call, kv[..., :DV]), b * n * D * 2),
                      "two-caches": (None, functools.partial(call, v_sep),
                                     b * n * (D + DV) * 2)}  # fmt: skip
-            for var in variants:
-                cases["v" + "-".join(map(str, var))] = (var, functools.partial(
-                    call, kv[..., :DV]), b * n * D * 2)  # fmt: skip
-            if page is None:
+            for spec in variants:
+                kind, launch = parse(spec)
+                v_cache, nbytes = ((v_sep, b * n * (D + DV) * 2) if kind == "two"
+                                   else (kv[..., :DV], b * n * D * 2))  # fmt: skip
+                cases[spec] = ((kind, launch), functools.partial(call, v_cache), nbytes)
+            if page is None and h <= 16:  # (SDPA expands k and v to every head: 72 GB at h128)
                 qs = q.transpose(1, 2)
                 ks, vs = kv.transpose(1, 2), kv[..., :DV].transpose(1, 2)
                 cases["sdpa"] = (None, lambda qs=qs, ks=ks, vs=vs: (
@@ -151,7 +170,8 @@ def main() -> int:
             del q, kv, v_sep
             torch.cuda.empty_cache()
     print(f"\nMLA decode (576 / 512, one kv head, bf16, 1 new token); copy {copy:.0f} GB/s")
-    print("us / GB/s / % copy / TFLOPS; variants BLOCK_N-warps-rows-programs/SM")
+    print("us / GB/s / % copy / TFLOPS; variants [reload/|two/]BLOCK_N,warps,rows,per SM"
+          "[,stages]")
     for r in table:
         head = f"b{r['b']} h{r['h']} n{r['n']} page{r['page']}"
         cells = []

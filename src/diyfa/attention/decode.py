@@ -130,6 +130,10 @@ PDL = os.environ.get("DIYFA_DECODE_PDL", "1") != "0"
 # is 36 KB in bf16), one program per SM in whole waves. Not yet tuned on a GPU.
 WIDE_HEAD = (32, 8, 1)
 WIDE_HEAD_ROWS = 32
+# One latent cache (v_cache = k_cache[..., :dv]): the key tile serves as the value tile
+# (V_IN_K) when True; when False the values are loaded again through v_cache's pointer (the
+# same rows, from L2).
+LATENT_REUSE = True
 
 
 def head_chunks(d: int) -> tuple[int, int]:
@@ -720,7 +724,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         return out, lse2
     d_pad, d_tail = head_chunks(d)
     dv_pad = max(16, next_power_of_2(dv))
-    v_in_k = dv == d_pad and values_in_keys(k_cache, v_cache)
+    v_in_k = LATENT_REUSE and dv == d_pad and values_in_keys(k_cache, v_cache)
     paged = block_table is not None
     pdl = pdl_on(q.device)
     most_rows = 64 if max(d_pad + d_tail, dv_pad) <= 256 else WIDE_HEAD_ROWS
