@@ -267,9 +267,11 @@ def flash_attention_with_kvcache(
     Args:
         q: (batch, seqlen_q, heads, head_dim): 1..N new tokens per sequence.
         k_cache, v_cache: contiguous (batch, max_len, kv_heads, head_dim), or paged
-            (num_blocks, page_size, kv_heads, head_dim) with ``block_table``. v_cache's head
-            dim may differ from q's and k_cache's (1..256, e.g. 192 / 128): the output has
-            v_cache's.
+            (num_blocks, page_size, kv_heads, head_dim) with ``block_table``. Head dims
+            1..576 (q and k_cache share it); v_cache's may differ (1..512, e.g. 192 / 128,
+            or DeepSeek MLA's decode form, 576 / 512): the output has v_cache's. MLA's one
+            latent cache: pass ``v_cache=k_cache[..., :512]`` (and ``v=k[..., :512]``):
+            each cache byte is then read once and the append writes the keys only.
         k, v: optional (batch, seqlen_new, kv_heads, head_dim; v: v_cache's head dim),
             written into the cache in place at rows cache_seqlens[b] .. cache_seqlens[b] +
             seqlen_new - 1 (only those rows) before attending. ``cache_seqlens`` itself is
