@@ -17,8 +17,10 @@ copy bandwidth, TFLOPS (2 * b * h * n * (576 + 512) per call).
 
 Usage (device): python3 benchmarks/mla_decode.py [--out mla.jsonl] [--rounds 2]
   [--variants "32,4,16,2;reload/32,4,16,2;two/32,8,64,1,2"]
-     ([reload/|two/]BLOCK_N,warps,rows,programs per SM[,stages]: reload = the latent cache's
-     values loaded again through v_cache (decode.LATENT_REUSE off), two = two caches)
+     ([reload/|two/]BLOCK_N,warps,rows,programs per SM[,stages]: every wide-head launch
+     set so, at most ``rows`` query rows a program; reload = the latent cache's values loaded
+     again through v_cache (decode.LATENT_REUSE off), two = two caches; "latent" and
+     "two-caches" are the defaults, 32,8,32,1,3 the launch before 2026-11-25's tuning)
 """
 
 from __future__ import annotations
@@ -41,9 +43,7 @@ D, DV = 576, 512
 SHAPES = [(64, 16, 4096, None), (128, 16, 8192, None), (16, 16, 32768, None),
           (64, 128, 4096, None), (16, 128, 16384, None), (64, 16, 4096, 64),
           (64, 128, 4096, 64)]  # fmt: skip
-DEFAULT_VARIANTS = ("32,4,16,2;reload/32,4,16,2;two/32,4,16,2;64,4,16,2;32,4,16,3;"
-                    "32,8,64,1;reload/32,8,64,1;32,8,64,1,2;64,8,64,1,2;reload/64,8,64,1,2;"
-                    "64,8,64,1")
+DEFAULT_VARIANTS = "32,8,32,1,3;32,4,16,2,3;64,8,64,1,2;two/32,8,64,1,2"
 
 
 def parse(spec: str):
@@ -53,11 +53,19 @@ def parse(spec: str):
     return kind or "latent", tuple(int(x) for x in nums.split(","))
 
 
+_KNOBS = ("WIDE_HEAD", "WIDE_HEAD_GROUP", "WIDE_HEAD_GROUP_TWO", "WIDE_HEAD_ROWS",
+          "LATENT_REUSE", "split_stages")  # fmt: skip
+
+
 @contextlib.contextmanager
 def variant(kind, launch):
+    """Every wide-head launch of decode set to (BLOCK_N, warps, programs per SM), at most
+    ``rows`` query rows a program, ``stages`` if given."""
     block_n, warps, rows, per_sm, *stages = launch
-    saved = decode.WIDE_HEAD, decode.WIDE_HEAD_ROWS, decode.LATENT_REUSE, decode.split_stages
-    decode.WIDE_HEAD, decode.WIDE_HEAD_ROWS = (block_n, warps, per_sm), rows
+    saved = {name: getattr(decode, name) for name in _KNOBS}
+    decode.WIDE_HEAD = decode.WIDE_HEAD_GROUP = decode.WIDE_HEAD_GROUP_TWO = (
+        block_n, warps, per_sm)
+    decode.WIDE_HEAD_ROWS = rows
     decode.LATENT_REUSE = kind != "reload"
     if stages:
         decode.split_stages = lambda *_, **__: stages[0]
@@ -66,8 +74,8 @@ def variant(kind, launch):
         yield
     finally:
         decode._PREPARED.clear()
-        (decode.WIDE_HEAD, decode.WIDE_HEAD_ROWS, decode.LATENT_REUSE,
-         decode.split_stages) = saved  # fmt: skip
+        for name, value in saved.items():
+            setattr(decode, name, value)
 
 
 def inputs(b, h, n, page):

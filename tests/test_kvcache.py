@@ -673,15 +673,17 @@ from diyfa.attention import decode
 
 H100_SHARED = 232448
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-block_n, warps, _ = decode.WIDE_HEAD
 d_pad, tail = decode.head_chunks(576)
 assert (d_pad, tail) == (512, 64)
-for fp8, latent, paged in ((False, True, False), (False, False, True), (True, True, False),
-                           (True, False, True)):
+for fp8, latent, paged, rows in ((False, True, False, 16), (False, True, False, 64),
+                                 (False, False, True, 64), (False, False, False, 16),
+                                 (True, True, False, 16), (True, False, True, 16)):
+    block_n, warps, _, _ = decode.launch_config(paged, 576, 512, 1 if fp8 else 2, True, rows,
+                                                latent)
     e4m3 = {"K": torch.float8_e4m3fn, "V": torch.float8_e4m3fn} if fp8 else {}
     args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=576, HEAD_DIM_PAD=d_pad, HEAD_DIM_V=512,
                 HEAD_DIM_V_PAD=512, CAUSAL=True, PAGED=paged, PRECISION="tf32", WINDOW=False,
-                SOFTCAP=False, ALIBI=False, FP8=fp8, BLOCK_M=decode.WIDE_HEAD_ROWS,
+                SOFTCAP=False, ALIBI=False, FP8=fp8, BLOCK_M=rows,
                 BLOCK_N=block_n, DIRECT=False, PDL=True, PDL_WAIT=True, PAGE=64 if paged else 0,
                 HEAD_DIM_TAIL=tail, V_IN_K=latent)
     values = {p.name: args.get(p.name, torch.empty(16, dtype=e4m3.get(p.name, torch.int32 if
@@ -690,23 +692,25 @@ for fp8, latent, paged in ((False, True, False), (False, False, True), (True, Tr
               if p.name.isupper() else (1 if p.name.startswith("stride") and p.name.endswith("d")
               else 1024) for p in decode._decode_split.params}
     stages = decode.split_stages(d_pad + tail, 0 if latent else 512, 1 if fp8 else 2,
-                                 H100_SHARED, block_n)
+                                 H100_SHARED, block_n,
+                                 decode.WIDE_HEAD_STAGES if rows > 16 else 3)  # fmt: skip
     k = compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=stages)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
     log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                          capture_output=True, text=True).stderr
-    where = (fp8, latent, paged, stages)
+    where = (fp8, latent, paged, rows, stages)
     assert k.metadata.shared <= H100_SHARED, (where, k.metadata.shared)
-    assert "0 bytes spill stores" in log, (where, log)
+    assert ", 0 bytes spill stores" in log, (where, log)
 print("compiled")
 """
 
 
 def test_mla_decode_kernel_compiles_and_fits():
-    """The split kernel at MLA's head dims (576 / 512, WIDE_HEAD's launch: 8 warps, 32 query
-    rows a program) compiles for sm90, bf16 and fp8 caches, one latent cache or two,
-    contiguous and paged, within an H100 / H200 block's shared memory and with nothing
+    """The split kernel at MLA's head dims (576 / 512) compiles for sm90 in the launches
+    decode.launch_config gives it (WIDE_HEAD at 16 query rows a program, WIDE_HEAD_GROUP /
+    _TWO at 64 with WIDE_HEAD_STAGES), bf16 and fp8 caches (16 rows), one latent cache or
+    two, contiguous and paged, within an H100 / H200 block's shared memory and with nothing
     spilled (ptxas's report)."""
     import os
     import subprocess
@@ -800,6 +804,54 @@ def test_gpu_kvcache_cuda_graph(paged):
             torch.cuda.synchronize()
             assert torch.equal(out, want), shift
             assert torch.equal(kc, kc1) and torch.equal(vc, vc1), shift
+
+
+@pytest.mark.gpu
+def test_gpu_kvcache_mla_latent_calls_reuse_launches(monkeypatch):
+    """One latent cache (v_cache and v views of k_cache and k: one role each in the Replay)
+    is replayed like any cache: repeated calls with max_seqlen_k reuse the first call's
+    launches, and each output and appended cache equals the full path's; two caches of the
+    same shapes and strides are another signature (the full path, then an entry of its
+    own), with the same result within rounding."""
+    from diyfa.attention import decode
+
+    from .test_replay import count_replays
+
+    reused = count_replays(monkeypatch)
+    setups = [_setup(torch.bfloat16, 1, 1, h=16, hk=1, d=576, dv=512, device="cuda", seed=s)
+              for s in range(3)]  # fmt: skip
+    outs = []
+    for reuse in (True, False):
+        decode._PREPARED.clear()
+        outs.append([])
+        for q, k_cache, _, k_new, _, seqlens, *_ in setups:
+            kc = k_cache.clone()
+            with torch.no_grad():
+                out = diyfa.flash_attention_with_kvcache(
+                    q, kc, kc[..., :512], k_new, k_new[..., :512], cache_seqlens=seqlens,
+                    max_seqlen_k=290)  # fmt: skip
+            outs[-1].append((out, kc))
+            if not reuse:
+                decode._PREPARED.clear()
+    assert reused == [True, True]  # the 2nd and 3rd calls of the first pass
+    for (a, ka), (b, kb) in zip(*outs, strict=True):
+        assert torch.equal(a, b) and torch.equal(ka, kb)
+    q, k_cache, _, k_new, _, seqlens, *_ = setups[0]
+    kc = k_cache.clone()
+    with torch.no_grad():  # an entry for the latent signature (the second pass left none)
+        diyfa.flash_attention_with_kvcache(q, kc, kc[..., :512], k_new, k_new[..., :512],
+                                           cache_seqlens=seqlens, max_seqlen_k=290)
+    assert len(decode._PREPARED) == 1
+    two = torch.empty_like(k_cache)
+    two[..., :512] = k_cache[..., :512]  # a second cache, strided as the latent view
+    new_v = torch.empty_like(k_new)
+    new_v[..., :512] = k_new[..., :512]
+    with torch.no_grad():
+        got = diyfa.flash_attention_with_kvcache(q, k_cache.clone(), two[..., :512], k_new,
+                                                 new_v[..., :512], cache_seqlens=seqlens,
+                                                 max_seqlen_k=290)  # fmt: skip
+    assert reused == [True, True] and len(decode._PREPARED) == 2
+    assert (got.float() - outs[0][0][0].float()).abs().max().item() < 1e-2
 
 
 @pytest.mark.gpu

@@ -125,11 +125,22 @@ PAGED_WAVES_FP8 = (128, 4, 3)
 # (~1 us) and a kernel boundary per launch. ``DIYFA_DECODE_PDL=0`` turns it off.
 PDL = os.environ.get("DIYFA_DECODE_PDL", "1") != "0"
 # Head dims above 256 (MLA's decode form: 576 / 512, one latent kv head shared by 16-128
-# query heads): 8 warps, at most 32 query rows a program (the fp32 output accumulator of 32
-# rows x 512 columns is 64 registers a thread there), 32-key blocks (a 576-wide key tile
-# is 36 KB in bf16), one program per SM in whole waves. Not yet tuned on a GPU.
-WIDE_HEAD = (32, 8, 1)
-WIDE_HEAD_ROWS = 32
+# query heads). Programs of <= 16 query rows (16 heads a GPU at 8-way tensor parallelism):
+# 32-key blocks (a 576-wide key tile is 36 KB in bf16), 4 warps, two programs per SM, three
+# stages. More rows (128 heads: row blocks of WIDE_HEAD_ROWS = 64, wgmma tiles, whose Q
+# operand, 64 x 576, stays in shared memory next to the ring): 64-key blocks, 8 warps, one
+# program per SM, two stages (WIDE_HEAD_GROUP; three asked 288 KB); with two caches 32-key
+# blocks (WIDE_HEAD_GROUP_TWO: a 64-key K and V pair is 136 KB a stage). H200, bf16, one new
+# token, one process, best of 2 rounds (benchmarks/mla_decode.py,
+# benchmarks/results/2026-11-25_h200_mla-decode-ab_64a71f6.txt; us, BLOCK_N-warps-rows-
+# programs per SM[-stages]): 16 heads b128 x 8k 298 / 301 (95% of the copy) against 782 for
+# 32-8-32-1 (this launch before), b16 x 32k 169 (84%) / 247; 128 heads b64 x 4k 64-8-64-1-2
+# 284 (257 TFLOPS) against 32-8-64-1 336 and 32-8-32-1 704, pages of 64 312 / 420 / 862.
+WIDE_HEAD = (32, 4, 2)
+WIDE_HEAD_GROUP = (64, 8, 1)
+WIDE_HEAD_GROUP_TWO = (32, 8, 1)
+WIDE_HEAD_ROWS = 64
+WIDE_HEAD_STAGES = 2
 # One latent cache (v_cache = k_cache[..., :dv]): the key tile serves as the value tile
 # (V_IN_K) when True; when False the values are loaded again through v_cache's pointer (the
 # same rows, from L2).
@@ -155,17 +166,19 @@ def pdl_on(device: torch.device) -> bool:
 
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
-                  block_m: int = 16) -> tuple[int, int, int, bool]:
+                  block_m: int = 16, latent: bool = False) -> tuple[int, int, int, bool]:
     """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI,
     PAGED_WAVES and PAGED_WAVES_MULTI; whole waves: :func:`pick_splits` counts the programs
     per SM as the ones resident and fills whole waves of them). ``block_m``: the query rows
     of a program (the GQA group x new tokens, padded); paged programs of more than 16 rows
     hold more registers (ptxas, sm90, bf16 d128: 161 at 16 rows, 203 at 32, 187 at 64; 4
-    warps), so 2 of them fit an SM, not 3."""
+    warps), so 2 of them fit an SM, not 3. Head dims above 256: WIDE_HEAD and its group
+    launches (``latent``: one latent cache, the key tile read as the value tile)."""
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
     wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
     if max(d_pad, dv_pad) > 256:  # (d_pad: both chunks)
-        return (*WIDE_HEAD, True)
+        return (*(WIDE_HEAD if block_m <= 16 else WIDE_HEAD_GROUP if latent
+                  else WIDE_HEAD_GROUP_TWO), True)  # fmt: skip
     if wide and narrow and not paged:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
@@ -623,11 +636,11 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
                k_descale, v_descale)  # fmt: skip
     sig = None
     if max_seqlen_k is not None and isinstance(q, torch.Tensor) and q.is_cuda:
-        # (whether v_cache is k_cache's leading columns, and v k's: the checks and the
-        # kernels differ, and an aliased call is never recorded: two roles at one address)
+        # (whether v_cache is k_cache's leading columns, v k's, and the descales one
+        # tensor: the checks and the kernels differ, and such a pair is one role: _roles)
         sig = _signature(tensors, (causal, softmax_scale, num_splits, window_size, softcap,
                                    max_seqlen_k, values_in_keys(k_cache, v_cache),
-                                   values_in_keys(k, v)))  # fmt: skip
+                                   values_in_keys(k, v), _one_tensor(k_descale, v_descale)))
         try:
             prepared = None if sig is None else _PREPARED.get(sig)
         except TypeError:  # an unhashable option: the checks will say what is wrong with it
@@ -727,17 +740,19 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     v_in_k = LATENT_REUSE and dv == d_pad and values_in_keys(k_cache, v_cache)
     paged = block_table is not None
     pdl = pdl_on(q.device)
-    most_rows = 64 if max(d_pad + d_tail, dv_pad) <= 256 else WIDE_HEAD_ROWS
+    wide = max(d_pad + d_tail, dv_pad) > 256
+    # (fp8 caches keep wide heads at 16 rows: at 64 the widened tiles spilled ~300 bytes)
+    most_rows = (16 if fp8 else WIDE_HEAD_ROWS) if wide else 64
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad + d_tail, dv_pad,
                                                   k_cache.element_size(), q.is_cuda,
-                                                  block_m)  # fmt: skip
+                                                  block_m, v_in_k)  # fmt: skip
     short = (block_n, warps, per_sm) == WIDE and short_cache(
         max_seqlen_k, b * hk, kernel_limits(q.device.index)["sm_count"])  # (WIDE: a GPU)
     if short:
         (block_n, warps, per_sm), waves = SHORT, True
     # (wide heads: a group of up to 128 query heads is several row blocks, each a program)
-    row_blocks = cdiv(group * sq, block_m) if most_rows == WIDE_HEAD_ROWS else 1
+    row_blocks = cdiv(group * sq, block_m) if wide else 1
     splits = num_splits or pick_splits(b * row_blocks, hk, max_seqlen_k, q.device, block_n,
                                        per_sm, waves)  # fmt: skip
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
@@ -790,9 +805,10 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
+    most = SHORT_STAGES if short else WIDE_HEAD_STAGES if wide and block_m > 16 else 3
     stages = split_stages(d_pad + d_tail, 0 if v_in_k else dv_pad, k_cache.element_size(),
                           kernel_limits(q.device.index)["max_shared_mem"],
-                          block_n, SHORT_STAGES if short else 3) if q.is_cuda else 1  # fmt: skip
+                          block_n, most) if q.is_cuda else 1  # fmt: skip
     launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
                     {"launch_pdl": pdl})  # fmt: skip
     if not direct:
@@ -806,7 +822,21 @@ def _roles(tensors: tuple, work: tuple) -> dict:
     another tensor of the call in their place, which the recording finds by its address):
     ``tensors`` in :data:`_ROLES`' order, ``work`` (status, o_part, lse_part, out, lse2)."""
     roles = dict(zip(_ROLES, tensors + work, strict=True))
+    # One latent cache (v_cache a view of k_cache's leading columns, v of k's: part of the
+    # signature) is one role: the values' arguments start at the keys' address.
+    if values_in_keys(roles["k_cache"], roles["v_cache"]):
+        roles["v_cache"] = None
+    if values_in_keys(roles["k"], roles["v"]):
+        roles["v"] = None
+    if _one_tensor(roles["k_descale"], roles["v_descale"]):
+        roles["v_descale"] = None
     return {name: t for name, t in roles.items() if t is not None}
+
+
+def _one_tensor(a, b) -> bool:
+    """Whether ``a`` and ``b`` are tensors at one address (one descale tensor passed twice)."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.data_ptr() == b.data_ptr())  # fmt: skip
 
 
 _ROLES = ("q", "k_cache", "v_cache", "k", "v", "seqlens", "table", "slopes", "sinks",
