@@ -53,8 +53,8 @@ def parse(spec: str):
     return kind or "latent", tuple(int(x) for x in nums.split(","))
 
 
-_KNOBS = ("WIDE_HEAD", "WIDE_HEAD_GROUP", "WIDE_HEAD_GROUP_TWO", "WIDE_HEAD_ROWS",
-          "LATENT_REUSE", "split_stages")  # fmt: skip
+_KNOBS = ("WIDE_HEAD", "WIDE_HEAD_GROUP", "WIDE_HEAD_GROUP_TWO", "WIDE_HEAD_FP32",
+          "WIDE_HEAD_ROWS", "LATENT_REUSE", "split_stages")  # fmt: skip
 
 
 @contextlib.contextmanager

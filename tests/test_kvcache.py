@@ -192,9 +192,12 @@ def test_kvcache_value_head_dim(d, dv, dtype, paged):
             assert torch.equal(v_cache, after_v)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("latent", [True, False], ids=["one-latent-cache", "two-caches"])
-def test_kvcache_mla_decode_form(latent, paged, monkeypatch):
+@pytest.mark.parametrize("latent, paged, dtype", [
+    (True, False, torch.bfloat16), (True, True, torch.bfloat16), (False, False, torch.bfloat16),
+    (False, True, torch.bfloat16), (False, False, torch.float32), (True, False, torch.float16),
+], ids=["one-latent-cache", "one-latent-cache-paged", "two-caches", "two-caches-paged",
+        "two-caches-fp32", "one-latent-cache-fp16"])
+def test_kvcache_mla_decode_form(latent, paged, dtype, monkeypatch):
     """DeepSeek's MLA in its decode form: q/k head dim 576 (512 latent + 64 rope columns),
     value head dim 512, one kv head for 16 query heads (two chunks, 512 + 64:
     decode.head_chunks). One latent cache, v_cache = k_cache[..., :512] (the split kernel
@@ -214,7 +217,6 @@ def test_kvcache_mla_decode_form(latent, paged, monkeypatch):
         return launch(fn, grid, args, *rest, **kw)
 
     monkeypatch.setattr(decode, "launch_recorded", spy)
-    dtype = torch.bfloat16
     for sq, s_new in ((3, 3), (1, 0)):
         (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
          after_v) = _setup(dtype, sq, s_new, h=16, hk=1, d=576, dv=512)  # fmt: skip
@@ -675,31 +677,34 @@ H100_SHARED = 232448
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 d_pad, tail = decode.head_chunks(576)
 assert (d_pad, tail) == (512, 64)
-for fp8, latent, paged, rows in ((False, True, False, 16), (False, True, False, 64),
-                                 (False, False, True, 64), (False, False, False, 16),
-                                 (True, True, False, 16), (True, False, True, 16)):
-    block_n, warps, _, _ = decode.launch_config(paged, 576, 512, 1 if fp8 else 2, True, rows,
-                                                latent)
-    e4m3 = {"K": torch.float8_e4m3fn, "V": torch.float8_e4m3fn} if fp8 else {}
+# (the cache's dtype, one latent cache, paged, query rows a program)
+for cache, latent, paged, rows in (("bf16", True, False, 16), ("bf16", True, False, 64),
+                                   ("bf16", False, True, 64), ("bf16", False, False, 16),
+                                   ("fp8", True, False, 16), ("fp8", False, True, 16),
+                                   ("fp32", False, False, 16)):
+    size, fp8 = {"bf16": 2, "fp8": 1, "fp32": 4}[cache], cache == "fp8"
+    block_n, warps, _, _ = decode.launch_config(paged, 576, 512, size, True, rows, latent)
+    data = {"bf16": {}, "fp8": {"K": torch.float8_e4m3fn, "V": torch.float8_e4m3fn},
+            "fp32": dict.fromkeys(("Q", "K", "V", "O"), torch.float32)}[cache]
     args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=576, HEAD_DIM_PAD=d_pad, HEAD_DIM_V=512,
-                HEAD_DIM_V_PAD=512, CAUSAL=True, PAGED=paged, PRECISION="tf32", WINDOW=False,
+                HEAD_DIM_V_PAD=512, CAUSAL=True, PAGED=paged,
+                PRECISION="ieee" if size == 4 else "tf32", WINDOW=False,
                 SOFTCAP=False, ALIBI=False, FP8=fp8, BLOCK_M=rows,
                 BLOCK_N=block_n, DIRECT=False, PDL=True, PDL_WAIT=True, PAGE=64 if paged else 0,
                 HEAD_DIM_TAIL=tail, V_IN_K=latent)
-    values = {p.name: args.get(p.name, torch.empty(16, dtype=e4m3.get(p.name, torch.int32 if
+    values = {p.name: args.get(p.name, torch.empty(16, dtype=data.get(p.name, torch.int32 if
               p.name in ("BLOCK_TABLE", "CACHE_SEQLENS") else torch.float32 if p.name in (
               "O_PART", "LSE_PART", "LSE", "K_DESCALE", "V_DESCALE") else torch.bfloat16)))
               if p.name.isupper() else (1 if p.name.startswith("stride") and p.name.endswith("d")
               else 1024) for p in decode._decode_split.params}
-    stages = decode.split_stages(d_pad + tail, 0 if latent else 512, 1 if fp8 else 2,
-                                 H100_SHARED, block_n,
+    stages = decode.split_stages(d_pad + tail, 0 if latent else 512, size, H100_SHARED, block_n,
                                  decode.WIDE_HEAD_STAGES if rows > 16 else 3)  # fmt: skip
     k = compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=stages)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
     log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                          capture_output=True, text=True).stderr
-    where = (fp8, latent, paged, rows, stages)
+    where = (cache, latent, paged, rows, stages)
     assert k.metadata.shared <= H100_SHARED, (where, k.metadata.shared)
     assert ", 0 bytes spill stores" in log, (where, log)
 print("compiled")
@@ -709,9 +714,9 @@ print("compiled")
 def test_mla_decode_kernel_compiles_and_fits():
     """The split kernel at MLA's head dims (576 / 512) compiles for sm90 in the launches
     decode.launch_config gives it (WIDE_HEAD at 16 query rows a program, WIDE_HEAD_GROUP /
-    _TWO at 64 with WIDE_HEAD_STAGES), bf16 and fp8 caches (16 rows), one latent cache or
-    two, contiguous and paged, within an H100 / H200 block's shared memory and with nothing
-    spilled (ptxas's report)."""
+    _TWO at 64 with WIDE_HEAD_STAGES), bf16 caches, fp8 and fp32 ones (16 rows), one latent
+    cache or two, contiguous and paged, within an H100 / H200 block's shared memory and with
+    nothing spilled (ptxas's report)."""
     import os
     import subprocess
     import sys

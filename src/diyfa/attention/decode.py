@@ -141,6 +141,8 @@ WIDE_HEAD_GROUP = (64, 8, 1)
 WIDE_HEAD_GROUP_TWO = (32, 8, 1)
 WIDE_HEAD_ROWS = 64
 WIDE_HEAD_STAGES = 2
+# ... fp32 caches (16 rows): 8 warps (4 spilled 21 KB at 32-key blocks; ptxas, sm90a).
+WIDE_HEAD_FP32 = (32, 8, 1)
 # One latent cache (v_cache = k_cache[..., :dv]): the key tile serves as the value tile
 # (V_IN_K) when True; when False the values are loaded again through v_cache's pointer (the
 # same rows, from L2).
@@ -156,7 +158,6 @@ def head_chunks(d: int) -> tuple[int, int]:
         return max(16, next_power_of_2(d)), 0
     main = 1 << (d.bit_length() - 1)
     return main, (max(16, next_power_of_2(d - main)) if d > main else 0)
-
 
 
 def pdl_on(device: torch.device) -> bool:
@@ -177,8 +178,8 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
     wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
     if max(d_pad, dv_pad) > 256:  # (d_pad: both chunks)
-        return (*(WIDE_HEAD if block_m <= 16 else WIDE_HEAD_GROUP if latent
-                  else WIDE_HEAD_GROUP_TWO), True)  # fmt: skip
+        return (*(WIDE_HEAD_FP32 if elem_bytes == 4 else WIDE_HEAD if block_m <= 16
+                  else WIDE_HEAD_GROUP if latent else WIDE_HEAD_GROUP_TWO), True)  # fmt: skip
     if wide and narrow and not paged:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
@@ -741,8 +742,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     paged = block_table is not None
     pdl = pdl_on(q.device)
     wide = max(d_pad + d_tail, dv_pad) > 256
-    # (fp8 caches keep wide heads at 16 rows: at 64 the widened tiles spilled ~300 bytes)
-    most_rows = (16 if fp8 else WIDE_HEAD_ROWS) if wide else 64
+    # (wide heads take 64-row tiles in 16 bits only: an fp8 cache's widened tiles spilled
+    # ~300 bytes there, and fp32's 64 x 576 Q and key tiles would not fit shared memory)
+    most_rows = (WIDE_HEAD_ROWS if k_cache.element_size() == 2 else 16) if wide else 64
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad + d_tail, dv_pad,
                                                   k_cache.element_size(), q.is_cuda,
