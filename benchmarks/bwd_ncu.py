@@ -11,6 +11,10 @@ profiles the third ``_attn_bwd_hopper`` launch. Run it under ncu, e.g. (device):
 
 (the CSV has each SASS instruction's stall samples by reason; docs/attention.md, "The Hopper
 backward", reads them.)
+
+``--mix packed`` runs the varlen suite's mix instead (diyfa.bench.suites.varlen_mix: 64k
+tokens of packed sequences, 16 query / 4 kv heads) through ``flash_attention_varlen``;
+``--mix equal`` the varlen-equal suite's batches of the same tokens (issue 13's yardstick).
 """
 
 from __future__ import annotations
@@ -30,8 +34,34 @@ def main() -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--mix", choices=("packed", "equal"), default=None)
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    if a.mix:
+        from diyfa.bench.suites import varlen_mix
+
+        lengths, cu, total, longest = varlen_mix()
+        h, hk, d = 2048 // a.head_dim, 4 if a.head_dim == 128 else 2048 // a.head_dim, a.head_dim
+        if a.mix == "equal":
+            seq = max(128, round(sum(n * n for n in lengths) / total / 128) * 128)
+            shape = lambda heads: (max(1, round(total / seq)), seq, heads, d)  # noqa: E731
+        else:
+            shape = lambda heads: (total, heads, d)  # noqa: E731
+        q = torch.randn(shape(h), device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(shape(hk), device="cuda", dtype=torch.bfloat16, generator=g)
+                for _ in range(2))  # fmt: skip
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        for _ in range(3):
+            if a.mix == "equal":
+                out = diyfa.flash_attention(q, k, v, causal=a.causal, layout="bshd",
+                                            backend="hopper", deterministic=a.deterministic)
+            else:
+                out = diyfa.flash_attention_varlen(q, k, v, cu, cu, longest, longest,
+                                                   causal=a.causal, backend="hopper",
+                                                   deterministic=a.deterministic)
+            out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        return 0
     q, k, v = (torch.randn(1, 16, 8192, a.head_dim, device="cuda", dtype=torch.bfloat16,
                            generator=g).requires_grad_() for _ in range(3))  # fmt: skip
     for _ in range(3):
