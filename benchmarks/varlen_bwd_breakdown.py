@@ -10,6 +10,8 @@ host time are told apart. TFLOPS by exact FLOPs (per sequence, causal halved as 
 count them; backward 2.5x the forward).
 
     python3 benchmarks/varlen_bwd_breakdown.py [--dims 128,64] [--causal both]
+        [--orders 1,0]   (hopper_bwd.VARLEN_BY_SEQUENCE for the packed cases: 1 a
+                          sequence's key blocks together, 0 all by weight)
 
 One JSON line per (case, mode) to ``$OUT/varlen_bwd_breakdown.jsonl``; a table last.
 """
@@ -99,16 +101,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    ap.add_argument("--orders", default="", help="packed work orders to run, e.g. 1,0")
     a = ap.parse_args()
+    from diyfa.attention import hopper_bwd
+
+    orders = [bool(int(x)) for x in a.orders.split(",")] if a.orders else [None]
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]
     path = os.path.join(os.environ.get("OUT", "."), "varlen_bwd_breakdown.jsonl")
     rows = []
     with open(path, "w") as f:
         for d in (int(x) for x in a.dims.split(",")):
             for causal in causals:
-                for kind, make in (("packed", packed_case), ("equal", equal_case)):
+                kinds = [("equal", equal_case, None)] + [
+                    ("packed" if order is None else f"packed-order{int(order)}", packed_case,
+                     order) for order in orders]  # fmt: skip
+                for kind, make, order in kinds:
                     inputs, forward, fl = make(d, causal)
                     for mode in MODES:
+                        if order is not None:
+                            hopper_bwd.VARLEN_BY_SEQUENCE = order
                         wall, times = measure(inputs, forward, mode)
                         kernels = sum(times.values())
                         row = dict(d=d, causal=causal, kind=kind, mode=mode, wall_us=wall,
@@ -129,14 +140,15 @@ def main() -> int:
     for d in (int(x) for x in a.dims.split(",")):
         for causal in causals:
             for mode in MODES:
-                p = next(r for r in rows if (r["d"], r["causal"], r["kind"], r["mode"]) ==
-                         (d, causal, "packed", mode))  # fmt: skip
                 e = next(r for r in rows if (r["d"], r["causal"], r["kind"], r["mode"]) ==
                          (d, causal, "equal", mode))  # fmt: skip
-                print(f"d{d} causal={causal!s:5} {mode:13s} wall {p['tflops_wall']:4.0f} / "
-                      f"{e['tflops_wall']:4.0f} = {p['tflops_wall'] / e['tflops_wall']:.2f}   "
-                      f"kernels {p['tflops_kernels']:4.0f} / {e['tflops_kernels']:4.0f} = "
-                      f"{p['tflops_kernels'] / e['tflops_kernels']:.2f}")
+                for p in (r for r in rows if (r["d"], r["causal"], r["mode"]) == (d, causal, mode)
+                          and r["kind"].startswith("packed")):  # fmt: skip
+                    print(f"d{d} causal={causal!s:5} {mode:13s} {p['kind']:14s} wall "
+                          f"{p['tflops_wall']:4.0f} / {e['tflops_wall']:4.0f} = "
+                          f"{p['tflops_wall'] / e['tflops_wall']:.2f}   kernels "
+                          f"{p['tflops_kernels']:4.0f} / {e['tflops_kernels']:4.0f} = "
+                          f"{p['tflops_kernels'] / e['tflops_kernels']:.2f}")
     return 0
 
 

@@ -66,6 +66,7 @@ from diyfa._launcher import cdiv
 from diyfa.attention.hopper_bwd import (
     BWD_CONFIGS,
     _kv_program,
+    _past_rows,
     _probs_t,
     _stats_async,
     _tma_reduce_add,
@@ -246,15 +247,14 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
         # 0 (hopper_bwd's consumer).
         lse = lse_bufs.index(s).slice(C * HALF, HALF).load(query_layout)
         if VARLEN:
-            m_ok = offs_m < seqlen_q
-            lse = gl.where(m_ok & (lse != float("-inf")), lse, float("inf"))
+            lse = _past_rows(lse, offs_m, my_row0, seqlen_q, float("inf"))
         st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
         pt, st = _probs_t(st, lse, offs_k, offs_m, n0, my_row0, seqlen_k, key_tail,
                           causal_offset, left_offset, qk_scale, tanh_scale, slope2,
                           alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI)  # fmt: skip
         delta = delta_bufs.index(s).slice(C * HALF, HALF).load(query_layout)
         if VARLEN:
-            delta = gl.where(m_ok, delta, 0.0)
+            delta = _past_rows(delta, offs_m, my_row0, seqlen_q, 0.0)
         dpt, _v, _dot = warpgroup_mma_wait(0, deps=(dpt_tok, v_smem, do_t))
         if SOFTCAP:
             ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
