@@ -35,6 +35,8 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
+from decode_ab import copy_bandwidth  # noqa: E402  (benchmarks/, this script's folder)
+
 import diyfa  # noqa: E402
 from diyfa.attention import decode  # noqa: E402
 
@@ -97,14 +99,6 @@ def reference0(q, kv, table, n):
     k = rows.double()
     s = q[0, 0].double() @ k.T / D**0.5
     return torch.softmax(s, -1) @ k[:, :DV]
-
-
-def copy_bandwidth() -> float:
-    from triton.testing import do_bench
-
-    x = torch.empty(2**30, dtype=torch.int16, device="cuda")
-    ms = do_bench(lambda: x.clone(), warmup=25, rep=100, return_mode="median")
-    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
 
 
 def main() -> int:
