@@ -246,6 +246,26 @@ def test_kvcache_mla_decode_form(latent, paged, dtype, monkeypatch):
                     assert torch.equal(v_pages[table[i, j // 16], j % 16], after_v[i, j])
 
 
+def test_kvcache_mla_latent_cache_under_torch_compile():
+    """One latent cache through the custom op (torch.compile, fullgraph): v_cache and v are
+    views of k_cache and k (aliased mutated inputs of diyfa::attention_kvcache); the output
+    and the appended cache equal the eager call's bitwise."""
+    (q, k_cache, _, k_new, _, seqlens, *_) = _setup(torch.bfloat16, 1, 1, h=4, hk=1, d=576,
+                                                     dv=512)  # fmt: skip
+
+    def step(q, kc, kn, lens):
+        return diyfa.flash_attention_with_kvcache(q, kc, kc[..., :512], kn, kn[..., :512],
+                                                  cache_seqlens=lens)  # fmt: skip
+
+    eager_cache, compiled_cache = k_cache.clone(), k_cache.clone()
+    with torch.no_grad():
+        eager = step(q, eager_cache, k_new, seqlens)
+        out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, compiled_cache, k_new,
+                                                                       seqlens)  # fmt: skip
+    assert torch.equal(out, eager) and torch.equal(compiled_cache, eager_cache)
+    assert not torch.equal(eager_cache, k_cache)  # the append wrote
+
+
 def test_kvcache_mla_bad_inputs():
     """Head dims past MLA's (q/k 576, values 512) are refused with the accepted range; with
     one latent cache (v_cache = k_cache[..., :512]) the new values must be the new keys'
