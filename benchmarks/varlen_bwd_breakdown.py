@@ -12,6 +12,8 @@ count them; backward 2.5x the forward).
     python3 benchmarks/varlen_bwd_breakdown.py [--dims 128,64] [--causal both]
         [--orders 1,0]   (hopper_bwd.VARLEN_BY_SEQUENCE for the packed cases: 1 a
                           sequence's key blocks together, 0 all by weight)
+        [--equal-plain]  (the equal-length batches also with hopper_bwd.DQ_ROWS_PERMUTED
+                          off: the atomic dQ's plain row order, as packed calls keep it)
 
 One JSON line per (case, mode) to ``$OUT/varlen_bwd_breakdown.jsonl``; a table last.
 """
@@ -102,6 +104,8 @@ def main() -> int:
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     ap.add_argument("--orders", default="", help="packed work orders to run, e.g. 1,0")
+    ap.add_argument("--equal-plain", action="store_true",
+                    help="also the equal-length batches with the dQ rows in plain order")
     a = ap.parse_args()
     from diyfa.attention import hopper_bwd
 
@@ -112,7 +116,8 @@ def main() -> int:
     with open(path, "w") as f:
         for d in (int(x) for x in a.dims.split(",")):
             for causal in causals:
-                kinds = [("equal", equal_case, None)] + [
+                kinds = [("equal", equal_case, None)] + (
+                    [("equal-plain", equal_case, None)] if a.equal_plain else []) + [
                     ("packed" if order is None else f"packed-order{int(order)}", packed_case,
                      order) for order in orders]  # fmt: skip
                 for kind, make, order in kinds:
@@ -120,6 +125,7 @@ def main() -> int:
                     for mode in MODES:
                         if order is not None:
                             hopper_bwd.VARLEN_BY_SEQUENCE = order
+                        hopper_bwd.DQ_ROWS_PERMUTED = kind != "equal-plain"
                         wall, times = measure(inputs, forward, mode)
                         kernels = sum(times.values())
                         row = dict(d=d, causal=causal, kind=kind, mode=mode, wall_us=wall,
@@ -143,7 +149,7 @@ def main() -> int:
                 e = next(r for r in rows if (r["d"], r["causal"], r["kind"], r["mode"]) ==
                          (d, causal, "equal", mode))  # fmt: skip
                 for p in (r for r in rows if (r["d"], r["causal"], r["mode"]) == (d, causal, mode)
-                          and r["kind"].startswith("packed")):  # fmt: skip
+                          and r["kind"] != "equal"):  # fmt: skip
                     print(f"d{d} causal={causal!s:5} {mode:13s} {p['kind']:14s} wall "
                           f"{p['tflops_wall']:4.0f} / {e['tflops_wall']:4.0f} = "
                           f"{p['tflops_wall'] / e['tflops_wall']:.2f}   kernels "
