@@ -427,10 +427,15 @@ def test_host_path_builds_the_packed_launch(deterministic, monkeypatch):
     dq, dk, dv = hopper_bwd.hopper_backward(torch.randn_like(q), q, k, v, torch.randn_like(q),
                                             lse2, p)  # fmt: skip
     args = seen["args"]
-    # One program per key block that holds keys (1 + 0 + 3 + 1 of 128) and kv head, the
-    # heaviest first (causal: query blocks 5, 3, 2, 1, 1 to visit).
+    # One program per key block that holds keys (1 + 0 + 3 + 1 of 128) and kv head, a
+    # sequence's blocks together (hopper_bwd.VARLEN_BY_SEQUENCE), sequences by their
+    # heaviest block, heaviest first (causal: query blocks 5, 3, 2 to visit in sequence 2,
+    # 1 in sequences 0 and 3); by weight alone: 2.0, 2.1, 0.0, 2.2, 3.0.
     assert seen["grid"] == (5, hk)
-    assert args["TILES"].tolist() == [2, 0, 2, 1, 0, 0, 2, 2, 3, 0]  # (sequence, block)
+    assert args["TILES"].tolist() == [2, 0, 2, 1, 2, 2, 0, 0, 3, 0]  # (sequence, block)
+    monkeypatch.setattr(hopper_bwd, "VARLEN_BY_SEQUENCE", False)
+    hopper_bwd.hopper_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), lse2, p)
+    assert seen["args"]["TILES"].tolist() == [2, 0, 2, 1, 0, 0, 2, 2, 3, 0]
     assert args["VARLEN"] is True and args["CAUSAL"] is True
     assert args["DQ_ROWS"] is False  # (packed blocks start anywhere in the workspace)
     assert args["seqlen_q"] == 260 and args["seqlen_k"] == 260 and args["total_q"] == total

@@ -583,14 +583,20 @@ def _dq_piece(ds_all, k_bufs, dq_bufs, tile, piece, dq_desc, tb, off_h, row, lay
 @gluon.jit
 def _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail, causal_offset,
              left_offset, qk_scale, tanh_scale, slope2, alibi_offset, CAUSAL: gl.constexpr,
-             WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+             WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, rows_end=0,
+             ROWS_END: gl.constexpr = False):
     """P^T of a (keys ``offs_k`` from ``key0``, query rows ``offs_m`` from ``row0``) tile
     of q.k products ``st``, and, with SOFTCAP, tanh's derivative 1 - t^2 there (else ``st``
     back): the forward's scores recomputed in its order (SOFTCAP, tanh(q.k * tanh_scale),
     qk_scale carrying softcap * log2(e); ALIBI, minus slope2 * |i + offset - j| once scaled,
     base 2), P^T = 2^(scores - lse), zero where the key is past ``seqlen_k`` (``key_tail``:
     the tile runs past it) or outside the causal band or the window (masked only on tiles
-    that cross an edge). Both backward kernels' (this one's and hopper_bwd256's)."""
+    that cross an edge). ROWS_END (packed sequences): zero too on the query rows from
+    ``rows_end`` on (the next sequence's), on the tiles that hold any; inside the masked
+    branch, which the tiles of a sequence's last query block take (a select per row on
+    every step was if-converted by ptxas and, with its predicates kept in registers, cost
+    ~400M instructions over the varlen suite's causal d128 backward: ncu, 2026-11-25). Both
+    backward kernels' (this one's and hopper_bwd256's)."""
     KEYS: gl.constexpr = st.shape[0]
     ROWS: gl.constexpr = st.shape[1]
     if SOFTCAP:
@@ -615,33 +621,22 @@ def _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail, causal_off
     if SOFTCAP:  # d tanh: the score's gradient reaches q.k times (1 - t^2)
         st = 1.0 - st * st
     need_mask = key_tail
+    if ROWS_END:
+        need_mask = need_mask | (row0 + ROWS > rows_end)
     if CAUSAL:
         need_mask = need_mask | (row0 + causal_offset < key0 + KEYS - 1)
     if WINDOW:
         need_mask = need_mask | (row0 + ROWS - 1 + left_offset > key0)
     if need_mask:
         keep = offs_k[:, None] < seqlen_k
+        if ROWS_END:
+            keep = keep & (offs_m[None, :] < rows_end)
         if CAUSAL:
             keep = keep & (offs_k[:, None] <= offs_m[None, :] + causal_offset)
         if WINDOW:
             keep = keep & (offs_k[:, None] >= offs_m[None, :] + left_offset)
         pt = gl.where(keep, pt, 0.0)
     return pt, st
-
-
-@gluon.jit
-def _past_rows(x, offs_m, row0, seqlen_q, fill: gl.constexpr):
-    """``x`` (a value per query row ``offs_m``, from ``row0``) with ``fill`` on the rows past
-    ``seqlen_q``: packed sequences' LSE (+inf: P = 0) and delta (0), whose rows past the
-    sequence are the next one's. Only a sequence's last query block has such rows: the
-    selects sit behind a uniform branch (run on every step, they were ~130 instructions a
-    thread and step: the packed backward executed 1.38G instructions against 0.96G for the
-    same work in equal lengths, ncu on the H200, 2026-11-25). A row inside the sequence that
-    saw no key (LSE -inf) needs nothing here: every step that holds it masks all its keys,
-    as in the plain kernel."""
-    if row0 + x.shape[0] > seqlen_q:
-        x = gl.where(offs_m < seqlen_q, x, fill)
-    return x
 
 
 @gluon.jit
@@ -718,12 +713,11 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         # seqlen_q come zero-filled, as do their Q and dO (TMA): P^T = 1 there but dO = 0
         # and delta = dP^T = 0, so they add nothing to dV, dK or dQ. A row that saw no key in
         # the forward (LSE -inf) has every key masked in every step that holds it (the masks
-        # below). Packed sequences: the rows past the sequence are the next one's, and get
-        # LSE +inf (P = 0) and delta 0 (_past_rows). (No per-row selects otherwise: ncu,
-        # 2026-11-24.)
+        # below). Packed sequences: the rows past the sequence are the next one's; the
+        # steps that hold any (a sequence's last query block) mask them with the keys
+        # (_probs_t's ROWS_END: P = 0 there, so dS = 0 whatever the next sequence's delta).
+        # (No per-row selects on every step: ncu, 2026-11-24 and 2026-11-25.)
         lse = lse_bufs.index(s).load(query_layout)
-        if VARLEN:
-            lse = _past_rows(lse, offs_m, row0, seqlen_q, float("inf"))
         q_smem = _tile2d(q_bufs, s)
         do_smem = _tile2d(do_bufs, s)
         q_t = q_smem.permute((1, 0))
@@ -735,14 +729,13 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
         pt, st = _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail,
                           causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                          alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI)  # fmt: skip
+                          alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI, seqlen_q,
+                          VARLEN)  # fmt: skip
         # dV's product (P^T rounded to the input dtype, as in the forward) runs while dS^T
         # is computed from the fp32 P^T (as the portable kernel does).
         p16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
         delta = delta_bufs.index(s).load(query_layout)
-        if VARLEN:
-            delta = _past_rows(delta, offs_m, row0, seqlen_q, 0.0)
         dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
         if SOFTCAP:
             ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)

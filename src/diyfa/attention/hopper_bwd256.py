@@ -66,7 +66,6 @@ from diyfa._launcher import cdiv
 from diyfa.attention.hopper_bwd import (
     BWD_CONFIGS,
     _kv_program,
-    _past_rows,
     _probs_t,
     _stats_async,
     _tma_reduce_add,
@@ -243,18 +242,15 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
                                 use_acc=False, is_async=True)  # fmt: skip
         # Rows past seqlen_q: zero Q, dO, LSE and delta (TMA and cp.async zero-fill), so
         # P^T = 1 but dP^T - delta = 0 and dO = 0 there: they add nothing. Packed
-        # sequences: the rows past the sequence are the next one's: LSE +inf (P = 0), delta
-        # 0 (hopper_bwd's consumer).
+        # sequences: the rows past the sequence are the next one's, masked with the keys
+        # (_probs_t's ROWS_END: P = 0; hopper_bwd's consumer).
         lse = lse_bufs.index(s).slice(C * HALF, HALF).load(query_layout)
-        if VARLEN:
-            lse = _past_rows(lse, offs_m, my_row0, seqlen_q, float("inf"))
         st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
         pt, st = _probs_t(st, lse, offs_k, offs_m, n0, my_row0, seqlen_k, key_tail,
                           causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                          alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI)  # fmt: skip
+                          alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI, seqlen_q,
+                          VARLEN)  # fmt: skip
         delta = delta_bufs.index(s).slice(C * HALF, HALF).load(query_layout)
-        if VARLEN:
-            delta = _past_rows(delta, offs_m, my_row0, seqlen_q, 0.0)
         dpt, _v, _dot = warpgroup_mma_wait(0, deps=(dpt_tok, v_smem, do_t))
         if SOFTCAP:
             ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
