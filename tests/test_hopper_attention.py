@@ -552,23 +552,27 @@ def _tiles_by_hand(cu_q, cu_k, block_m, causal, by_sequence):
     return [[b, m] for _, b, m in sorted(work)]
 
 
-def _kv_blocks_by_hand(cu_q, cu_k, block_n, block_m, causal):
-    """The backward's work list: (sequence, key block) by the query blocks that visit it."""
+def _kv_blocks_by_hand(cu_q, cu_k, block_n, block_m, causal, by_sequence):
+    """The backward's work list: (sequence, key block) by the query blocks that visit it
+    (``by_sequence``: a sequence's blocks together, sequences by their heaviest block)."""
     work = []
     for b in range(len(cu_q) - 1):
         sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        for n in range(_cdiv(sk, block_n)):
-            m_lo = max(n * block_n - (sk - sq), 0) // block_m if causal else 0
-            work.append((-max(_cdiv(sq, block_m) - m_lo, 0), b, n))
+        weights = [max(_cdiv(sq, block_m) - (max(n * block_n - (sk - sq), 0) // block_m
+                                             if causal else 0), 0)
+                   for n in range(_cdiv(sk, block_n))]  # fmt: skip
+        for n, w in enumerate(weights):
+            work.append(((-max(weights), b, -w, n) if by_sequence else (-w, b, 0, n), b, n))
     return [[b, n] for _, b, n in sorted(work)]
 
 
-def test_packed_work_tables_match_a_tile_by_tile_count():
+def test_packed_work_tables_match_a_tile_by_tile_count(monkeypatch):
     """The work lists (numpy, kept per lengths) against a tile-by-tile count over random
     packed batches: empty sequences, lengths around the block sizes, more keys than queries
     and fewer; the same lengths give the kept table back, other lengths another."""
     import random
 
+    from diyfa.attention import hopper_bwd
     from diyfa.attention.hopper_bwd import kv_table
     from diyfa.attention.hopper_fwd import tile_table
 
@@ -590,10 +594,13 @@ def test_packed_work_tables_match_a_tile_by_tile_count():
                     assert table.dtype == torch.int32 and n == len(want)
                     assert table.view(-1, 2).tolist() == want, (cu_q, cu_k, block_m, causal)
                 for block_n in (64, 128):
-                    table, n = kv_table(cu_q, cu_k, block_n, block_m, causal, "cpu")
-                    want = _kv_blocks_by_hand(cu_q, cu_k, block_n, block_m, causal)
-                    assert table.dtype == torch.int32 and n == len(want)
-                    assert table.view(-1, 2).tolist() == want, (cu_q, cu_k, block_n, causal)
+                    for by_seq in (False, True):  # (hopper_bwd.VARLEN_BY_SEQUENCE)
+                        monkeypatch.setattr(hopper_bwd, "VARLEN_BY_SEQUENCE", by_seq)
+                        table, n = kv_table(cu_q, cu_k, block_n, block_m, causal, "cpu")
+                        want = _kv_blocks_by_hand(cu_q, cu_k, block_n, block_m, causal, by_seq)
+                        assert table.dtype == torch.int32 and n == len(want)
+                        assert table.view(-1, 2).tolist() == want, (cu_q, cu_k, block_n,
+                                                                    causal, by_seq)
     cu = (0, 300, 1000)
     first = tile_table(cu, cu, 128, True, "cpu", True)[0]
     assert tile_table(list(cu), list(cu), 128, True, "cpu", True)[0] is first  # kept
