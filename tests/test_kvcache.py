@@ -731,6 +731,77 @@ print("compiled")
 """
 
 
+_COMPILE_MLA_SMALL = """
+import torch
+from diyfa._compile import compile_for_sm90
+from diyfa.attention import decode
+
+SM89_SHARED = 101376  # bytes a block may opt into on sm86 / sm89 (A10, L4, L40S, RTX 30/40)
+d_pad, tail = decode.head_chunks(576)
+for cache, latent, paged in (("bf16", True, False), ("bf16", False, False), ("bf16", True, True),
+                             ("fp32", False, False), ("fp32", True, True)):
+    size = {"bf16": 2, "fp32": 4}[cache]
+    rows = decode.wide_head_rows(size, SM89_SHARED)
+    assert rows == 16, rows
+    block_n, warps, _, _ = decode.launch_config(paged, 576, 512, size, True, rows, latent,
+                                                SM89_SHARED)
+    data = dict.fromkeys(("Q", "K", "V", "O"), torch.float32) if size == 4 else {}
+    args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=576, HEAD_DIM_PAD=d_pad, HEAD_DIM_V=512,
+                HEAD_DIM_V_PAD=512, CAUSAL=True, PAGED=paged,
+                PRECISION="ieee" if size == 4 else "tf32", WINDOW=False, SOFTCAP=False,
+                ALIBI=False, FP8=False, BLOCK_M=rows, BLOCK_N=block_n, DIRECT=False, PDL=False,
+                PDL_WAIT=False, PAGE=64 if paged else 0, HEAD_DIM_TAIL=tail, V_IN_K=latent)
+    values = {p.name: args.get(p.name, torch.empty(16, dtype=data.get(p.name, torch.int32 if
+              p.name in ("BLOCK_TABLE", "CACHE_SEQLENS") else torch.float32 if p.name in (
+              "O_PART", "LSE_PART", "LSE", "K_DESCALE", "V_DESCALE") else torch.bfloat16)))
+              if p.name.isupper() else (1 if p.name.startswith("stride") and p.name.endswith("d")
+              else 1024) for p in decode._decode_split.params}
+    stages = decode.split_stages(d_pad + tail, 0 if latent else 512, size, SM89_SHARED,
+                                 block_n)  # fmt: skip
+    k = compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=stages,
+                         arch=89)  # fmt: skip
+    assert k.metadata.shared <= SM89_SHARED, ((cache, latent, paged), k.metadata.shared)
+print("fits")
+"""
+
+
+def test_mla_decode_fits_smaller_gpus():
+    """On GPUs with less shared memory a block than an H100's (sm86 / sm89: 99 KB; A100: 163
+    KB) wide heads run 16-row programs (decode.wide_head_rows), fp32 with 16-key blocks:
+    compiled for sm89 at the stages decode.split_stages gives there, every launch fits
+    (a launch that did not would fail after the append had written the cache)."""
+    import os
+    import subprocess
+    import sys
+
+    from diyfa.attention import decode
+
+    assert decode.wide_head_rows(2, 232448) == decode.WIDE_HEAD_ROWS == 64  # H100 / H200
+    assert decode.wide_head_rows(2, 166912) == 16  # A100
+    assert decode.wide_head_rows(1, 232448) == decode.wide_head_rows(4, 232448) == 16
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_MLA_SMALL], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "fits" in done.stdout, done.stderr[-3000:]
+
+
+def test_latent_cache_recognised_through_axes_of_size_one():
+    """checks.values_in_keys: v_cache as k_cache's leading columns, also when built so that
+    an axis of size 1 (one kv head, one new token) has another stride in the two views;
+    other storage, an offset start or another stride on a longer axis is not it."""
+    from diyfa.attention.checks import values_in_keys
+
+    buf = torch.zeros(3, 10, 576)
+    k_cache, v_cache = buf.unsqueeze(2), buf[..., :512].unsqueeze(2)
+    assert k_cache.stride() != v_cache.stride() and values_in_keys(k_cache, v_cache)
+    k4 = torch.zeros(3, 10, 2, 576)
+    assert values_in_keys(k4, k4[..., :512]) and values_in_keys(k4, k4)
+    assert not values_in_keys(k4, k4[..., 64:])  # another start
+    assert not values_in_keys(k4, k4.clone()[..., :512])  # another storage
+    assert not values_in_keys(k4[:, :5], k4[:, ::2][..., :512])  # another row stride
+    assert not values_in_keys(k4, None)
+
+
 def test_mla_decode_kernel_compiles_and_fits():
     """The split kernel at MLA's head dims (576 / 512) compiles for sm90 in the launches
     decode.launch_config gives it (WIDE_HEAD at 16 query rows a program, WIDE_HEAD_GROUP /
@@ -753,8 +824,9 @@ def test_mla_decode_kernel_compiles_and_fits():
 @pytest.mark.parametrize("latent", [True, False], ids=["one-latent-cache", "two-caches"])
 def test_gpu_kvcache_mla(latent, paged, h):
     """MLA's decode form on the GPU (q/k 576, values 512, one kv head for 16 or 128 query
-    heads: 1 or 4 row blocks of 32 a program): a decode step with its append, and 4 new
-    tokens, over the default splits, against float64 per sequence by the 2x rule."""
+    heads: one 16-row block, or 2 (one token) / 8 (4 tokens) blocks of 64 rows): a decode
+    step with its append, and 4 new tokens, over the default splits, against float64 per
+    sequence by the 2x rule."""
     dtype = torch.bfloat16
     for sq in (1, 4):
         (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,

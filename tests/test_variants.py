@@ -579,11 +579,12 @@ def test_dropout_seeding_and_rate():
 
 def test_dropout_under_torch_compile():
     """Dropout through the custom ops (fullgraph, no graph break): the seed is drawn inside
-    the graph from torch's default generator, the same draw as the eager call's, so after
-    the same torch.manual_seed the compiled call's output and gradients are bitwise the
-    eager ones (flash_attention causal with GQA, packed sequences, the SDPA drop-in), and a
-    second draw changes the mask; opcheck passes with dropout's rate and seed; a generator
-    cannot be traced and is refused by name."""
+    the graph; run as traced (aot_eager) that is the eager call's draw from torch's default
+    generator, so after the same torch.manual_seed the compiled call's output and gradients
+    are bitwise the eager ones (flash_attention causal with GQA, packed sequences, the SDPA
+    drop-in), and a second draw changes the mask; opcheck passes with dropout's rate and
+    seed, and a rate without a seed is refused; a generator cannot be traced and is refused
+    by name."""
     q, k, v = _inputs(1, 4, 2, 48, 40, 16, torch.float32)
     do = torch.randn(1, 4, 48, 16, device=DEVICE)
 
@@ -623,6 +624,8 @@ def test_dropout_under_torch_compile():
     args = (q.detach(), k.detach(), v.detach(), True, "bottom_right", None, "bhsd", "auto",
             False, -1, 0, 0.0, None, None, None, None, None, 0.3, seed)  # fmt: skip
     torch.library.opcheck(torch.ops.diyfa.attention_fwd.default, args)
+    with pytest.raises(ValueError, match="dropout_p=0.3 needs dropout_seed"):
+        torch.ops.diyfa.attention_fwd(*args[:-1], None)
     g = torch.Generator().manual_seed(1)
     f = torch.compile(lambda q, k, v: diyfa.flash_attention(q, k, v, dropout_p=0.1,
                                                             generator=g),

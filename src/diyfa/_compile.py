@@ -8,12 +8,14 @@ interpreter, which leaves Triton's language module patched.
 from __future__ import annotations
 
 
-def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = None):
+def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = None,
+                     arch: int = 90):
     """Triton's ``CompiledKernel`` of ``fn`` (``@triton.jit`` or ``@gluon.jit``) specialised on
     ``args`` (every parameter by name: constexprs by value, the others as Triton's launcher
     would see them: integers equal to 1 compiled in, 16-byte-aligned pointers and integers
     divisible by 16 marked so, which is what lets loads vectorise); ``.asm["ptx"]``,
-    ``.metadata``."""
+    ``.metadata``. ``arch``: another compute capability (89: an sm89 GPU's limits) for
+    Triton kernels."""
     import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
@@ -21,7 +23,7 @@ def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = No
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
-    target = GPUTarget("cuda", 90, 32)
+    target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constants, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):

@@ -516,7 +516,11 @@ def values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         same = v_cache.data_ptr() == k_cache.data_ptr()
     except RuntimeError:  # fake tensors (a trace) have no addresses: the real call checks
         return False
-    return same and v_cache.shape[3] <= k_cache.shape[3] and v_cache.stride() == k_cache.stride()
+    # (strides of the axes of size 1 say nothing: MLA's one kv head, one new token)
+    return (same and v_cache.shape[3] <= k_cache.shape[3] and v_cache.stride(3) == k_cache.stride(3)
+            and all(n == 1 or sv == sk for n, sv, sk in
+                    zip(k_cache.shape[:3], v_cache.stride()[:3], k_cache.stride()[:3],
+                        strict=True)))  # fmt: skip
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,

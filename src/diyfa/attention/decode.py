@@ -143,17 +143,30 @@ WIDE_HEAD_ROWS = 64
 WIDE_HEAD_STAGES = 2
 # ... fp32 caches (16 rows): 8 warps (4 spilled 21 KB at 32-key blocks; ptxas, sm90a).
 WIDE_HEAD_FP32 = (32, 8, 1)
+# GPUs with less shared memory a block than this (A100's 163 KB, the 99 KB of sm86 / sm89)
+# run wide heads at 16 rows, fp32 with 16-key blocks: the 64-row tiles keep their 64 x 576 Q
+# in shared memory next to the ring (205 KB at one stage), and fp32's 32-key tiles asked
+# 104-110 KB (Triton's compiles for sm80 / sm89, 2026-11-25).
+WIDE_HEAD_GROUP_SHARED = 200 * 1024
 # One latent cache (v_cache = k_cache[..., :dv]): the key tile serves as the value tile
 # (V_IN_K) when True; when False the values are loaded again through v_cache's pointer (the
 # same rows, from L2).
 LATENT_REUSE = True
 
 
+def wide_head_rows(elem_bytes: int, max_shared: int) -> int:
+    """The most query rows a split program takes at head dims above 256: WIDE_HEAD_ROWS for
+    16-bit caches on GPUs with WIDE_HEAD_GROUP_SHARED bytes of shared memory a block, else 16
+    (an fp8 cache's widened 64-row tiles spilled ~300 bytes; fp32's 64 x 576 Q and key tiles,
+    and 16-bit ones on smaller GPUs, would not fit shared memory)."""
+    return WIDE_HEAD_ROWS if elem_bytes == 2 and max_shared >= WIDE_HEAD_GROUP_SHARED else 16
+
+
 def head_chunks(d: int) -> tuple[int, int]:
     """The split kernel's (HEAD_DIM_PAD, HEAD_DIM_TAIL) for q's and k's head dim ``d``: up
     to 256 one power-of-two chunk (at least 16), no tail; above it the largest power of two
-    below ``d`` and a power-of-two tail for the rest (576 -> 512 + 64, 320 -> 256 + 64), so a
-    576-wide head is not padded to 1024."""
+    not above ``d`` and a power-of-two tail for the rest (576 -> 512 + 64, 320 -> 256 + 64,
+    512 -> 512 + 0), so a 576-wide head is not padded to 1024."""
     if d <= 256:
         return max(16, next_power_of_2(d)), 0
     main = 1 << (d.bit_length() - 1)
@@ -167,19 +180,24 @@ def pdl_on(device: torch.device) -> bool:
 
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
-                  block_m: int = 16, latent: bool = False) -> tuple[int, int, int, bool]:
+                  block_m: int = 16, latent: bool = False,
+                  max_shared: int = 232448) -> tuple[int, int, int, bool]:
     """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI,
     PAGED_WAVES and PAGED_WAVES_MULTI; whole waves: :func:`pick_splits` counts the programs
     per SM as the ones resident and fills whole waves of them). ``block_m``: the query rows
     of a program (the GQA group x new tokens, padded); paged programs of more than 16 rows
     hold more registers (ptxas, sm90, bf16 d128: 161 at 16 rows, 203 at 32, 187 at 64; 4
     warps), so 2 of them fit an SM, not 3. Head dims above 256: WIDE_HEAD and its group
-    launches (``latent``: one latent cache, the key tile read as the value tile)."""
+    launches (``latent``: one latent cache, the key tile read as the value tile; fp32 with
+    16-key blocks below WIDE_HEAD_GROUP_SHARED bytes of ``max_shared``)."""
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
     wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
     if max(d_pad, dv_pad) > 256:  # (d_pad: both chunks)
-        return (*(WIDE_HEAD_FP32 if elem_bytes == 4 else WIDE_HEAD if block_m <= 16
-                  else WIDE_HEAD_GROUP if latent else WIDE_HEAD_GROUP_TWO), True)  # fmt: skip
+        if elem_bytes == 4:
+            block_n, warps, per_sm = WIDE_HEAD_FP32
+            return (block_n if max_shared >= WIDE_HEAD_GROUP_SHARED else 16), warps, per_sm, True
+        return (*(WIDE_HEAD if block_m <= 16 else WIDE_HEAD_GROUP if latent
+                  else WIDE_HEAD_GROUP_TWO), True)  # fmt: skip
     if wide and narrow and not paged:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
@@ -742,13 +760,12 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     paged = block_table is not None
     pdl = pdl_on(q.device)
     wide = max(d_pad + d_tail, dv_pad) > 256
-    # (wide heads take 64-row tiles in 16 bits only: an fp8 cache's widened tiles spilled
-    # ~300 bytes there, and fp32's 64 x 576 Q and key tiles would not fit shared memory)
-    most_rows = (WIDE_HEAD_ROWS if k_cache.element_size() == 2 else 16) if wide else 64
+    max_shared = kernel_limits(q.device.index)["max_shared_mem"] if q.is_cuda else 232448
+    most_rows = wide_head_rows(k_cache.element_size(), max_shared) if wide else 64
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad + d_tail, dv_pad,
                                                   k_cache.element_size(), q.is_cuda,
-                                                  block_m, v_in_k)  # fmt: skip
+                                                  block_m, v_in_k, max_shared)  # fmt: skip
     short = (block_n, warps, per_sm) == WIDE and short_cache(
         max_seqlen_k, b * hk, kernel_limits(q.device.index)["sm_count"])  # (WIDE: a GPU)
     if short:
@@ -809,8 +826,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
     most = SHORT_STAGES if short else WIDE_HEAD_STAGES if wide and block_m > 16 else 3
     stages = split_stages(d_pad + d_tail, 0 if v_in_k else dv_pad, k_cache.element_size(),
-                          kernel_limits(q.device.index)["max_shared_mem"],
-                          block_n, most) if q.is_cuda else 1  # fmt: skip
+                          max_shared, block_n, most) if q.is_cuda else 1  # fmt: skip
     launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
                     {"launch_pdl": pdl})  # fmt: skip
     if not direct:

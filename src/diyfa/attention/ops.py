@@ -44,17 +44,25 @@ from diyfa.attention.problem import bhsd_shape
 
 def dropout_seed(dropout_p) -> torch.Tensor | None:
     """The Philox seed of a traced call's dropout mask, for the ops: a 0-dim int64 CPU tensor
-    drawn by ``torch.randint`` from torch's default generator inside the traced graph (each
-    run of the compiled graph draws anew; ``torch.manual_seed`` repeats a run), None without
-    dropout. The eager path draws the same way (``attention._dropout_seed``)."""
+    drawn by ``torch.randint`` inside the traced graph (each run of the compiled graph draws
+    anew; ``torch.manual_seed`` repeats a run), None without dropout. Run as traced
+    (``backend="aot_eager"``, or Inductor with ``fallback_random=True``) it is the eager
+    path's draw from torch's default generator (``attention._dropout_seed``), so the mask is
+    the eager call's; Inductor's own random numbers draw another seed by default."""
     if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p == 0:
         return None
     return torch.randint(0, 2**62, (), device="cpu")
 
 
-def _seed(dropout_seed: torch.Tensor | None, fake: bool) -> int:
-    # (a CPU tensor: reading it does not wait for any GPU)
-    return 0 if dropout_seed is None or fake else int(dropout_seed)
+def _seed(dropout_p, dropout_seed: torch.Tensor | None, fake: bool) -> int:
+    """The seed's value (a CPU tensor: reading it waits for no GPU); a rate without a seed
+    is refused (every call would draw the same mask)."""
+    if dropout_seed is None:
+        if isinstance(dropout_p, (int, float)) and dropout_p > 0:
+            raise ValueError(f"dropout_p={dropout_p} needs dropout_seed (a 0-dim int64 CPU "
+                             "tensor, e.g. ops.dropout_seed(dropout_p)), got None")  # fmt: skip
+        return 0
+    return 0 if fake else int(dropout_seed)
 
 
 def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, window_left,
@@ -65,7 +73,7 @@ def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, windo
                         window_size=(window_left, window_right), softcap=softcap,
                         alibi_slopes=alibi_slopes, sinks=sinks, q_descale=q_descale,
                         k_descale=k_descale, v_descale=v_descale, dropout_p=dropout_p,
-                        dropout_seed=_seed(dropout_seed, fake))  # fmt: skip
+                        dropout_seed=_seed(dropout_p, dropout_seed, fake))  # fmt: skip
 
 
 def _sink_grad(do, out, lse2, problem):
@@ -173,7 +181,7 @@ def _varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, de
                                window_size=(window_left, window_right), softcap=softcap,
                                fake=fake, alibi_slopes=alibi_slopes, sinks=sinks,
                                dropout_p=dropout_p,
-                               dropout_seed=_seed(dropout_seed, fake))  # fmt: skip
+                               dropout_seed=_seed(dropout_p, dropout_seed, fake))  # fmt: skip
 
 
 @torch.library.custom_op("diyfa::attention_varlen_fwd", mutates_args=())
