@@ -68,6 +68,16 @@ def inputs(b, h, hk, n, page, d=128, dtype=torch.bfloat16, tokens=1):
     return q, k, torch.randn_like(k), seqlens, table
 
 
+def run_record() -> tuple[dict, float]:
+    """The run's environment (GPU, torch, triton) and the measured copy bandwidth (GB/s),
+    printed, for the decode scripts' first JSON line."""
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=__import__("triton").__version__)  # fmt: skip
+    copy = copy_bandwidth()
+    print(f"copy bandwidth: {copy:.0f} GB/s", flush=True)
+    return env, copy
+
+
 def copy_bandwidth() -> float:
     from triton.testing import do_bench
 
@@ -92,10 +102,7 @@ def main() -> int:
     # ("default": the launch decode.launch_config picks, WIDE / PAGED_WAVES included)
     variants = [v if v == "default" else tuple(int(x) for x in v.split(","))
                 for v in a.variants.split(";") if v]  # fmt: skip
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=__import__("triton").__version__)  # fmt: skip
-    copy = copy_bandwidth()
-    print(f"copy bandwidth: {copy:.0f} GB/s", flush=True)
+    env, copy = run_record()
     table = []
     with open(a.out, "w") as out:
         out.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
-from decode_ab import copy_bandwidth  # noqa: E402  (benchmarks/, this script's folder)
+from decode_ab import run_record  # noqa: E402  (benchmarks/, this script's folder)
 
 import diyfa  # noqa: E402
 from diyfa.attention import decode  # noqa: E402
@@ -110,10 +110,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     variants = [v for v in a.variants.split(";") if v]
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=__import__("triton").__version__)  # fmt: skip
-    copy = copy_bandwidth()
-    print(f"copy bandwidth: {copy:.0f} GB/s", flush=True)
+    env, copy = run_record()
     table = []
     with open(a.out, "w") as out:
         out.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")
