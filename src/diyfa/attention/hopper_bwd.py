@@ -500,6 +500,21 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
 
 
 @gluon.jit
+def _store_rows(PTR, x, row0, col0, k_start, off_hk, stride_s, stride_h, seqlen_k, width):
+    """The tile ``x`` (rows from ``row0`` of the sequence's keys, columns from ``col0``) into a
+    packed (total, kv heads, dim) tensor by masked pointer stores: the rows before
+    ``seqlen_k``, the columns before ``width`` (a packed sequence's last key block, which a
+    TMA store would write past into the next sequence's rows). Both kernels' epilogues."""
+    layout: gl.constexpr = x.type.layout
+    rows = row0 + gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
+    at = (k_start + rows).to(gl.int64)[:, None]
+    gl.store(PTR + at * stride_s + off_hk * stride_h + cols[None, :],
+             x.to(PTR.dtype.element_ty),
+             mask=(rows < seqlen_k)[:, None] & (cols < width)[None, :])  # fmt: skip
+
+
+@gluon.jit
 def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, DK, DV,
                 stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb, off_hk,
                 k_start, key0, seqlen_k, masked, DQ_ATOMIC: gl.constexpr, C: gl.constexpr):
@@ -512,15 +527,10 @@ def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, 
         mbarrier.arrive(done.index(0))
         mbarrier.wait(done.index(0), 0)
     if masked:
-        layout: gl.constexpr = dk.type.layout
-        rows = key0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
-        ok = (rows < seqlen_k)[:, None] & (cols < head_dim)[None, :]
-        at = (k_start + rows).to(gl.int64)[:, None]
-        gl.store(DK + at * stride_dks + off_hk * stride_dkh + cols[None, :],
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)  # fmt: skip
-        gl.store(DV + at * stride_dvs + off_hk * stride_dvh + cols[None, :],
-                 dv.to(DV.dtype.element_ty), mask=ok)  # fmt: skip
+        _store_rows(DK, dk * sm_scale, key0, 0, k_start, off_hk, stride_dks, stride_dkh,
+                    seqlen_k, head_dim)  # fmt: skip
+        _store_rows(DV, dv, key0, 0, k_start, off_hk, stride_dvs, stride_dvh, seqlen_k,
+                    head_dim)  # fmt: skip
     else:
         k_smem.store((dk * sm_scale).to(k_smem.dtype))
         v_smem.store(dv.to(v_smem.dtype))
@@ -1035,17 +1045,28 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, left_offset=0, tanh_scale=1.0,
                 SLOPES=lse2, stride_slopes_b=0, alibi_offset=0, WINDOW=False, SOFTCAP=False,
                 ALIBI=False, DQ_ROWS=False)  # fmt: skip
-    if variants:
-        args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
-    grid = (cdiv(sk, BLOCK_N), b * k4.shape[1])
     # (the atomic dQ's rows in the workspace permuted within groups of 8: _dq_piece, _finish)
     args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
-    if packed is not None:
-        args.update(packed["args"])
-        table, items = kv_table(*packed["cu_host"], BLOCK_N, block_m, causal, lse2.device)
-        args.update(TILES=table)
-        grid = (items, k4.shape[1])
+    grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], causal,
+                      lse2.device)  # fmt: skip
     return grid, args, 4
+
+
+def place_work(args: dict, variants: dict | None, packed: dict | None, block_n: int,
+               block_m: int, seqlen_k: int, batch: int, kv_heads: int, causal: bool,
+               device) -> tuple:
+    """Both backward kernels' arguments' last part, into ``args``: the variants' flags (the
+    sinks' dropped: the LSE holds them) and packed sequences' (their work list, ``kv_table``,
+    as TILES); returns the grid: (key blocks of ``block_n``, batch x kv heads), or (work
+    items, kv heads) for packed sequences."""
+    if variants:
+        args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
+    if packed is None:
+        return cdiv(seqlen_k, block_n), batch * kv_heads
+    args.update(packed["args"])
+    table, items = kv_table(*packed["cu_host"], block_n, block_m, causal, device)
+    args.update(TILES=table)
+    return items, kv_heads
 
 
 def compile_setup(head_dim: int, dtype: torch.dtype, variants: tuple[str, ...],

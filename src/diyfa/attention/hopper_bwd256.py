@@ -62,15 +62,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from diyfa._launcher import cdiv
 from diyfa.attention.hopper_bwd import (
     BWD_CONFIGS,
     _kv_program,
     _probs_t,
     _stats_async,
+    _store_rows,
     _tma_reduce_add,
     compile_setup,
-    kv_table,
+    place_work,
 )
 from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d, head_dim_pad
 
@@ -151,20 +151,10 @@ def _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV
     COLS_V: gl.constexpr = dv.shape[1]
     dtype: gl.constexpr = k_smem.dtype
     if masked:
-        layout: gl.constexpr = dk.type.layout
-        layout_v: gl.constexpr = dv.type.layout
-        rows = n0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
-        cols = C * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        at = (k_start + rows).to(gl.int64)[:, None]
-        gl.store(DK + at * stride_dks + off_hk * stride_dkh + cols[None, :],
-                 (dk * sm_scale).to(DK.dtype.element_ty),
-                 mask=(rows < seqlen_k)[:, None] & (cols < head_dim)[None, :])  # fmt: skip
-        rows_v = n0 + gl.arange(0, dv.shape[0], layout=gl.SliceLayout(1, layout_v))
-        cols_v = C * COLS_V + gl.arange(0, COLS_V, layout=gl.SliceLayout(0, layout_v))
-        at_v = (k_start + rows_v).to(gl.int64)[:, None]
-        gl.store(DV + at_v * stride_dvs + off_hk * stride_dvh + cols_v[None, :],
-                 dv.to(DV.dtype.element_ty),
-                 mask=(rows_v < seqlen_k)[:, None] & (cols_v < head_dim_v)[None, :])  # fmt: skip
+        _store_rows(DK, dk * sm_scale, n0, C * COLS, k_start, off_hk, stride_dks, stride_dkh,
+                    seqlen_k, head_dim)  # fmt: skip
+        _store_rows(DV, dv, n0, C * COLS_V, k_start, off_hk, stride_dvs, stride_dvh, seqlen_k,
+                    head_dim_v)  # fmt: skip
     else:
         k_smem.slice(C * COLS, COLS, dim=1).store((dk * sm_scale).to(dtype))
         v_smem.slice(C * COLS_V, COLS_V, dim=1).store(dv.to(dtype))
@@ -451,14 +441,8 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int
                 STAGES=stages, CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, DQ_ROWS=dq_rows,
                 DO_STAGES=do_stages, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 VARLEN=False)  # fmt: skip
-    if variants:
-        args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
-    grid = (cdiv(sk, BLOCK_N), b * k4.shape[1])
-    if packed is not None:
-        args.update(packed["args"])
-        table, items = kv_table(*packed["cu_host"], BLOCK_N, block_m, causal, lse2.device)
-        args.update(TILES=table)
-        grid = (items, k4.shape[1])
+    grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], causal,
+                      lse2.device)  # fmt: skip
     return grid, args, 4
 
 
