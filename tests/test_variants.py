@@ -536,6 +536,41 @@ def test_dropout(shape, dtype, causal, p, layout):
         _check(name, t.grad, pti.grad, r.grad, 3, dtype)
 
 
+def _seed(generator_seed: int) -> int:
+    """The Philox seed a call with ``generator=torch.Generator().manual_seed(s)`` draws."""
+    return int(torch.randint(0, 2**62, (), generator=torch.Generator().manual_seed(
+        generator_seed)))
+
+
+def test_dropout_mask_is_the_documented_one():
+    """The kernels' mask is ``diyfa.reference.dropout_mask`` (the scheme the Hopper kernels
+    share with the portable ones, pinned on the host): per (batch, head) with the query
+    head's number, GQA, bshd, rows and keys past 16 (both bit-3 halves of each group), and
+    packed sequences (positions counted from each sequence's start, numbered as batches)."""
+    from diyfa.reference import dropout_mask
+
+    q, k, _ = (t.detach() for t in _inputs(2, 4, 2, 37, 45, 16, torch.float32, layout="bshd"))
+    got = _dropout_mask(q, k, False, 0.3, 21, "bshd")
+    for b in range(2):
+        for h in range(4):
+            want = dropout_mask(_seed(21), b * 4 + h, 37, 45, 0.3)
+            assert torch.equal(got[b, h].cpu(), want), (b, h)
+    # packed: sequences of 20 and 44 tokens, 2 heads
+    q, k, v = (t.detach() for t in _inputs(1, 2, 2, 64, 64, 16, torch.float32))
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32, device=DEVICE)
+    qp, kp = (t[0].transpose(0, 1).contiguous() for t in (q, k))
+    eye = torch.zeros(64, 2, 64, device=DEVICE)
+    for s0, s1 in ((0, 20), (20, 64)):
+        eye[torch.arange(s0, s1), :, torch.arange(s1 - s0)] = 1.0
+    probs = diyfa.flash_attention_varlen(qp, kp, eye, cu, cu, 44, 44, dropout_p=0.4,
+                                         generator=torch.Generator().manual_seed(8))
+    for b, (s0, s1) in enumerate(((0, 20), (20, 64))):
+        for h in range(2):
+            got = probs[s0:s1, h, : s1 - s0] != 0
+            assert torch.equal(got.cpu(), dropout_mask(_seed(8), b * 2 + h, s1 - s0, s1 - s0,
+                                                       0.4)), (b, h)
+
+
 def test_dropout_seeding_and_rate():
     """torch.manual_seed repeats a run bitwise, another seed changes the mask; about
     1 - p of the pairs are kept; the SDPA drop-in and packed sequences run it on the kernel;

@@ -158,12 +158,59 @@ def _alibi(offs_q, offs_k, slope2, alibi_offset):
     return slope2 * tl.abs((offs_q + alibi_offset).to(tl.float32) - offs_k.to(tl.float32))
 
 
+# Philox4x32-10's constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3").
+PHILOX_ROUNDS = tl.constexpr(10)
+PHILOX_MUL_A = tl.constexpr(0xD2511F53)
+PHILOX_MUL_B = tl.constexpr(0xCD9E8D57)
+PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
+PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
+
+
 @triton.jit
-def _keep(row0, stride, offs_q, offs_k, dropout_p, seed):
-    """Whether (query, key) survives dropout: Philox on the pair's index in the whole problem,
-    (row0 + i) * stride + j, so the backward regenerates the forward's mask."""
-    offsets = (row0 + offs_q).to(tl.int64) * stride + offs_k
-    return tl.rand(seed, offsets) >= dropout_p
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1), all uint32: the
+    four words. (hopper_fwd's dropout computes the same rounds in PTX.)"""
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        _c0, _c2 = c0, c2
+        c0 = tl.umulhi(_c2, PHILOX_MUL_B) ^ c1 ^ k0
+        c2 = tl.umulhi(_c0, PHILOX_MUL_A) ^ c3 ^ k1
+        c1 = tl.mul(_c2, PHILOX_MUL_B, sanitize_overflow=False)
+        c3 = tl.mul(_c0, PHILOX_MUL_A, sanitize_overflow=False)
+        k0 = tl.add(k0, PHILOX_KEY_A, sanitize_overflow=False)
+        k1 = tl.add(k1, PHILOX_KEY_B, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _group(i):
+    """A position's dropout group: bit 3 left out, so i and i + 8 share one (i & ~8 ...)."""
+    return ((i >> 4) << 3) | (i & 7)
+
+
+@triton.jit
+def _keep(bh, thresh, offs_q, offs_k, seed):
+    """Whether (query, key) survives dropout (one broadcast 2-D block; ``offs_q`` and
+    ``offs_k`` are positions in the sequence, ``bh`` = batch (or packed sequence) * heads +
+    query head). The mask is one Philox4x32-10 call per group of four pairs, queries
+    {i, i + 8} x keys {j, j + 8} (i, j with bit 3 clear): the counter (key group, query
+    group, bh, 0), the key the seed's two halves, word 2 * (bit 3 of the query) + (bit 3 of
+    the key), kept iff the word, unsigned, is >= ``thresh`` (dropout_p * 2^32, passed
+    less 2^31 as a signed int32). Every thread of a Hopper wgmma accumulator holds whole
+    groups (rows r, r + 8 and columns c, c + 8), so the Gluon kernels draw once per four
+    pairs; this kernel draws once per pair and picks its word. The forward, both backward
+    kernels and the Gluon kernels compute the same bits."""
+    seed64 = seed.to(tl.uint64)
+    k0 = (seed64 & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (seed64 >> 32).to(tl.uint32)
+    qg = _group(offs_q).to(tl.uint32)
+    kg = _group(offs_k).to(tl.uint32)
+    zero = (qg & 0) + (kg & 0)  # the block's shape
+    w0, w1, w2, w3 = _philox(kg + zero, qg + zero, zero + bh.to(tl.uint32), zero, k0, k1)
+    q8 = ((offs_q >> 3) & 1) + (kg & 0).to(offs_q.dtype)
+    k8 = ((offs_k >> 3) & 1) + (qg & 0).to(offs_k.dtype)
+    word = tl.where(q8 == 1, tl.where(k8 == 1, w3, w2), tl.where(k8 == 1, w1, w0))
+    # unsigned >= as a signed compare: flip the sign bits
+    return (word ^ 0x80000000).to(tl.int32, bitcast=True) >= thresh
 
 
 @triton.jit
@@ -226,7 +273,7 @@ def _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN: tl.const
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
                tanh_scale, slope2, alibi_offset,
-               drop_row, dropout_stride, dropout_p, dropout_seed,
+               drop_bh, dropout_thresh, dropout_p, dropout_seed,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -270,7 +317,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the normaliser keeps every probability; P @ V only the kept ones
-            keep = _keep(drop_row, dropout_stride, offs_m[:, None], offs_n[None, :], dropout_p,
+            keep = _keep(drop_bh, dropout_thresh, offs_m[:, None], offs_n[None, :],
                          dropout_seed)  # fmt: skip
             p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
         v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
@@ -297,7 +344,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               stride_ob, stride_oh, stride_os, stride_od,
               heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, total_q, SEQ_BUCKET,
               window_left, window_right, tanh_scale, SLOPES, stride_slopes_b, SINK_LOGITS,
-              dropout_p, dropout_seed, dropout_stride,
+              dropout_p, dropout_seed, dropout_thresh,
               DESCALE_Q, DESCALE_K, DESCALE_V, stride_ds_b, stride_ds_h,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
@@ -344,26 +391,27 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
                                           BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     # The sequence's first row in the LSE (and the dropout mask's row numbering).
     row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
+    drop_bh = off_b * heads + off_h  # the dropout mask's (batch, head)
     if WINDOW:  # keys left of the band's edge (masked)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                    stride_vs, stride_vd, offs_m, offs_d, lo, full_lo,
                                    seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                                   tanh_scale, slope2, alibi_offset, row, dropout_stride, dropout_p,
-                                   dropout_seed, BLOCK_N, HEAD_DIM,
+                                   tanh_scale, slope2, alibi_offset, drop_bh, dropout_thresh,
+                                   dropout_p, dropout_seed, BLOCK_N, HEAD_DIM,
                                    HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW,
                                    SOFTCAP, ALIBI, DROPOUT, True,
                                    PRECISION, FP8)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi,
                                seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                               tanh_scale, slope2, alibi_offset, row, dropout_stride, dropout_p,
+                               tanh_scale, slope2, alibi_offset, drop_bh, dropout_thresh, dropout_p,
                                dropout_seed, BLOCK_N, HEAD_DIM,
                                HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW, SOFTCAP,
                                ALIBI, DROPOUT, False, PRECISION, FP8)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd,
                                stride_vs, stride_vd, offs_m, offs_d, full_hi, hi,
                                seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale,
-                               tanh_scale, slope2, alibi_offset, row, dropout_stride, dropout_p,
+                               tanh_scale, slope2, alibi_offset, drop_bh, dropout_thresh, dropout_p,
                                dropout_seed, BLOCK_N, HEAD_DIM,
                                HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, WINDOW, SOFTCAP,
                                ALIBI, DROPOUT, True, PRECISION, FP8)
@@ -403,7 +451,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
                     stride_qs, stride_qd, stride_dos, stride_dod,
                     offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, causal_offset, left_offset,
                     qk_scale, tanh_scale, slope2, alibi_offset,
-                    drop_row, dropout_stride, dropout_p, dropout_seed,
+                    drop_bh, dropout_thresh, dropout_p, dropout_seed,
                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -433,7 +481,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA,
                             left_offset, CAUSAL, WINDOW)
             pt = tl.where(keep, pt, 0.0)
         if DROPOUT:  # the forward's mask, regenerated
-            kept = _keep(drop_row, dropout_stride, offs_m[None, :], offs_n[:, None], dropout_p,
+            kept = _keep(drop_bh, dropout_thresh, offs_m[None, :], offs_n[:, None],
                          dropout_seed)  # fmt: skip
             dv = tl.dot(tl.where(kept, pt * (1.0 / (1.0 - dropout_p)), 0.0).to(do.dtype), do,
                         dv, input_precision=PRECISION)  # fmt: skip
@@ -459,7 +507,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
                    heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
                    total_q, SEQ_BUCKET, window_left, window_right, tanh_scale, SLOPES,
-                   stride_slopes_b, SINK_LOGITS, dropout_p, dropout_seed, dropout_stride,
+                   stride_slopes_b, SINK_LOGITS, dropout_p, dropout_seed, dropout_thresh,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                    PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
@@ -524,6 +572,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
         q_base = Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh
         do_base = DO + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh
         row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
+        drop_bh = off_b * heads + off_h  # the dropout mask's (batch, head)
         slope2 = _slope(SLOPES, stride_slopes_b, off_b, off_h, ALIBI)
         if PRECISION == "ieee":
             dk_g = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
@@ -535,7 +584,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, lo, mid_lo, seqlen_q, seqlen_k,
                                      causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                                     alibi_offset, row, dropout_stride, dropout_p, dropout_seed,
+                                     alibi_offset, drop_bh, dropout_thresh, dropout_p, dropout_seed,
                                      BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
                                      HEAD_DIM_V_PAD, CAUSAL,
                                      WINDOW, SOFTCAP, ALIBI, DROPOUT, True, PRECISION)
@@ -543,7 +592,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, mid_lo, mid_hi, seqlen_q, seqlen_k,
                                      causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                                     alibi_offset, row, dropout_stride, dropout_p, dropout_seed,
+                                     alibi_offset, drop_bh, dropout_thresh, dropout_p, dropout_seed,
                                      BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
                                      HEAD_DIM_V_PAD, CAUSAL,
                                      WINDOW, SOFTCAP, ALIBI, DROPOUT, False, PRECISION)
@@ -551,7 +600,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                                      stride_qs, stride_qd, stride_dos, stride_dod,
                                      offs_n, offs_d, mid_hi, end, seqlen_q, seqlen_k,
                                      causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                                     alibi_offset, row, dropout_stride, dropout_p, dropout_seed,
+                                     alibi_offset, drop_bh, dropout_thresh, dropout_p, dropout_seed,
                                      BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
                                      HEAD_DIM_V_PAD, CAUSAL,
                                      WINDOW, SOFTCAP, ALIBI, DROPOUT, True, PRECISION)
@@ -575,7 +624,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
 def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
                   stride_vn, stride_vd, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k,
                   causal_offset, left_offset, qk_scale, tanh_scale, slope2, alibi_offset,
-                  drop_row, dropout_stride, dropout_p, dropout_seed,
+                  drop_bh, dropout_thresh, dropout_p, dropout_seed,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                   HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -605,7 +654,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd,
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vt, input_precision=PRECISION)
         if DROPOUT:  # the forward's mask, regenerated
-            kept = _keep(drop_row, dropout_stride, offs_m[:, None], offs_n[None, :], dropout_p,
+            kept = _keep(drop_bh, dropout_thresh, offs_m[:, None], offs_n[None, :],
                          dropout_seed)  # fmt: skip
             dp = tl.where(kept, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
@@ -625,7 +674,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                  stride_dqb, stride_dqh, stride_dqs, stride_dqd,
                  heads, kv_group, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale,
                  total_q, SEQ_BUCKET, window_left, window_right, tanh_scale, SLOPES,
-                 stride_slopes_b, SINK_LOGITS, dropout_p, dropout_seed, dropout_stride,
+                 stride_slopes_b, SINK_LOGITS, dropout_p, dropout_seed, dropout_thresh,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                  PRECISION: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr,
@@ -657,6 +706,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     # delta = rowsum(dO * O): this kernel runs first and leaves it for the dK/dV kernel.
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     row = _stats_row(off_b, off_h, heads, q_start, seqlen_q, total_q, VARLEN)
+    drop_bh = off_b * heads + off_h  # the dropout mask's (batch, head)
     tl.store(DELTA + row + offs_m, delta, mask=m_ok)
     lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -673,21 +723,21 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
         dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                            stride_vs, stride_vd, offs_m, offs_d, lo, full_lo, seqlen_q,
                            seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                           alibi_offset, row, dropout_stride, dropout_p, dropout_seed, BLOCK_N,
+                           alibi_offset, drop_bh, dropout_thresh, dropout_p, dropout_seed, BLOCK_N,
                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V,
                            HEAD_DIM_V_PAD, CAUSAL, WINDOW,
                            SOFTCAP, ALIBI, DROPOUT, True, PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, offs_m, offs_d, full_lo, full_hi, seqlen_q,
                        seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                       alibi_offset, row, dropout_stride, dropout_p, dropout_seed, BLOCK_N,
+                       alibi_offset, drop_bh, dropout_thresh, dropout_p, dropout_seed, BLOCK_N,
                        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                        CAUSAL, WINDOW, SOFTCAP,
                        ALIBI, DROPOUT, False, PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_kd,
                        stride_vs, stride_vd, offs_m, offs_d, full_hi, hi, seqlen_q,
                        seqlen_k, causal_offset, left_offset, qk_scale, tanh_scale, slope2,
-                       alibi_offset, row, dropout_stride, dropout_p, dropout_seed, BLOCK_N,
+                       alibi_offset, drop_bh, dropout_thresh, dropout_p, dropout_seed, BLOCK_N,
                        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
                        CAUSAL, WINDOW, SOFTCAP,
                        ALIBI, DROPOUT, True, PRECISION)
@@ -834,13 +884,20 @@ def _build_common(problem: Problem, stats: torch.Tensor) -> dict:
         stride_slopes_b=(p.alibi_slopes.stride(0) if p.alibi_slopes is not None
                          and p.alibi_slopes.dim() == 2 else 0),
         SINKS=p.sinks is not None, SINK_LOGITS=p.sinks if p.sinks is not None else stats,
-        # Dropout: Philox on (row, key) with the call's seed; rows numbered as in the LSE.
+        # Dropout: Philox per group of (query, key) pairs with the call's seed (_keep).
         DROPOUT=p.dropout_p > 0, dropout_p=p.dropout_p, dropout_seed=p.dropout_seed,
-        dropout_stride=max(p.seqlen_k, 1),
+        dropout_thresh=dropout_threshold(p.dropout_p),
     )  # fmt: skip
     if p.softcap > 0:
         args["qk_scale"] = p.softcap * LOG2E
     return args
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels' dropout threshold: a pair is dropped when its 32-bit Philox word is
+    below dropout_p * 2^32 (so kept with probability 1 - dropout_p, to 2^-32), passed less
+    2^31 so that it is a signed int32 (:func:`_keep`)."""
+    return min(round(dropout_p * 2**32), 2**32 - 1) - 2**31
 
 
 def _strides(t: torch.Tensor, problem: Problem) -> tuple[int, int, int, int]:
