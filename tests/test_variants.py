@@ -609,7 +609,144 @@ def test_dropout_seeding_and_rate():
         with pytest.raises(err, match="dropout_p must be"):
             diyfa.flash_attention(q, k, v, dropout_p=bad)
     problem = dataclasses.replace(_problem(), dropout_p=0.1)
-    assert "no dropout yet" in dict(dispatch.explain(problem))["hopper"]
+    assert dispatch.select(problem).name == "hopper"  # its forward; the backward portable
+    assert "no dropout yet" in hopper_bwd.supports(problem)
+
+
+def test_dropout_layout_is_the_asms():
+    """The Hopper kernels' dropout (``hopper_fwd._dropout_asm``) takes a thread's 8
+    consecutive accumulator registers as rows r, r + 8 x columns c, c + 1, c + 8, c + 9 (c
+    a multiple of 16 plus twice the lane's quad index): the wgmma accumulator layouts it
+    runs on, as Triton lays them out (register bits: column + 1, row + 8, column + 8;
+    lane bits: column + 2, + 4, row + 1, + 2, + 4). A Triton that laid them out otherwise
+    would draw another mask: this fails first."""
+    from triton._C.libtriton import gluon_ir, ir
+    from triton.experimental.gluon import language as gl
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    builder = gluon_ir.GluonOpBuilder(ctx)
+    for rows, cols in ((64, 64), (64, 128), (128, 64)):
+        layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                           instr_shape=[16, cols, 16])  # fmt: skip
+        ll = builder.to_linear_layout(layout._to_ir(builder), [rows, cols])
+        assert ll.reg_bases[:3] == [[0, 1], [8, 0], [0, 8]], (rows, cols, ll)
+        assert ll.lane_bases == [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], (rows, cols, ll)
+        assert all(r == 0 or c % 16 == 0 for r, c in ll.reg_bases[3:]), (rows, cols, ll)
+
+
+_COMPILE_HOPPER_DROPOUT = """
+import json, os, subprocess, sys, tempfile, torch, triton
+from diyfa.attention import hopper_fwd as hf
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+out = []
+for d in (64, 128, 256):
+    for causal in (False, True):
+        k = hf.compile_for_hopper(d, torch.bfloat16, causal, variants=("DROPOUT",))
+        plain = hf.compile_for_hopper(d, torch.bfloat16, causal)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True)
+        spilled = int(done.stderr.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+        out.append({"d": d, "causal": causal, "shared": k.metadata.shared, "spilled": spilled,
+                    "philox": k.asm["ptx"].count("0xCD9E8D57"),
+                    "plain": plain.asm["ptx"].count("0xCD9E8D57")})
+print(json.dumps(out))
+"""
+
+
+def test_hopper_kernel_compiles_dropout():
+    """The Hopper forward with dropout compiles for sm90a at head dims 64/128/256, causal or
+    not, fits the shared memory, draws Philox (its multiplier in the PTX) where the plain
+    kernel has none, and spills at most 320 bytes (ptxas, 2026-11-25: 8-16 at d64, 12-300
+    at d128, 88-184 at d256). In a fresh process (see test_hopper_attention)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_DROPOUT], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in json.loads(done.stdout.strip().splitlines()[-1]):
+        where = f"d{r['d']} causal={r['causal']}"
+        assert r["shared"] <= 227 * 1024, where
+        assert r["spilled"] <= 320, where
+        assert r["philox"] > 0 and r["plain"] == 0, where
+
+
+HOPPER_DROPOUT_CASES = [
+    # (b, h, hk, sq, sk, d, dtype, causal, p, layout)
+    (2, 4, 2, 300, 257, 128, torch.bfloat16, True, 0.1, "bhsd"),
+    (1, 4, 4, 513, 700, 64, torch.float16, False, 0.3, "bshd"),
+    (1, 4, 1, 1000, 1000, 128, torch.bfloat16, False, 0.5, "bhsd"),
+    (2, 2, 2, 333, 1024, 256, torch.bfloat16, True, 0.2, "bhsd"),
+    (1, 8, 2, 2000, 1999, 96, torch.float16, True, 0.25, "bshd"),
+    (1, 2, 2, 4096, 4096, 64, torch.bfloat16, True, 0.1, "bhsd"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HOPPER_DROPOUT_CASES,
+                         ids=lambda c: f"d{c[5]}-c{int(c[7])}-p{c[8]}-{c[9]}-{c[3]}x{c[4]}")
+def test_gpu_hopper_dropout(case):
+    """The Hopper forward's dropout draws ``reference.dropout_mask`` bit for bit: out against
+    float64 with that mask by the 2x rule (a wrong mask is wrong by O(1)), and every
+    gradient (the portable backward regenerating the mask) by the 3x rule; GQA/MQA,
+    seqlen_q != seqlen_k, odd lengths, both layouts, head dims 64..256."""
+    from diyfa.reference import dropout_mask
+
+    b, h, hk, sq, sk, d, dtype, causal, p, layout = case
+    q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
+    out = diyfa.flash_attention(q, k, v, causal=causal, dropout_p=p, layout=layout,
+                                backend="hopper", generator=torch.Generator().manual_seed(4))
+    mask = torch.stack([torch.stack([dropout_mask(_seed(4), i * h + j, sq, sk, p)
+                                     for j in range(h)]) for i in range(b)]).to(DEVICE)
+    do = torch.randn_like(out)
+    out.backward(do)
+    kw = dict(causal=causal, layout=layout, dropout_p=p, dropout_mask=mask)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_ref(*ref_in, compute_dtype=torch.float64, **kw)
+    pt = attention_ref(*pt_in, compute_dtype=dtype, **kw)
+    _check("out", out, pt, ref, 2, dtype)
+    ref.backward(do.double())
+    pt.backward(do)
+    for name, t, pti, r in zip(("dq", "dk", "dv"), (q, k, v), pt_in, ref_in, strict=True):
+        _check(name, t.grad, pti.grad, r.grad, 3, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_packed_dropout():
+    """Packed sequences on the Hopper forward with dropout: each sequence's output against
+    float64 with ``reference.dropout_mask`` (positions from the sequence's start, the
+    sequence numbered as a batch) by the 2x rule; a zero-length sequence among them."""
+    from diyfa.reference import dropout_mask
+
+    lengths = [300, 0, 1000, 77, 513]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device=DEVICE)  # fmt: skip
+    n, h, hk, d, p = sum(lengths), 4, 2, 128, 0.2
+    q = torch.randn(n, h, d, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(n, hk, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    for causal in (False, True):
+        out = diyfa.flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths),
+                                           causal=causal, dropout_p=p, backend="hopper",
+                                           generator=torch.Generator().manual_seed(6))
+        for i, (s0, s1) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+            if s1 == s0:
+                continue
+            mask = torch.stack([dropout_mask(_seed(6), i * h + j, s1 - s0, s1 - s0, p)
+                                for j in range(h)])[None].to(DEVICE)
+            seq = [t[s0:s1].transpose(0, 1)[None] for t in (q, k, v)]
+            ref = attention_ref(*(t.double() for t in seq), causal=causal, dropout_p=p,
+                                dropout_mask=mask)  # fmt: skip
+            pt = attention_ref(*seq, causal=causal, dropout_p=p, dropout_mask=mask,
+                               compute_dtype=torch.bfloat16)  # fmt: skip
+            _check(f"out seq {i} causal={causal}", out[s0:s1].transpose(0, 1)[None], pt,
+                   ref, 2, torch.bfloat16)  # fmt: skip
 
 
 def test_dropout_under_torch_compile():

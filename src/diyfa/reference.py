@@ -127,7 +127,8 @@ def dropout_mask(seed: int, bh: int, seqlen_q: int, seqlen_k: int,
     queries {i, i + 8} x keys {j, j + 8} with bit 3 of i and j clear; counter (key group,
     query group, bh, 0) where a position's group is (p >> 4) * 8 + (p & 7), key (the
     seed's low and high 32 bits); the pair takes word 2 * (bit 3 of i) + (bit 3 of j) and is
-    kept iff that word >= round(dropout_p * 2^32)."""
+    kept iff that word >= round(dropout_p * 2^32). The key is the seed mapped into [2^32,
+    2^62) (``portable.dropout_key``: 2^32 + seed mod (2^62 - 2^32))."""
     import numpy as np
 
     m32 = np.uint64(0xFFFFFFFF)
@@ -138,7 +139,8 @@ def dropout_mask(seed: int, bh: int, seqlen_q: int, seqlen_k: int,
         return ((x >> np.uint64(4)) << np.uint64(3)) | (x & np.uint64(7))
 
     c = [group(kj), group(qi), np.full_like(qi, bh), np.zeros_like(qi)]
-    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
+    key = 2**32 + seed % (2**62 - 2**32)
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
     mul_a, mul_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
     for _ in range(10):
         pb, pa = c[2] * mul_b, c[0] * mul_a  # exact: both factors < 2^32

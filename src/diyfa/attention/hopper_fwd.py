@@ -76,6 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch
+from diyfa.attention import portable
 from diyfa.attention.checks import HostLengths, host_lengths, packed_lengths
 from diyfa.attention.dispatch import Family
 from diyfa.attention.portable import empty_lse, replay_key
@@ -648,6 +649,72 @@ def _rescale(acc, alpha):
                                      is_pure=True, pack=LAZY_PACK)
 
 
+def _dropout_asm(transposed: bool) -> str:
+    """PTX of one :func:`_dropout` instance: 8 values of a wgmma accumulator ($8..$15, the
+    thread's registers 8 m .. 8 m + 7: rows r, r + 8 x columns c, c + 1, c + 8, c + 9, c a
+    multiple of 16 plus twice the lane's quad index) come out as themselves where kept, 0
+    where dropped ($0..$7). Two Philox4x32-10 draws, one per column parity e, one after the
+    other (fewer live registers): the group of rows {r, r + 8} x columns {c + e, c + e + 8};
+    counter (key group, query group, bh, 0), key ($40, $48). Operands per input, one per
+    value: $16.. column groups, $24.. row groups, $32.. bh, $40.. / $48.. the seed's
+    halves, $56.. the threshold less 2^31. ``transposed``: rows are keys and columns
+    queries (the backward's S^T). Register k's bits: column + 1, row + 8, column + 8
+    (``test_dropout_layout_is_the_asms``)."""
+    lines = ["{", ".reg .b32 c<4>, k0, k1, lo, hi, t;", ".reg .b64 w;", ".reg .pred q;",
+             "xor.b32 t, $56, 0x80000000;"]
+    for e in (0, 1):
+        if transposed:  # key group from the rows, query group from column c + e
+            lines += ["mov.b32 c0, $24;", f"mov.b32 c1, ${16 + e};"]
+        else:
+            lines += [f"mov.b32 c0, ${16 + e};", "mov.b32 c1, $24;"]
+        lines += ["mov.b32 c2, $32;", "mov.b32 c3, 0;", "mov.b32 k0, $40;", "mov.b32 k1, $48;"]
+        for r in range(10):
+            lines += ["mul.wide.u32 w, c2, 0xCD9E8D57;", "mov.b64 {lo, hi}, w;",
+                      "mov.b32 c2, c0;",  # (c0 kept in c2 until its product)
+                      "xor.b32 c0, hi, c1;", "xor.b32 c0, c0, k0;", "mov.b32 c1, lo;",
+                      "mul.wide.u32 w, c2, 0xD2511F53;", "mov.b64 {lo, hi}, w;",
+                      "xor.b32 c2, hi, c3;", "xor.b32 c2, c2, k1;", "mov.b32 c3, lo;"]
+            if r < 9:
+                lines += ["add.u32 k0, k0, 0x9E3779B9;", "add.u32 k1, k1, 0xBB67AE85;"]
+        for k in range(e, 8, 2):
+            row8, col8 = (k >> 1) & 1, (k >> 2) & 1
+            query8, key8 = (col8, row8) if transposed else (row8, col8)
+            lines += [f"setp.hs.u32 q, c{2 * query8 + key8}, t;",
+                      f"selp.f32 ${k}, ${8 + k}, 0f00000000, q;"]
+    return "\n".join(lines + ["}"])
+
+
+DROPOUT_ASM = gl.constexpr(_dropout_asm(False))
+DROPOUT_ASM_T = gl.constexpr(_dropout_asm(True))
+DROPOUT_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 48))
+
+
+@gluon.jit
+def _group(i):
+    """A position's dropout group (portable._group): i and i + 8 (bit 3) share one."""
+    return ((i >> 4) << 3) | (i & 7)
+
+
+@gluon.jit
+def _dropout(x, row_groups, col0, bh, seed, thresh, TRANSPOSED: gl.constexpr):
+    """``x`` (a wgmma accumulator block) with the dropped pairs zeroed: portable._keep's mask
+    (the same bits), one Philox draw per group of four pairs a thread holds. ``row_groups``:
+    :func:`_group` of the block's rows (SliceLayout(1, x's layout)); ``col0``: the block's
+    first column's position (a multiple of 16); ``bh``: (batch, query head); ``seed`` the
+    call's seed, ``thresh`` its threshold less 2^31 (portable.dropout_threshold).
+    TRANSPOSED: rows are keys, columns queries."""
+    cols = col0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, x.type.layout))
+    zero = gl.zeros_like(x, dtype=gl.int32)
+    col_groups = zero + _group(cols)[None, :]
+    rows = zero + row_groups[:, None]
+    k0 = zero + (seed & 0xFFFFFFFF).to(gl.int32)
+    k1 = zero + (seed >> 32).to(gl.int32)
+    asm: gl.constexpr = DROPOUT_ASM_T if TRANSPOSED else DROPOUT_ASM
+    return gl.inline_asm_elementwise(asm, DROPOUT_CONSTRAINTS,
+                                     [x, col_groups, rows, zero + bh, k0, k1, zero + thresh],
+                                     dtype=gl.float32, is_pure=True, pack=8)
+
+
 @gluon.jit
 def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
               k_empty, v_empty,
@@ -655,10 +722,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
               stride_os, stride_oh, DESCALE, total_q, head_dim,
+              dropout_seed, dropout_thresh, dropout_keep,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
-              C: gl.constexpr):
+              C: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
     tiles."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
@@ -754,6 +822,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             qk_scale_t = qk_scale * gl.load(DESCALE + ds)
             v_descale = gl.load(DESCALE + batch_heads // kv_group + ds)
         acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
+        drop_rows = _group(offs_m)  # (dropout: the rows' groups and the pair's (batch, head))
+        drop_bh = off_b * heads + off_h
         if not DYNAMIC:
             mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
         if n > lo:
@@ -775,6 +845,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 qk_scale_t, tanh_scale, slope2, alibi_offset,
                 (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
                 P_SHIFT, LAZY)
+            if DROPOUT:  # (the row sums l keep every probability; P V only the kept ones)
+                p = _dropout(p, drop_rows, lo * BLOCK_N, drop_bh, dropout_seed, dropout_thresh,
+                             False)  # fmt: skip
             # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P
             # carried into the next iteration comes out, at three consumers (160 registers),
             # as 16-bit registers whose halves ptxas swaps before the product (32 PRMT per
@@ -811,6 +884,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
                     P_SHIFT, LAZY)
+                if DROPOUT:
+                    p = _dropout(p, drop_rows, j * BLOCK_N, drop_bh, dropout_seed,
+                                 dropout_thresh, False)  # fmt: skip
                 if ORDER & ORDER_PIN:
                     # ptxas schedules the wait for P_{j-1} V_{j-1} as early as it can, which
                     # is before this softmax (it only orders the wait among memory
@@ -852,6 +928,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         empty = l_i == 0.0
         lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+        if DROPOUT:  # the kept probabilities' 1 / (1 - dropout_p)
+            l_o = l_o * dropout_keep
         if VARLEN:
             # (heads, total_q) LSE. O: a TMA store would also write the rows past this
             # sequence's end, which are the next sequence's; so a consumer whose 64 rows all
@@ -912,18 +990,20 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
                stride_os, stride_oh, DESCALE, total_q,
-               head_dim,
+               head_dim, dropout_seed, dropout_thresh, dropout_keep,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
+               DROPOUT: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
               k_empty, v_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
               stride_os, stride_oh, DESCALE, total_q, head_dim,
+              dropout_seed, dropout_thresh, dropout_keep,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
-              0)  # fmt: skip
+              0, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
@@ -933,18 +1013,20 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
                stride_os, stride_oh, DESCALE, total_q,
-               head_dim,
+               head_dim, dropout_seed, dropout_thresh, dropout_keep,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
+               DROPOUT: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
               k_empty, v_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
               stride_os, stride_oh, DESCALE, total_q, head_dim,
+              dropout_seed, dropout_thresh, dropout_keep,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
-              1)  # fmt: skip
+              1, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
@@ -954,18 +1036,20 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
                stride_os, stride_oh, DESCALE, total_q,
-               head_dim,
+               head_dim, dropout_seed, dropout_thresh, dropout_keep,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
-               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr):
+               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
+               DROPOUT: gl.constexpr):
     _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
               k_empty, v_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
               stride_os, stride_oh, DESCALE, total_q, head_dim,
+              dropout_seed, dropout_thresh, dropout_keep,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
-              2)  # fmt: skip
+              2, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
@@ -974,12 +1058,14 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                      stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES, num_items,
                      tile_group, O,
                      stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim, COUNTER,
+                     dropout_seed, dropout_thresh, dropout_keep,
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      SINKS: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
                      ORDER: gl.constexpr,
-                     Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr):
+                     Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
+                     DROPOUT: gl.constexpr = False):
     """Program p runs tiles p, p + grid, p + 2 * grid, ... of the cdiv(seqlen_q, CONSUMERS *
     64) * batch * heads query tiles (a grid of one program per tile is the non-persistent
     launch), or (DYNAMIC) tile p and then those the COUNTER hands out, plus the grid
@@ -1023,24 +1109,27 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
-                          DYNAMIC)),
+                          DYNAMIC, DROPOUT)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q,
                           seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
-                          DYNAMIC)),
+                          DYNAMIC, DROPOUT)),
             (_consumer2, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q,
                           seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
-                          DYNAMIC)),
+                          DYNAMIC, DROPOUT)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, k_empty, v_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
@@ -1055,16 +1144,18 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
-                          DYNAMIC)),
+                          DYNAMIC, DROPOUT)),
             (_consumer1, (o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q,
                           seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
                           stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
-                          DYNAMIC)),
+                          DYNAMIC, DROPOUT)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, k_empty, v_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
@@ -1151,7 +1242,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
                        + ORDER_LAZY.value * bool(cfg.lazy)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
-                DYNAMIC=False)  # fmt: skip
+                DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
+                dropout_keep=1.0)  # fmt: skip
     if variants:
         args.update(variants)
     if fp8 is not None:
@@ -1463,7 +1555,19 @@ def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, 
                         else 0)  # fmt: skip
     if p.sinks is not None:
         variants.update(SINKS=True, SINK_LOGITS=p.sinks)
+    variants.update(dropout_args(p))
     return upper, qk_scale, causal, variants
+
+
+def dropout_args(p: Problem) -> dict:
+    """The forward's dropout arguments (none without dropout): the portable kernels' mask
+    (``portable._keep``: the same seed key and threshold, so either backward regenerates it)
+    and the kept probabilities' scale, applied to O / l once per row."""
+    if p.dropout_p == 0:
+        return {}
+    return dict(DROPOUT=True, dropout_seed=portable.dropout_key(p.dropout_seed),
+                dropout_thresh=portable.dropout_threshold(p.dropout_p),
+                dropout_keep=1.0 - p.dropout_p)
 
 
 def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
@@ -1473,7 +1577,7 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
     """Compile the kernel for sm90a without a GPU (Triton bundles ptxas), as ``hopper_args``
     sets it up for a (2, 16, 4096, head_dim) problem; returns Triton's ``CompiledKernel``
     (``.asm["ptx"]``, ``.metadata``); ``variants`` names the flags to set (WINDOW, SOFTCAP,
-    ALIBI, SINKS); ``packed``: the packed-sequence kernel (VARLEN, 4 sequences);
+    ALIBI, SINKS, DROPOUT); ``packed``: the packed-sequence kernel (VARLEN, 4 sequences);
     ``value_dim``: v and the output with that head dim (default head_dim); ``fp8``: e4m3
     q, k, v (V^T blocks, descales, a bf16 output; ``dtype`` is ignored). Run it in
     a process that has not run kernels under the interpreter (which leaves Triton's language
@@ -1487,6 +1591,9 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
         flags["left_offset"] = -1000
     if "ALIBI" in flags:  # (the flag's value as variant_args gives it)
         flags["ALIBI"] = alibi_flag(head_dim_pad(head_dim))
+    if "DROPOUT" in flags:
+        flags.update(dropout_seed=2**40 + 3, dropout_thresh=portable.dropout_threshold(0.1),
+                     dropout_keep=0.9)  # fmt: skip
     pack = None
     if packed:
         q, lse = q[:1], lse[0]
@@ -1586,7 +1693,8 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     lengths = cu_host(p) if p.cu_host is None else p.cu_host
     cu_q, cu_k = p.cu_seqlens_q, p.cu_seqlens_k
     roles = key = None
-    if config is None and q.is_cuda and isinstance(lengths, HostLengths):
+    if (config is None and q.is_cuda and isinstance(lengths, HostLengths)
+            and p.dropout_p == 0):  # (dropout: a seed per call)  # fmt: skip
         # A call with the shapes and lengths of one before (the layers of a model share a
         # batch's lengths; so do a benchmark's repetitions) replays that call's launch
         # (_launcher.Replay): after the lengths' read only the replay is left to do.
@@ -1608,7 +1716,8 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
                             VARLEN=2 if VARLEN_O_TMA else 1))  # fmt: skip
     grid, args, num_warps = hopper_args(
         view(q), view(k), view(v), view(out), lse2, 0, p.softmax_scale * LOG2E, p.causal,
-        kernel_limits(q.device.index)["sm_count"], config, None, packed)  # fmt: skip
+        kernel_limits(q.device.index)["sm_count"], config, dropout_args(p) or None,
+        packed)  # fmt: skip
     kernel = launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
     if roles is not None and args["DYNAMIC"] and not compiling_only():
         roles["counter"] = args["COUNTER"]
@@ -1648,8 +1757,6 @@ def supports(p: Problem) -> str | None:
     if dv != p.head_dim and (dv % 8 or head_dim_pad(dv) > head_dim_pad(p.head_dim)):
         return (f"it takes value head dims that are multiples of 8 and pad to at most q's "
                 f"({head_dim_pad(p.head_dim)}), not {dv}")  # fmt: skip
-    if p.dropout_p > 0:
-        return "it takes no dropout yet"
     if not p.aligned16:
         return "q, k and v must start on 16-byte boundaries (TMA)"
     es = p.dtype.itemsize

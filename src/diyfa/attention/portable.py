@@ -199,9 +199,8 @@ def _keep(bh, thresh, offs_q, offs_k, seed):
     groups (rows r, r + 8 and columns c, c + 8), so the Gluon kernels draw once per four
     pairs; this kernel draws once per pair and picks its word. The forward, both backward
     kernels and the Gluon kernels compute the same bits."""
-    seed64 = seed.to(tl.uint64)
-    k0 = (seed64 & 0xFFFFFFFF).to(tl.uint32)
-    k1 = (seed64 >> 32).to(tl.uint32)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)  # (seed: dropout_key's, an int64)
+    k1 = (seed >> 32).to(tl.uint32)
     qg = _group(offs_q).to(tl.uint32)
     kg = _group(offs_k).to(tl.uint32)
     zero = (qg & 0) + (kg & 0)  # the block's shape
@@ -885,12 +884,19 @@ def _build_common(problem: Problem, stats: torch.Tensor) -> dict:
                          and p.alibi_slopes.dim() == 2 else 0),
         SINKS=p.sinks is not None, SINK_LOGITS=p.sinks if p.sinks is not None else stats,
         # Dropout: Philox per group of (query, key) pairs with the call's seed (_keep).
-        DROPOUT=p.dropout_p > 0, dropout_p=p.dropout_p, dropout_seed=p.dropout_seed,
+        DROPOUT=p.dropout_p > 0, dropout_p=p.dropout_p, dropout_seed=dropout_key(p.dropout_seed),
         dropout_thresh=dropout_threshold(p.dropout_p),
     )  # fmt: skip
     if p.softcap > 0:
         args["qk_scale"] = p.softcap * LOG2E
     return args
+
+
+def dropout_key(seed: int) -> int:
+    """The Philox key the kernels get for a call's dropout seed: in [2^32, 2^62), so that
+    Triton never compiles it as a 32-bit or constant argument (1 would be a constexpr); the
+    key's halves are its low and high 32 bits (``reference.dropout_mask`` maps the same)."""
+    return 2**32 + seed % (2**62 - 2**32)
 
 
 def dropout_threshold(dropout_p: float) -> int:
