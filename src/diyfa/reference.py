@@ -123,34 +123,29 @@ def dropout_mask(seed: int, bh: int, seqlen_q: int, seqlen_k: int,
     """diyfa's dropout mask, computed on the host: (seqlen_q, seqlen_k) bool, True where
     the pair (query i, key j) of (batch or packed sequence, query head) number ``bh``
     (batch * heads + head) is kept under ``seed`` (the Philox seed the call drew). The
-    kernels' scheme (``portable._keep``): one Philox4x32-10 call per group of four pairs,
-    queries {i, i + 8} x keys {j, j + 8} with bit 3 of i and j clear; counter (key group,
-    query group, bh, 0) where a position's group is (p >> 4) * 8 + (p & 7), key (the
-    seed's low and high 32 bits); the pair takes word 2 * (bit 3 of i) + (bit 3 of j) and is
-    kept iff that word >= round(dropout_p * 2^32). The key is the seed mapped into [2^32,
-    2^62) (``portable.dropout_key``: 2^32 + seed mod (2^62 - 2^32))."""
+    kernels' scheme (``portable._keep``): one Philox4x32-7 draw per group of eight pairs,
+    queries {i, i + 8} x keys {j, j + 1, j + 8, j + 9} (bit 3 of i and j clear, j even);
+    counter (key group, query group, bh, 0), the groups (j >> 4) * 4 + ((j >> 1) & 3) and
+    (i >> 4) * 8 + (i & 7); key the low and high 32 bits of 2^32 + seed mod (2^62 - 2^32)
+    (``portable.dropout_key``); the pair takes the 16 bits (j & 1) of word 2 * (bit 3 of
+    i) + (bit 3 of j) and is kept iff they are >= round(dropout_p * 2^16)."""
     import numpy as np
 
-    m32 = np.uint64(0xFFFFFFFF)
-    qi, kj = np.meshgrid(np.arange(seqlen_q, dtype=np.uint64),
-                         np.arange(seqlen_k, dtype=np.uint64), indexing="ij")
-
-    def group(x):
-        return ((x >> np.uint64(4)) << np.uint64(3)) | (x & np.uint64(7))
-
-    c = [group(kj), group(qi), np.full_like(qi, bh), np.zeros_like(qi)]
+    u = np.uint64
+    m32 = u(0xFFFFFFFF)
+    qi, kj = np.meshgrid(np.arange(seqlen_q, dtype=u), np.arange(seqlen_k, dtype=u),
+                         indexing="ij")  # fmt: skip
+    c = [((kj >> u(4)) << u(2)) | ((kj >> u(1)) & u(3)),
+         ((qi >> u(4)) << u(3)) | (qi & u(7)), np.full_like(qi, bh), np.zeros_like(qi)]
     key = 2**32 + seed % (2**62 - 2**32)
-    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
-    mul_a, mul_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-    for _ in range(10):
-        pb, pa = c[2] * mul_b, c[0] * mul_a  # exact: both factors < 2^32
-        c = [(pb >> np.uint64(32)) ^ c[1] ^ k0, pb & m32, (pa >> np.uint64(32)) ^ c[3] ^ k1,
-             pa & m32]
-        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
-    word_index = 2 * ((qi >> np.uint64(3)) & np.uint64(1)) + ((kj >> np.uint64(3)) & np.uint64(1))
-    word = np.choose(word_index.astype(np.int64), c)
-    thresh = min(round(dropout_p * 2**32), 2**32 - 1)
-    return torch.from_numpy(word >= np.uint64(thresh))
+    k0, k1 = u(key & 0xFFFFFFFF), u(key >> 32)
+    for _ in range(7):
+        pb, pa = c[2] * u(0xCD9E8D57), c[0] * u(0xD2511F53)  # exact: both factors < 2^32
+        c = [(pb >> u(32)) ^ c[1] ^ k0, pb & m32, (pa >> u(32)) ^ c[3] ^ k1, pa & m32]
+        k0, k1 = (k0 + u(0x9E3779B9)) & m32, (k1 + u(0xBB67AE85)) & m32
+    word = np.choose((2 * ((qi >> u(3)) & u(1)) + ((kj >> u(3)) & u(1))).astype(np.int64), c)
+    bits = (word >> (u(16) * (kj & u(1)))) & u(0xFFFF)
+    return torch.from_numpy(bits >= u(min(round(dropout_p * 2**16), 2**16 - 1)))
 
 
 def matmul_ref(

@@ -137,6 +137,8 @@ from diyfa.attention.hopper_fwd import (
     LOG2E,
     SHORT_WORK_D64,
     _desc,
+    _dropout,
+    _key_group,
     _seq,
     _tanh,
     _tile2d,
@@ -669,10 +671,10 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                  alibi_offset,
+                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                  DQ_ROWS: gl.constexpr, C: gl.constexpr):
+                  DQ_ROWS: gl.constexpr, C: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer warpgroup C: keys [n0 + 64 C, n0 + 64 C + 64) of the program's block."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
@@ -710,6 +712,9 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
     # division by num_m per step sat on the softmax's path: ncu, 2026-11-24).
     off_h = off_hk * kv_group
     mi = 0
+    if DROPOUT:  # the forward's mask, drawn again: this consumer's keys' groups
+        drop_keys = (_key_group(offs_k) << 1) | (offs_k & 1)
+        drop_scale = 1.0 / dropout_keep
     for it in range(kv_group * num_m):
         row0 = (m_lo + mi) * BLOCK_M
         offs_m = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
@@ -743,14 +748,27 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                           VARLEN)  # fmt: skip
         # dV's product (P^T rounded to the input dtype, as in the forward) runs while dS^T
         # is computed from the fp32 P^T (as the portable kernel does).
-        p16 = gl.convert_layout(pt.to(dtype), a_layout)
+        if DROPOUT:
+            # The forward's mask Z in P^T's sign (kept: P^T, dropped: -P^T; P^T >= 0, so no
+            # register more is live across the dP^T wait). dV takes P^T Z / (1 - p); dS^T =
+            # P^T (dP^T Z / (1 - p) - delta): kept, P^T (dP^T / (1 - p) - delta), dropped,
+            # -P^T delta = (-P^T) delta.
+            pt = _dropout(pt, drop_keys, row0, off_b * heads + off_h, dropout_seed,
+                          dropout_thresh, True)  # fmt: skip
+            p16 = gl.convert_layout((gl.maximum(pt, 0.0) * drop_scale).to(dtype), a_layout)
+        else:
+            p16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
         delta = delta_bufs.index(s).load(query_layout)
         dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
-        if SOFTCAP:
-            ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
+        if DROPOUT:  # (dS^T = P^T times this)
+            dpt = gl.where(pt > 0.0, dpt * drop_scale - delta[None, :], delta[None, :])
         else:
-            ds16 = (pt * (dpt - delta[None, :])).to(dtype)
+            dpt = dpt - delta[None, :]
+        if SOFTCAP:
+            ds16 = (pt * dpt * st).to(dtype)
+        else:
+            ds16 = (pt * dpt).to(dtype)
         if DQ_ATOMIC:
             # This consumer's 64 rows of the step's (128 keys, BLOCK_M) dS^T, for dQ below.
             ds_all = ds_bufs.index(it % 2)
@@ -835,18 +853,18 @@ def _bwd_consumer0(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
                    seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                   alibi_offset,
+                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                   DQ_ROWS: gl.constexpr):
+                   DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                  alibi_offset, CAUSAL,
-                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 0)  # fmt: skip
+                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL,
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 0, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
@@ -856,18 +874,18 @@ def _bwd_consumer1(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
                    seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                   alibi_offset,
+                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                   DQ_ROWS: gl.constexpr):
+                   DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                  alibi_offset, CAUSAL,
-                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 1)  # fmt: skip
+                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL,
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 1, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
@@ -875,11 +893,12 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                      heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                      stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                      qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                     alibi_offset,
+                     alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
                      CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                     VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
+                     VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr,
+                     DROPOUT: gl.constexpr = False):
     """Grid (cdiv(seqlen_k, 128), batch * kv_heads) (packed sequences: below), launched with
     num_warps=4 (consumer 0); the partitions add 4 warps (consumer 1) and 1 loader warp.
     Descriptors are 4-D over (batch, heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M,
@@ -935,16 +954,16 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                           TILES, DK, DV,
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                          alibi_offset,
-                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
+                          alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, DROPOUT)),
         (_bwd_consumer1, (dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs,
                           k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready,
                           done, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
                           TILES, DK, DV,
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                          alibi_offset,
-                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
+                          alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, DROPOUT)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
                        v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, heads, kv_group,
                        seqlen_q, seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K,
@@ -1044,7 +1063,8 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 sm_scale=softmax_scale, CAUSAL=causal, DQ_ATOMIC=dq_mode, STAGES=stages,
                 CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, left_offset=0, tanh_scale=1.0,
                 SLOPES=lse2, stride_slopes_b=0, alibi_offset=0, WINDOW=False, SOFTCAP=False,
-                ALIBI=False, DQ_ROWS=False)  # fmt: skip
+                ALIBI=False, DQ_ROWS=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
+                dropout_keep=1.0)  # fmt: skip
     # (the atomic dQ's rows in the workspace permuted within groups of 8: _dq_piece, _finish)
     args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
     grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], causal,
@@ -1080,6 +1100,9 @@ def compile_setup(head_dim: int, dtype: torch.dtype, variants: tuple[str, ...],
     if "ALIBI" in flags:  # (the flag's value as bwd_args gives it)
         flags.update(ALIBI=alibi_flag(head_dim_pad(head_dim), backward=True),
                      SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)  # fmt: skip
+    if "DROPOUT" in flags:
+        flags.update(dropout_seed=2**40 + 3, dropout_thresh=portable.dropout_threshold(0.1),
+                     dropout_keep=0.9)  # fmt: skip
     if not packed:
         return flags, None
     cu = torch.zeros(5, dtype=torch.int32)
@@ -1257,8 +1280,9 @@ def supports(p: Problem) -> str | None:
     reason = forward_supports(p)
     if reason is not None:
         return reason
-    if p.dropout_p > 0:
-        return "its backward takes no dropout yet (the portable backward regenerates the mask)"
+    if p.dropout_p > 0 and head_dim_pad(p.head_dim) > 128:
+        return ("its backward above head dim 128 takes no dropout yet (the portable backward "
+                "regenerates the mask)")  # fmt: skip
     if p.head_dim_v != p.head_dim and (head_dim_pad(p.head_dim) < 256
                                        or head_dim_pad(p.head_dim_v) < 128):
         return (f"its backward takes a value head dim other than q's (here {p.head_dim_v} "

@@ -653,34 +653,53 @@ def _dropout_asm(transposed: bool) -> str:
     """PTX of one :func:`_dropout` instance: 8 values of a wgmma accumulator ($8..$15, the
     thread's registers 8 m .. 8 m + 7: rows r, r + 8 x columns c, c + 1, c + 8, c + 9, c a
     multiple of 16 plus twice the lane's quad index) come out as themselves where kept, 0
-    where dropped ($0..$7). Two Philox4x32-10 draws, one per column parity e, one after the
-    other (fewer live registers): the group of rows {r, r + 8} x columns {c + e, c + e + 8};
-    counter (key group, query group, bh, 0), key ($40, $48). Operands per input, one per
-    value: $16.. column groups, $24.. row groups, $32.. bh, $40.. / $48.. the seed's
-    halves, $56.. the threshold less 2^31. ``transposed``: rows are keys and columns
-    queries (the backward's S^T). Register k's bits: column + 1, row + 8, column + 8
-    (``test_dropout_layout_is_the_asms``)."""
-    lines = ["{", ".reg .b32 c<4>, k0, k1, lo, hi, t;", ".reg .b64 w;", ".reg .pred q;",
-             "xor.b32 t, $56, 0x80000000;"]
-    for e in (0, 1):
+    where dropped ($0..$7), by portable._keep's mask. Operands per input, one per value:
+    $16.. the columns' groups, $24.. the rows', $32.. bh, $40.. / $48.. the key's halves,
+    $56.. the 16-bit threshold. Forward (rows are queries): the 8 values are one group,
+    one Philox4x32-7 draw (counter: column c's key group, the row's query group, bh, 0);
+    the value at column + 1 takes a word's high 16 bits. ``transposed`` (the backward's
+    S^T: rows are keys, columns queries; $24 = key group * 2 + the key's parity): two
+    draws, one per query parity (columns c + e, c + e + 8), each giving the thread 4 of its
+    8 values, the key's parity picking the 16 bits; a dropped value comes out negated, not
+    0 (the values are probabilities, >= 0: the sign carries the mask without a register
+    more; see hopper_bwd's consumer). Register k's bits: column + 1, row + 8,
+    column + 8 (``test_dropout_layout_is_the_asms``)."""
+    lines = ["{", ".reg .b32 c<4>, k0, k1, lo, hi, t, t16, x, sh;", ".reg .f32 nx;",
+             ".reg .b64 w;",
+             ".reg .pred q;", "mov.b32 t, $56;", "shl.b32 t16, t, 16;"]
+    if transposed:
+        lines += ["and.b32 sh, $24, 1;", "shl.b32 sh, sh, 4;"]
+    for e in ((0, 1) if transposed else (0,)):
         if transposed:  # key group from the rows, query group from column c + e
-            lines += ["mov.b32 c0, $24;", f"mov.b32 c1, ${16 + e};"]
+            lines += ["shr.b32 c0, $24, 1;", f"mov.b32 c1, ${16 + e};"]
         else:
-            lines += [f"mov.b32 c0, ${16 + e};", "mov.b32 c1, $24;"]
+            lines += ["mov.b32 c0, $16;", "mov.b32 c1, $24;"]
         lines += ["mov.b32 c2, $32;", "mov.b32 c3, 0;", "mov.b32 k0, $40;", "mov.b32 k1, $48;"]
-        for r in range(10):
+        for r in range(7):
             lines += ["mul.wide.u32 w, c2, 0xCD9E8D57;", "mov.b64 {lo, hi}, w;",
                       "mov.b32 c2, c0;",  # (c0 kept in c2 until its product)
                       "xor.b32 c0, hi, c1;", "xor.b32 c0, c0, k0;", "mov.b32 c1, lo;",
                       "mul.wide.u32 w, c2, 0xD2511F53;", "mov.b64 {lo, hi}, w;",
                       "xor.b32 c2, hi, c3;", "xor.b32 c2, c2, k1;", "mov.b32 c3, lo;"]
-            if r < 9:
+            if r < 6:
                 lines += ["add.u32 k0, k0, 0x9E3779B9;", "add.u32 k1, k1, 0xBB67AE85;"]
-        for k in range(e, 8, 2):
-            row8, col8 = (k >> 1) & 1, (k >> 2) & 1
-            query8, key8 = (col8, row8) if transposed else (row8, col8)
-            lines += [f"setp.hs.u32 q, c{2 * query8 + key8}, t;",
-                      f"selp.f32 ${k}, ${8 + k}, 0f00000000, q;"]
+        for k in range(8):
+            col1, row8, col8 = k & 1, (k >> 1) & 1, (k >> 2) & 1
+            if transposed:
+                if col1 != e:
+                    continue
+                word = f"c{2 * col8 + row8}"  # (query's bit 3, key's)
+                lines += [f"bfe.u32 x, {word}, sh, 16;", "setp.hs.u32 q, x, t;"]
+            else:
+                word = f"c{2 * row8 + col8}"
+                if col1:  # the high 16 bits: compare the word with t << 16
+                    lines += [f"setp.hs.u32 q, {word}, t16;"]
+                else:
+                    lines += [f"shl.b32 x, {word}, 16;", "setp.hs.u32 q, x, t16;"]
+            if transposed:  # dropped: the value negated (the backward's sign-coded mask)
+                lines += [f"neg.f32 nx, ${8 + k};", f"selp.f32 ${k}, ${8 + k}, nx, q;"]
+            else:
+                lines += [f"selp.f32 ${k}, ${8 + k}, 0f00000000, q;"]
     return "\n".join(lines + ["}"])
 
 
@@ -690,22 +709,34 @@ DROPOUT_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 48)
 
 
 @gluon.jit
-def _group(i):
-    """A position's dropout group (portable._group): i and i + 8 (bit 3) share one."""
+def _query_group(i):
+    """A query position's dropout group (portable._keep): i and i + 8 (bit 3) share one."""
     return ((i >> 4) << 3) | (i & 7)
 
 
 @gluon.jit
+def _key_group(j):
+    """A key position's dropout group (portable._keep): j, j + 1, j + 8, j + 9 (j even,
+    bit 3 clear) share one."""
+    return ((j >> 4) << 2) | ((j >> 1) & 3)
+
+
+@gluon.jit
 def _dropout(x, row_groups, col0, bh, seed, thresh, TRANSPOSED: gl.constexpr):
-    """``x`` (a wgmma accumulator block) with the dropped pairs zeroed: portable._keep's mask
-    (the same bits), one Philox draw per group of four pairs a thread holds. ``row_groups``:
-    :func:`_group` of the block's rows (SliceLayout(1, x's layout)); ``col0``: the block's
-    first column's position (a multiple of 16); ``bh``: (batch, query head); ``seed`` the
-    call's seed, ``thresh`` its threshold less 2^31 (portable.dropout_threshold).
-    TRANSPOSED: rows are keys, columns queries."""
+    """``x`` (a wgmma accumulator block) with the dropped pairs zeroed (TRANSPOSED: negated,
+    for x >= 0 a sign-coded mask): portable._keep's mask
+    (the same bits), drawn once per group of pairs a thread holds. ``row_groups`` (in
+    SliceLayout(1, x's layout)): the rows' :func:`_query_group`, or with TRANSPOSED (rows
+    are keys, columns queries: the backward's S^T) their :func:`_key_group` * 2 + the key's
+    parity; ``col0``: the block's first column's position (a multiple of 16); ``bh``:
+    (batch, query head); ``seed`` the call's key (portable.dropout_key), ``thresh`` its
+    16-bit threshold (portable.dropout_threshold)."""
     cols = col0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, x.type.layout))
     zero = gl.zeros_like(x, dtype=gl.int32)
-    col_groups = zero + _group(cols)[None, :]
+    if TRANSPOSED:
+        col_groups = zero + _query_group(cols)[None, :]
+    else:
+        col_groups = zero + _key_group(cols)[None, :]
     rows = zero + row_groups[:, None]
     k0 = zero + (seed & 0xFFFFFFFF).to(gl.int32)
     k1 = zero + (seed >> 32).to(gl.int32)
@@ -822,7 +853,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             qk_scale_t = qk_scale * gl.load(DESCALE + ds)
             v_descale = gl.load(DESCALE + batch_heads // kv_group + ds)
         acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-        drop_rows = _group(offs_m)  # (dropout: the rows' groups and the pair's (batch, head))
+        drop_rows = _query_group(offs_m)  # (dropout: the rows' groups and the pair's (batch, head))
         drop_bh = off_b * heads + off_h
         if not DYNAMIC:
             mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)

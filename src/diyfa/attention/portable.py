@@ -158,8 +158,10 @@ def _alibi(offs_q, offs_k, slope2, alibi_offset):
     return slope2 * tl.abs((offs_q + alibi_offset).to(tl.float32) - offs_k.to(tl.float32))
 
 
-# Philox4x32-10's constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3").
-PHILOX_ROUNDS = tl.constexpr(10)
+# Philox4x32's constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC
+# 2011), run for 7 rounds: the fewest its authors found to pass TestU01's BigCrush (10 is
+# their margin), and the count flash-attention's and CK's dropout use.
+PHILOX_ROUNDS = tl.constexpr(7)
 PHILOX_MUL_A = tl.constexpr(0xD2511F53)
 PHILOX_MUL_B = tl.constexpr(0xCD9E8D57)
 PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
@@ -168,7 +170,7 @@ PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
 
 @triton.jit
 def _philox(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1), all uint32: the
+    """Philox4x32-7 of the counter (c0, c1, c2, c3) under the key (k0, k1), all uint32: the
     four words. (hopper_fwd's dropout computes the same rounds in PTX.)"""
     for _ in tl.static_range(PHILOX_ROUNDS):
         _c0, _c2 = c0, c2
@@ -182,34 +184,30 @@ def _philox(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def _group(i):
-    """A position's dropout group: bit 3 left out, so i and i + 8 share one (i & ~8 ...)."""
-    return ((i >> 4) << 3) | (i & 7)
-
-
-@triton.jit
 def _keep(bh, thresh, offs_q, offs_k, seed):
     """Whether (query, key) survives dropout (one broadcast 2-D block; ``offs_q`` and
     ``offs_k`` are positions in the sequence, ``bh`` = batch (or packed sequence) * heads +
-    query head). The mask is one Philox4x32-10 call per group of four pairs, queries
-    {i, i + 8} x keys {j, j + 8} (i, j with bit 3 clear): the counter (key group, query
-    group, bh, 0), the key the seed's two halves, word 2 * (bit 3 of the query) + (bit 3 of
-    the key), kept iff the word, unsigned, is >= ``thresh`` (dropout_p * 2^32, passed
-    less 2^31 as a signed int32). Every thread of a Hopper wgmma accumulator holds whole
-    groups (rows r, r + 8 and columns c, c + 8), so the Gluon kernels draw once per four
-    pairs; this kernel draws once per pair and picks its word. The forward, both backward
-    kernels and the Gluon kernels compute the same bits."""
+    query head). The mask (``reference.dropout_mask`` on the host) is one Philox4x32-7 draw
+    per group of eight pairs, queries {i, i + 8} x keys {j, j + 1, j + 8, j + 9} (i, j with
+    bit 3 clear, j even): the counter (key group, query group, bh, 0), with groups
+    (j >> 4) * 4 + ((j >> 1) & 3) and (i >> 4) * 8 + (i & 7), the key the seed's two 32-bit
+    halves (``dropout_key``); the pair takes 16 bits, half (j & 1) of word 2 * (bit 3 of i)
+    + (bit 3 of j), and is kept iff they are >= ``thresh`` (dropout_p * 2^16). Each thread
+    of a Hopper wgmma accumulator holds whole groups (rows r, r + 8, columns c, c + 1, c + 8,
+    c + 9), so the Gluon forward draws once per eight pairs; this kernel draws once per
+    pair and picks its bits. The forward, both backward kernels and the Gluon kernels draw
+    the same bits."""
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)  # (seed: dropout_key's, an int64)
     k1 = (seed >> 32).to(tl.uint32)
-    qg = _group(offs_q).to(tl.uint32)
-    kg = _group(offs_k).to(tl.uint32)
+    qg = (((offs_q >> 4) << 3) | (offs_q & 7)).to(tl.uint32)
+    kg = (((offs_k >> 4) << 2) | ((offs_k >> 1) & 3)).to(tl.uint32)
     zero = (qg & 0) + (kg & 0)  # the block's shape
     w0, w1, w2, w3 = _philox(kg + zero, qg + zero, zero + bh.to(tl.uint32), zero, k0, k1)
-    q8 = ((offs_q >> 3) & 1) + (kg & 0).to(offs_q.dtype)
-    k8 = ((offs_k >> 3) & 1) + (qg & 0).to(offs_k.dtype)
-    word = tl.where(q8 == 1, tl.where(k8 == 1, w3, w2), tl.where(k8 == 1, w1, w0))
-    # unsigned >= as a signed compare: flip the sign bits
-    return (word ^ 0x80000000).to(tl.int32, bitcast=True) >= thresh
+    q8 = (((offs_q >> 3) & 1).to(tl.uint32) + zero) == 1
+    k8 = (((offs_k >> 3) & 1).to(tl.uint32) + zero) == 1
+    word = tl.where(q8, tl.where(k8, w3, w2), tl.where(k8, w1, w0))
+    shift = ((offs_k & 1) * 16).to(tl.uint32) + zero
+    return ((word >> shift) & 0xFFFF) >= thresh
 
 
 @triton.jit
@@ -900,10 +898,12 @@ def dropout_key(seed: int) -> int:
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The kernels' dropout threshold: a pair is dropped when its 32-bit Philox word is
-    below dropout_p * 2^32 (so kept with probability 1 - dropout_p, to 2^-32), passed less
-    2^31 so that it is a signed int32 (:func:`_keep`)."""
-    return min(round(dropout_p * 2**32), 2**32 - 1) - 2**31
+    """The kernels' dropout threshold: a pair is dropped when its 16 Philox bits are below
+    round(dropout_p * 2^16), so kept with probability 1 - dropout_p to within 2^-17 (the
+    kept values are scaled by 1 / (1 - dropout_p) itself: a bias of at most 2^-17 / (1 -
+    dropout_p) in the output's expectation; flash-attention's 8-bit threshold has up to
+    2^-9)."""
+    return min(round(dropout_p * 2**16), 2**16 - 1)
 
 
 def _strides(t: torch.Tensor, problem: Problem) -> tuple[int, int, int, int]:
