@@ -1280,9 +1280,6 @@ def supports(p: Problem) -> str | None:
     reason = forward_supports(p)
     if reason is not None:
         return reason
-    if p.dropout_p > 0 and head_dim_pad(p.head_dim) > 128:
-        return ("its backward above head dim 128 takes no dropout yet (the portable backward "
-                "regenerates the mask)")  # fmt: skip
     if p.head_dim_v != p.head_dim and (head_dim_pad(p.head_dim) < 256
                                        or head_dim_pad(p.head_dim_v) < 128):
         return (f"its backward takes a value head dim other than q's (here {p.head_dim_v} "

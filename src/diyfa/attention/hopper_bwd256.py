@@ -72,7 +72,14 @@ from diyfa.attention.hopper_bwd import (
     compile_setup,
     place_work,
 )
-from diyfa.attention.hopper_fwd import LOG2E, _desc, _tile2d, head_dim_pad
+from diyfa.attention.hopper_fwd import (
+    LOG2E,
+    _desc,
+    _dropout,
+    _key_group,
+    _tile2d,
+    head_dim_pad,
+)
 
 BLOCK_N = 64  # keys per program, shared by both consumers
 DQ_PIECE = 64  # columns of one dQ piece (one fp32 staging tile, one TMA reduce-add)
@@ -173,9 +180,11 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
               causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-              alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+              alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+              CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
               WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-              VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr, C: gl.constexpr):
+              VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr, C: gl.constexpr,
+              DROPOUT: gl.constexpr):
     """Consumer warpgroup C: rows [32 C, 32 C + 32) of each step's scores, columns [128 C,
     128 C + 128) of the program's dK and dV and of each step's dQ."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
@@ -211,6 +220,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
     mbarrier.wait(kv_ready.index(0), 0)
     off_h = off_hk * kv_group
     mi = 0
+    if DROPOUT:  # the forward's mask, drawn again (hopper_bwd's consumer)
+        drop_keys = (_key_group(offs_k) << 1) | (offs_k & 1)
+        drop_scale = 1.0 / dropout_keep
     for it in range(kv_group * num_m):
         row0 = (m_lo + mi) * BLOCK_M
         my_row0 = row0 + C * HALF
@@ -240,15 +252,24 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
                           causal_offset, left_offset, qk_scale, tanh_scale, slope2,
                           alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI, seqlen_q,
                           VARLEN)  # fmt: skip
+        if DROPOUT:  # the mask in P^T's sign (hopper_bwd's consumer)
+            pt = _dropout(pt, drop_keys, my_row0, off_b * heads + off_h, dropout_seed,
+                          dropout_thresh, True)  # fmt: skip
         delta = delta_bufs.index(s).slice(C * HALF, HALF).load(query_layout)
         dpt, _v, _dot = warpgroup_mma_wait(0, deps=(dpt_tok, v_smem, do_t))
-        if SOFTCAP:
-            ds16 = (pt * (dpt - delta[None, :]) * st).to(dtype)
+        if DROPOUT:  # (dS^T = P^T times this)
+            dpt = gl.where(pt > 0.0, dpt * drop_scale - delta[None, :], delta[None, :])
         else:
-            ds16 = (pt * (dpt - delta[None, :])).to(dtype)
+            dpt = dpt - delta[None, :]
+        if SOFTCAP:
+            ds16 = (pt * dpt * st).to(dtype)
+        else:
+            ds16 = (pt * dpt).to(dtype)
         # This consumer's rows of the step's P^T and dS^T, then the partner's.
         pt_all = pt_bufs.index(it % 2)
         ds_all = ds_bufs.index(it % 2)
+        if DROPOUT:  # P^T Z / (1 - p) for dV
+            pt = gl.maximum(pt, 0.0) * drop_scale
         pt_all.slice(C * HALF, HALF, dim=1).store(pt.to(dtype))
         ds_all.slice(C * HALF, HALF, dim=1).store(ds16)
         fence_async_shared()
@@ -306,16 +327,17 @@ def _consumer0(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs,
                pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
                DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
                causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-               alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+               alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+               CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-               VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
+               VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr):
     _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
               causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-              alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS,
-              0)  # fmt: skip
+              alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL, DQ_ATOMIC,
+              WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 0, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
@@ -324,16 +346,17 @@ def _consumer1(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs,
                pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
                DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
                causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-               alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+               alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+               CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-               VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr):
+               VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr):
     _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
               causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-              alibi_offset, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS,
-              1)  # fmt: skip
+              alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL, DQ_ATOMIC,
+              WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 1, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
@@ -341,11 +364,12 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
                    heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
                    causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES,
-                   stride_slopes_b, alibi_offset, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                   stride_slopes_b, alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    LOADER_REGS: gl.constexpr, DQ_ROWS: gl.constexpr, DO_STAGES: gl.constexpr,
                    WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                   VARLEN: gl.constexpr):
+                   VARLEN: gl.constexpr, DROPOUT: gl.constexpr = False):
     """Grid (cdiv(seqlen_k, 64), batch * kv_heads), num_warps=4 (consumer 0) plus 4 warps
     (consumer 1) and 1 loader warp. Descriptors are 4-D over (batch, heads, seqlen, dim):
     Q and dO blocks (1, 1, BLOCK_M, 256), K and V (1, 1, 64, 256), dK and dV (1, 1, 64,
@@ -393,14 +417,16 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
                       seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV, stride_dks, stride_dkh,
                       stride_dvs, stride_dvh, head_dim, head_dim_v, causal_offset, qk_scale,
                       sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-                      CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
+                      dropout_seed, dropout_thresh, dropout_keep,
+                      CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, DROPOUT)),
         (_consumer1, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs,
                       do_bufs, k_bufs, v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready,
                       q_empty, do_ready, do_empty, pds_ready, heads, kv_group, seqlen_q,
                       seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV, stride_dks, stride_dkh,
                       stride_dvs, stride_dvh, head_dim, head_dim_v, causal_offset, qk_scale,
                       sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-                      CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS)),
+                      dropout_seed, dropout_thresh, dropout_keep,
+                      CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, DROPOUT)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
                    v_bufs, lse_bufs, delta_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
                    heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset, left_offset,
@@ -440,7 +466,8 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int
                 DQ_ATOMIC=dq_atomic,
                 STAGES=stages, CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, DQ_ROWS=dq_rows,
                 DO_STAGES=do_stages, WINDOW=False, SOFTCAP=False, ALIBI=False,
-                VARLEN=False)  # fmt: skip
+                VARLEN=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
+                dropout_keep=1.0)  # fmt: skip
     grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], causal,
                       lse2.device)  # fmt: skip
     return grid, args, 4
