@@ -34,8 +34,9 @@ Work split
     query heads of its group (GQA) too; dQ is computed by a second kernel. No atomics.
 
 Limits (enforced by checks.py)
-    head_dim 1..256 (q, k and v share it; non-powers of two are padded to the next power of
-    two inside the kernel); fp16, bf16, fp32; no dropout, no arbitrary additive masks.
+    head_dim 1..256 (q and k share it, v's may differ: HEAD_DIM_V; non-powers of two are
+    padded to the next power of two inside the kernel); fp16, bf16, fp32; dropout (its mask
+    by _keep); no arbitrary additive masks.
 """
 
 from __future__ import annotations

@@ -75,8 +75,8 @@ class Problem:
     # v's head dim when it differs from q's and k's (DeepSeek's MLA: 192 / 128); 0: the same.
     value_dim: int = 0
     # Attention dropout: each probability is dropped with dropout_p (the kept ones scaled by
-    # 1 / (1 - dropout_p)); the mask is Philox of (dropout_seed, the pair's index), drawn
-    # once per call, so the backward regenerates it.
+    # 1 / (1 - dropout_p)); the mask is Philox of (dropout_seed, the pair's place), drawn
+    # once per call, so the backward regenerates it (reference.dropout_mask).
     dropout_p: float = 0.0
     dropout_seed: int = 0
     # fp8 (issue 18): q, k, v in float8_e4m3fn with fp32 descales (q_descale, k_descale,
