@@ -508,6 +508,23 @@ def _dropout_mask(q, k, causal, p, seed, layout="bhsd"):
     return out[..., :sk] != 0
 
 
+def _check_dropout(q, k, v, out, causal, layout, p, mask, dtype):
+    """``out`` (a dropout call's, q, k, v requiring gradients) and its gradients against the
+    float64 reference with ``mask``, by the 2x / 3x rule."""
+    do = torch.randn_like(out)
+    out.backward(do)
+    kw = dict(causal=causal, layout=layout, dropout_p=p, dropout_mask=mask)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_ref(*ref_in, compute_dtype=torch.float64, **kw)
+    pt = attention_ref(*pt_in, compute_dtype=dtype, **kw)
+    _check("out", out, pt, ref, 2, dtype)
+    ref.backward(do.double())
+    pt.backward(do)
+    for name, t, pti, r in zip(("dq", "dk", "dv"), (q, k, v), pt_in, ref_in, strict=True):
+        _check(name, t.grad, pti.grad, r.grad, 3, dtype)
+
+
 @pytest.mark.parametrize("shape, dtype, causal, p, layout", [
     ((1, 4, 2, 40, 24, 16), torch.float32, False, 0.3, "bhsd"),
     ((2, 2, 1, 33, 20, 32), torch.bfloat16, True, 0.1, "bshd"),
@@ -522,18 +539,7 @@ def test_dropout(shape, dtype, causal, p, layout):
     mask = _dropout_mask(q, k, causal, p, 11, layout)
     out = diyfa.flash_attention(q, k, v, causal=causal, dropout_p=p, layout=layout,
                                 generator=torch.Generator().manual_seed(11))  # fmt: skip
-    do = torch.randn_like(out)
-    out.backward(do)
-    kw = dict(causal=causal, layout=layout, dropout_p=p, dropout_mask=mask)
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_ref(*ref_in, compute_dtype=torch.float64, **kw)
-    pt = attention_ref(*pt_in, compute_dtype=dtype, **kw)
-    _check("out", out, pt, ref, 2, dtype)
-    ref.backward(do.double())
-    pt.backward(do)
-    for name, t, pti, r in zip(("dq", "dk", "dv"), (q, k, v), pt_in, ref_in, strict=True):
-        _check(name, t.grad, pti.grad, r.grad, 3, dtype)
+    _check_dropout(q, k, v, out, causal, layout, p, mask, dtype)
 
 
 def _seed(generator_seed: int) -> int:
@@ -727,18 +733,7 @@ def test_gpu_hopper_dropout(case, deterministic, monkeypatch):
                                 generator=torch.Generator().manual_seed(4))  # fmt: skip
     mask = torch.stack([torch.stack([dropout_mask(_seed(4), i * h + j, sq, sk, p)
                                      for j in range(h)]) for i in range(b)]).to(DEVICE)
-    do = torch.randn_like(out)
-    out.backward(do)
-    kw = dict(causal=causal, layout=layout, dropout_p=p, dropout_mask=mask)
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_ref(*ref_in, compute_dtype=torch.float64, **kw)
-    pt = attention_ref(*pt_in, compute_dtype=dtype, **kw)
-    _check("out", out, pt, ref, 2, dtype)
-    ref.backward(do.double())
-    pt.backward(do)
-    for name, t, pti, r in zip(("dq", "dk", "dv"), (q, k, v), pt_in, ref_in, strict=True):
-        _check(name, t.grad, pti.grad, r.grad, 3, dtype)
+    _check_dropout(q, k, v, out, causal, layout, p, mask, dtype)
 
 
 @pytest.mark.gpu
