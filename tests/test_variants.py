@@ -509,12 +509,13 @@ def _dropout_mask(q, k, causal, p, seed, layout="bhsd"):
     return out[..., :sk] != 0
 
 
-def _check_dropout(q, k, v, out, causal, layout, p, mask, dtype):
+def _check_dropout(q, k, v, out, causal, layout, p, mask, dtype, **variants):
     """``out`` (a dropout call's, q, k, v requiring gradients) and its gradients against the
-    float64 reference with ``mask``, by the 2x / 3x rule."""
+    float64 reference with ``mask`` (and ``variants``: the reference's window, softcap,
+    alibi_slopes), by the 2x / 3x rule."""
     do = torch.randn_like(out)
     out.backward(do)
-    kw = dict(causal=causal, layout=layout, dropout_p=p, dropout_mask=mask)
+    kw = dict(causal=causal, layout=layout, dropout_p=p, dropout_mask=mask, **variants)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     ref = attention_ref(*ref_in, compute_dtype=torch.float64, **kw)
@@ -710,6 +711,7 @@ HOPPER_DROPOUT_CASES = [
     (2, 2, 2, 333, 1024, 256, torch.bfloat16, True, 0.2, "bhsd"),
     (1, 8, 2, 2000, 1999, 96, torch.float16, True, 0.25, "bshd"),
     (1, 2, 2, 4096, 4096, 64, torch.bfloat16, True, 0.1, "bhsd"),
+    (1, 4, 2, 700, 900, 128, torch.bfloat16, True, 0.15, "bshd"),  # + window, softcap, ALiBi
 ]
 
 
@@ -723,18 +725,25 @@ def test_gpu_hopper_dropout(case, deterministic, monkeypatch):
     gradient by the 3x rule, through the Gluon backward in both dQ modes (the portable
     dQ kernel regenerates the mask in the deterministic one; above d128 the d256 kernel,
     its atomic dQ switched on for the atomic-dq runs); GQA/MQA, seqlen_q != seqlen_k, odd
-    lengths, both layouts, head dims 64..256."""
+    lengths, both layouts, head dims 64..256; the last case with a window, softcap and
+    ALiBi besides."""
     from diyfa.reference import dropout_mask
 
     monkeypatch.setattr(hopper_bwd, "WIDE_DQ_ATOMIC", True)
     b, h, hk, sq, sk, d, dtype, causal, p, layout = case
     q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, layout=layout)
+    variants = {}
+    if case is HOPPER_DROPOUT_CASES[-1]:
+        variants = dict(window=(200, 0), softcap=20.0,
+                        alibi_slopes=torch.linspace(0.05, 0.4, h, device=DEVICE))
+    kernel_kw = {("window_size" if k_ == "window" else k_): v_ for k_, v_ in variants.items()}
     out = diyfa.flash_attention(q, k, v, causal=causal, dropout_p=p, layout=layout,
                                 backend="hopper", deterministic=deterministic,
-                                generator=torch.Generator().manual_seed(4))  # fmt: skip
+                                generator=torch.Generator().manual_seed(4),
+                                **kernel_kw)  # fmt: skip
     mask = torch.stack([torch.stack([dropout_mask(_seed(4), i * h + j, sq, sk, p)
                                      for j in range(h)]) for i in range(b)]).to(DEVICE)
-    _check_dropout(q, k, v, out, causal, layout, p, mask, dtype)
+    _check_dropout(q, k, v, out, causal, layout, p, mask, dtype, **variants)
 
 
 @pytest.mark.gpu
