@@ -214,6 +214,73 @@ def test_varlen_bad_input_is_a_clear_error(over, err, match):
         diyfa.flash_attention_varlen(**_bad(over))
 
 
+def test_checked_lengths_are_kept_and_bad_ones_raise_every_time():
+    """checks._checked_values keeps lengths that passed (the same tuple back for the same
+    contents, packed rows and max_seqlen: no list, no check) and never bad ones: each call
+    with them raises again; another max_seqlen is checked anew."""
+    from diyfa.attention import checks
+
+    good = torch.tensor([0, 3, 7], dtype=torch.int32)
+    a = checks._checked_values("cu_seqlens_q", good, 7, 4, "max_seqlen_q")
+    b = checks._checked_values("cu_seqlens_q", good.clone(), 7, 4, "max_seqlen_q")
+    assert a == (0, 3, 7) and a is b
+    for _ in range(2):
+        with pytest.raises(ValueError, match="max_seqlen_q=3 is less than the longest"):
+            checks._checked_values("cu_seqlens_q", good, 7, 3, "max_seqlen_q")
+        with pytest.raises(ValueError, match="non-decreasing"):
+            checks._checked_values("cu_seqlens_k", torch.tensor([0, 8, 7], dtype=torch.int32),
+                                   7, 8, "max_seqlen_k")  # fmt: skip
+
+
+def test_packed_replays_prepare_the_last_lengths_first():
+    """hopper_fwd._ByLengths: the replay used last is prepared before the lengths' wait and
+    launched if the lengths are its own; other lengths take their own replay (run); unknown
+    ones none (False), and bad lengths raise before any launch."""
+    from diyfa.attention import hopper_fwd
+
+    log = []
+
+    class FakeReplay:
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self, roles):
+            log.append(("prepare", self.name))
+            return [self.name]
+
+        def launch(self, runs):
+            log.append(("launch", *runs))
+
+        def run(self, roles):
+            log.append(("run", self.name))
+            return True
+
+    class Lengths:
+        def __init__(self, values):
+            self._values = values
+
+        def values(self):
+            log.append(("wait",))
+            if self._values is None:
+                raise ValueError("bad lengths")
+            return self._values
+
+    kept = hopper_fwd._ByLengths()
+    kept.put(((0, 5), (0, 5)), FakeReplay("a"))
+    kept.put(((0, 9), (0, 9)), FakeReplay("b"))
+    assert kept.run({}, Lengths(((0, 9), (0, 9))))
+    assert log == [("prepare", "b"), ("wait",), ("launch", "b")]
+    log.clear()
+    assert kept.run({}, Lengths(((0, 5), (0, 5))))
+    assert log == [("prepare", "b"), ("wait",), ("run", "a")] and kept.last[1].name == "a"
+    log.clear()
+    assert not kept.run({}, Lengths(((0, 6), (0, 6))))
+    log.clear()
+    with pytest.raises(ValueError, match="bad lengths"):
+        kept.run({}, Lengths(None))
+    assert ("launch", "a") not in log and not any(e[0] == "run" for e in log)
+
+
 @pytest.mark.parametrize("family", ["portable", "hopper", "hopper-named"])
 @pytest.mark.parametrize("bad", ["max-short", "decreasing", "no-keys-claimed"])
 def test_varlen_lengths_are_checked_before_any_launch(family, bad, monkeypatch):

@@ -299,32 +299,46 @@ class Replay:
 
     def run(self, roles: dict) -> bool:
         """Launch the recorded kernels with ``roles``' tensors (the recording's names)."""
+        runs = self.prepare(roles)
+        if runs is None:
+            return False
+        self.launch(runs)
+        return True
+
+    def prepare(self, roles: dict) -> list | None:
+        """The launches of :meth:`run` with ``roles``' tensors, arguments filled in, for
+        :meth:`launch` (None where a replay cannot serve: see :meth:`run`). A caller that
+        must wait for something before launching (packed sequences' lengths) prepares
+        first."""
         if (compiling_only() or torch.cuda.current_device() != self.device
                 or compile_knobs() != self.knobs):  # fmt: skip
-            return False
+            return None
         runs = []
         for kernel, grid, launcher, template, slots, direct in self.launches:
             if not launcher.lean_ok():
-                return False
+                return None
             if direct is not None:
                 args = direct.args(roles)
                 if args is None:
-                    return False
+                    return None
                 runs.append((direct, grid, args))
                 continue
             values = template.copy()
             for i, role, desc, aligned in slots:
                 t = roles[role]
                 if (t.data_ptr() % 16 == 0) != aligned:
-                    return False
+                    return None
                 values[i] = t if desc is None else _rebased(desc, t)
             runs.append((kernel, grid, values))
+        return runs
+
+    def launch(self, runs: list) -> None:
+        """Launch what :meth:`prepare` filled in."""
         for kernel, grid, values in runs:
             if type(kernel) is _Direct:
                 kernel.run(grid, self.device, values)
             else:
                 run_compiled(kernel, grid, self.device, values)
-        return True
 
 
 def _rebased(desc, base):
