@@ -26,17 +26,24 @@ def _inputs(seed, layout, device="cuda", dtype=torch.bfloat16):
 
 
 def count_replays(monkeypatch) -> list:
-    """A list that gets, for each ``Replay.run`` from now on, whether it ran the kept
-    launches (True) or sent the call down the full path (False)."""
+    """A list that gets, from now on, True for each replay's launch (``Replay.launch``:
+    ``Replay.run``'s, or a prepared one's, as the packed forward's after the lengths'
+    wait) and False for each ``Replay.run`` that sent the call down the full path."""
     runs = []
-    run = _launcher.Replay.run
+    run, launch = _launcher.Replay.run, _launcher.Replay.launch
 
     def counted(self, roles):
         done = run(self, roles)
-        runs.append(done)
+        if not done:
+            runs.append(False)
         return done
 
+    def launched(self, prepared):
+        runs.append(True)
+        launch(self, prepared)
+
     monkeypatch.setattr(_launcher.Replay, "run", counted)
+    monkeypatch.setattr(_launcher.Replay, "launch", launched)
     return runs
 
 
