@@ -105,7 +105,6 @@ class Config(NamedTuple):
     dynamic: int = 0  # 1: causal calls persistent too, tiles handed out by an atomic counter
     pingpong: int = 0  # 1: the consumers issue their products in turns (named barriers)
     lazy: int = 0  # 1: O is rescaled only when a row's max grows by more than LAZY_RESCALE
-    idle: int = 1  # 1: a consumer whose rows all lie past seqlen_q only frees the K/V stages
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -497,7 +496,6 @@ ORDER_PIN = gl.constexpr(1)
 ORDER_PINGPONG = gl.constexpr(2)
 ORDER_PIN_GLOBAL = gl.constexpr(4)
 ORDER_LAZY = gl.constexpr(8)
-ORDER_IDLE = gl.constexpr(16)  # Config.idle: see _consumer
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -859,26 +857,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         drop_bh = off_b * heads + off_h
         if not DYNAMIC:
             mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
-        # ORDER_IDLE: a consumer whose rows all lie past the end (a tile's last consumers,
-        # e.g. two of three in each head's last tile at 4096 tokens with 192-row tiles) does
-        # no products: it frees each K/V stage as it lands and takes its turns (ping-pong),
-        # so the others get the tensor cores (its O and LSE rows are not stored).
-        idle = (ORDER & ORDER_IDLE) and row0 >= seqlen_q_t
-        if (n > lo) & idle:
-            for j in range(lo, n):
-                s_idx, phase = _stage(it + j - lo, STAGES)
-                mbarrier.wait(k_ready.index(s_idx), phase)
-                if ORDER & ORDER_PINGPONG:
-                    _pingpong(C, CONSUMERS, False)
-                    _pingpong(C, CONSUMERS, True)
-                mbarrier.arrive(k_empty.index(s_idx))
-                mbarrier.wait(v_ready.index(s_idx), phase)
-                mbarrier.arrive(v_empty.index(s_idx))
-            if ORDER & ORDER_PINGPONG:  # (the last block's P V turn)
-                _pingpong(C, CONSUMERS, False)
-                _pingpong(C, CONSUMERS, True)
-            it += n - lo
-        elif n > lo:
+        if n > lo:
             # Block lo: S, softmax.
             s_idx, phase = _stage(it, STAGES)
             mbarrier.wait(k_ready.index(s_idx), phase)
@@ -1292,8 +1271,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 total_q=0, head_dim=o4.shape[3], VARLEN=False,
                 ORDER=(ORDER_PIN.value * (cfg.pin == 1) + ORDER_PIN_GLOBAL.value * (cfg.pin == 2)
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
-                       + ORDER_LAZY.value * bool(cfg.lazy)
-                       + ORDER_IDLE.value * bool(cfg.idle)),
+                       + ORDER_LAZY.value * bool(cfg.lazy)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip
