@@ -911,8 +911,8 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     sequence's last key block leaves through masked stores into DK / DV ((total_k, kv
     heads, dim), strides stride_dk* / stride_dv*; ``head_dim`` the real head dim), since a
     TMA store would write the next sequence's rows. The variants (WINDOW, SOFTCAP, ALIBI;
-    sinks need nothing here: they are in the LSE) as the forward's ``variant_args`` sets
-    them."""
+    sinks need nothing here: they are in the LSE; DROPOUT, the forward's mask drawn again,
+    ``hopper_fwd._dropout``) as the forward's ``variant_args`` sets them."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     SUB_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -1092,7 +1092,7 @@ def place_work(args: dict, variants: dict | None, packed: dict | None, block_n: 
 def compile_setup(head_dim: int, dtype: torch.dtype, variants: tuple[str, ...],
                   packed: bool) -> tuple[dict, dict | None]:
     """The compile-only problems' variant flags (``variants`` names them: WINDOW, SOFTCAP,
-    ALIBI) and packed-sequence setup (4 sequences in 4096 rows, or None), as ``bwd_args``
+    ALIBI, DROPOUT) and packed-sequence setup (4 sequences in 4096 rows, or None), as ``bwd_args``
     takes them."""
     flags = {name: True for name in variants}
     if "WINDOW" in flags:
@@ -1120,7 +1120,7 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
                            packed: bool = False):
     """Compile the kernel for sm90a without a GPU (as ``bwd_args`` sets it up for a (2, 16,
     4096, head_dim) problem with 4 kv heads); returns Triton's ``CompiledKernel``.
-    ``variants`` names the flags to set (WINDOW, SOFTCAP, ALIBI); ``packed``: the packed-
+    ``variants`` names the flags to set (WINDOW, SOFTCAP, ALIBI, DROPOUT); ``packed``: the packed-
     sequence build (VARLEN). Run it in a process that has not run kernels under the
     interpreter."""
     from diyfa._compile import compile_for_sm90
