@@ -51,7 +51,7 @@ import diyfa  # noqa: E402
 from diyfa import tuning  # noqa: E402
 from diyfa.attention import checks  # noqa: E402
 from diyfa.ops.matmul import triton_matmul  # noqa: E402
-from diyfa.reference import attention_ref, matmul_ref  # noqa: E402
+from diyfa.reference import attention_ref, dropout_mask, matmul_ref  # noqa: E402
 
 from .conftest import DEVICE, FUZZ_PROFILE, HAS_CUDA  # noqa: E402
 from .test_attention import FLOOR, half_ulp, rounding_slack  # noqa: E402
@@ -439,6 +439,7 @@ class AttnCase:
     q_mag: float
     seed: int
     backend: str = "auto"  # "hopper": the Hopper family by name (its forward and backward)
+    dropout: float = 0.0  # dropout_p; the reference takes reference.dropout_mask's mask
 
 
 def _attention_tensors(c: AttnCase):
@@ -503,7 +504,8 @@ def attention_cases(draw):
                     blocks=kc.blocks, q_mag=draw(st.sampled_from([1.0, 1.0, 3.0])),
                     seed=draw(st.integers(0, 2**16)),
                     backend=draw(st.sampled_from(["auto", "hopper"]) if _hopper_class_ok(kc)
-                                 else st.just("auto")))  # fmt: skip
+                                 else st.just("auto")),
+                    dropout=draw(st.sampled_from([0.0, 0.0, 0.0, 0.2, 0.5])))  # fmt: skip
 
 
 def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = None) -> None:
@@ -534,10 +536,14 @@ def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = No
             _count_path("attention", f"fwd hopper / bwd {bwd} (backend='hopper')")
     if backend == "auto":
         _count_path("attention", _attention_path(problem))
+    drop = {}
+    if c.dropout:
+        drop = dict(dropout_p=c.dropout, generator=torch.Generator().manual_seed(c.seed + 2))
     with _pinned_blocks(c.blocks):
         out, lse = diyfa.flash_attention(q, k, v, causal=c.causal, softmax_scale=c.scale,
                                          layout=c.layout, return_lse=True, backend=backend,
-                                         window_size=c.window, softcap=c.softcap)  # fmt: skip
+                                         window_size=c.window, softcap=c.softcap,
+                                         **drop)  # fmt: skip
         assert out.shape == q.shape and out.dtype == c.dtype and out.device == q.device
         do = torch.randn(out.shape, generator=g).to(DEVICE, c.dtype)
         if grads:
@@ -547,10 +553,19 @@ def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = No
               layout=c.layout)  # fmt: skip
     ref_l, ref_in = inputs(torch.float64)
     pt_l, pt_in = inputs(c.dtype)
-    ref, ref_lse = attention_ref(*ref_in, compute_dtype=torch.float64, return_lse=True, **kw)
-    pt = attention_ref(*pt_in, compute_dtype=c.dtype, **kw)
-    slack = dict(zip(("out", "q", "k", "v"), rounding_slack(*ref_in, do, c.dtype, **kw),
-                     strict=True))  # fmt: skip
+    ref_kw = dict(kw)
+    if c.dropout:  # the kernels' mask (reference.dropout_mask), for every (batch, head)
+        seed = int(torch.randint(0, 2**62, (), generator=torch.Generator().manual_seed(
+            c.seed + 2)))
+        mask = torch.stack([torch.stack([dropout_mask(seed, i * c.h + j, c.sq, c.sk, c.dropout)
+                                         for j in range(c.h)]) for i in range(c.b)])
+        ref_kw.update(dropout_p=c.dropout, dropout_mask=mask.to(DEVICE))
+    ref, ref_lse = attention_ref(*ref_in, compute_dtype=torch.float64, return_lse=True,
+                                 **ref_kw)  # fmt: skip
+    pt = attention_ref(*pt_in, compute_dtype=c.dtype, **ref_kw)
+    # (dropout: the kept probabilities are scaled by 1 / (1 - p), and so are their roundings)
+    slack = dict(zip(("out", "q", "k", "v"), (x / (1.0 - c.dropout) for x in rounding_slack(
+        *ref_in, do, c.dtype, **kw)), strict=True))  # fmt: skip
     _check("out", out, pt, ref, 2, c.dtype, slack["out"])
     _check_lse(lse, ref_lse)
     if not grads:
