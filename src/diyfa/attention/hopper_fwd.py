@@ -694,8 +694,9 @@ def _dropout_asm(transposed: bool) -> str:
                 word = f"c{2 * row8 + col8}"
                 if col1:  # the high 16 bits: compare the word with t << 16
                     lines += [f"setp.hs.u32 q, {word}, t16;"]
-                else:
-                    lines += [f"shl.b32 x, {word}, 16;", "setp.hs.u32 q, x, t16;"]
+                else:  # the low 16 bits (a mask, not a shift: ptxas runs a shift as an
+                    # IMAD, on the pipe the Philox multiplies load)
+                    lines += [f"and.b32 x, {word}, 65535;", "setp.hs.u32 q, x, t;"]
             if transposed:  # dropped: the value negated (the backward's sign-coded mask)
                 lines += [f"neg.f32 nx, ${8 + k};", f"selp.f32 ${k}, ${8 + k}, nx, q;"]
             else:
