@@ -278,9 +278,9 @@ def test_hopper_family_takes_variants(replace):
 
 
 _COMPILE_HOPPER_VARIANTS = """
-import json, os, subprocess, sys, tempfile, torch, triton
+import json, torch
+from diyfa._compile import spill_bytes
 from diyfa.attention import hopper_fwd as hf
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = []
 for d in (64, 128, 256):
     for causal in (False, True):
@@ -297,12 +297,8 @@ for d in (64, 128, 256):
             masked = hf.compile_for_hopper(d, torch.bfloat16, causal, **{"packed": True})
             hf.VARLEN_O_TMA = True
             assert "cp.async.bulk.tensor.4d.global.shared" not in masked.asm["ptx"]
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(k.asm["ptx"])
-        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                              capture_output=True, text=True, check=True)
-        spilled = int(done.stderr.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
-        out.append({"d": d, "causal": causal, "shared": k.metadata.shared, "spilled": spilled,
+        out.append({"d": d, "causal": causal, "shared": k.metadata.shared,
+                    "spilled": spill_bytes(k),
                     "tanh": k.asm["ptx"].count("tanh.approx.f32")})
 print(json.dumps(out))
 """
@@ -645,21 +641,16 @@ def test_dropout_layout_is_the_asms():
 
 
 _COMPILE_HOPPER_DROPOUT = """
-import json, os, subprocess, sys, tempfile, torch, triton
+import json, torch
+from diyfa._compile import spill_bytes
 from diyfa.attention import hopper_bwd as hb, hopper_bwd256 as hb256, hopper_fwd as hf
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = []
 for d in (64, 128, 256):
     for causal in (False, True):
         k = hf.compile_for_hopper(d, torch.bfloat16, causal, variants=("DROPOUT",))
         plain = hf.compile_for_hopper(d, torch.bfloat16, causal)
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(k.asm["ptx"])
-        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                              capture_output=True, text=True, check=True)
-        spilled = int(done.stderr.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
-        out.append({"d": d, "causal": causal, "shared": k.metadata.shared, "spilled": spilled,
-                    "philox": k.asm["ptx"].count("0xCD9E8D57"),
+        out.append({"d": d, "causal": causal, "shared": k.metadata.shared,
+                    "spilled": spill_bytes(k), "philox": k.asm["ptx"].count("0xCD9E8D57"),
                     "plain": plain.asm["ptx"].count("0xCD9E8D57")})
         for atomic in (True, False):
             if d == 256:
@@ -667,13 +658,8 @@ for d in (64, 128, 256):
             else:
                 k = hb.compile_bwd_for_hopper(d, torch.bfloat16, causal, atomic,
                                               variants=("DROPOUT",))
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(k.asm["ptx"])
-            done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                                  capture_output=True, text=True, check=True)
-            spilled = int(done.stderr.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
             out.append({"d": d, "causal": causal, "shared": k.metadata.shared,
-                        "spilled": spilled, "philox": k.asm["ptx"].count("0xCD9E8D57"),
+                        "spilled": spill_bytes(k), "philox": k.asm["ptx"].count("0xCD9E8D57"),
                         "plain": 0, "bwd": atomic})
 print(json.dumps(out))
 """

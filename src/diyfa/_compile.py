@@ -62,3 +62,22 @@ def sass(kernel) -> str:
                               check=True).stdout  # fmt: skip
     finally:
         os.unlink(f.name)
+
+
+def spill_bytes(kernel, arch: str = "sm_90a") -> int:
+    """The bytes of spill stores ptxas (Triton's) reports for a ``CompiledKernel``'s PTX."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        done = subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    finally:
+        os.unlink(f.name)
+    return int(done.stderr.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
