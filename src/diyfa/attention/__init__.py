@@ -35,6 +35,7 @@ from diyfa.attention.checks import (
     check_inputs,
     check_varlen_inputs,
     checked_before,
+    no_dropout,
     remember_checked,
 )
 from diyfa.attention.dispatch import select
@@ -54,7 +55,7 @@ def _dropout_seed(dropout_p, generator) -> int:
     """The Philox seed of one call's dropout mask, drawn from ``generator`` (torch's default
     CPU generator when None), so ``torch.manual_seed`` makes a run repeatable, as PyTorch's
     own dropout is. 0 without dropout (nothing drawn)."""
-    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p == 0:
+    if no_dropout(dropout_p):
         return 0
     device = generator.device if generator is not None else "cpu"
     return int(torch.randint(0, 2**62, (), generator=generator, device=device))

@@ -125,6 +125,13 @@ def check_small_tensor(name: str, t, dtypes: tuple, shapes: tuple, shape_rule: s
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
+def no_dropout(dropout_p) -> bool:
+    """Whether ``dropout_p`` is a number equal to 0: no mask, no seed to draw (a bad value is
+    left to :func:`check_dropout`)."""
+    return (isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool)
+            and dropout_p == 0)  # fmt: skip
+
+
 def check_dropout(dropout_p) -> float:
     """``dropout_p`` as a float in [0, 1)."""
     if type(dropout_p) is float and dropout_p == 0.0:  # the default

@@ -148,6 +148,8 @@ WIDE_HEAD_FP32 = (32, 8, 1)
 # in shared memory next to the ring (205 KB at one stage), and fp32's 32-key tiles asked
 # 104-110 KB (Triton's compiles for sm80 / sm89, 2026-11-25).
 WIDE_HEAD_GROUP_SHARED = 200 * 1024
+# An H100's / H200's shared memory a block (227 KB): the launch rules' stand-in off the GPU.
+SM90_SHARED = 232448
 # One latent cache (v_cache = k_cache[..., :dv]): the key tile serves as the value tile
 # (V_IN_K) when True; when False the values are loaded again through v_cache's pointer (the
 # same rows, from L2).
@@ -181,7 +183,7 @@ def pdl_on(device: torch.device) -> bool:
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
                   block_m: int = 16, latent: bool = False,
-                  max_shared: int = 232448) -> tuple[int, int, int, bool]:
+                  max_shared: int = SM90_SHARED) -> tuple[int, int, int, bool]:
     """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI,
     PAGED_WAVES and PAGED_WAVES_MULTI; whole waves: :func:`pick_splits` counts the programs
     per SM as the ones resident and fills whole waves of them). ``block_m``: the query rows
@@ -760,7 +762,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     paged = block_table is not None
     pdl = pdl_on(q.device)
     wide = max(d_pad + d_tail, dv_pad) > 256
-    max_shared = kernel_limits(q.device.index)["max_shared_mem"] if q.is_cuda else 232448
+    max_shared = kernel_limits(q.device.index)["max_shared_mem"] if q.is_cuda else SM90_SHARED
     most_rows = wide_head_rows(k_cache.element_size(), max_shared) if wide else 64
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad + d_tail, dv_pad,

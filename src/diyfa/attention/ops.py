@@ -37,6 +37,7 @@ from diyfa.attention.checks import (
     check_kvcache_inputs,
     check_variants,
     check_varlen_inputs,
+    no_dropout,
 )
 from diyfa.attention.dispatch import select
 from diyfa.attention.problem import bhsd_shape
@@ -49,7 +50,7 @@ def dropout_seed(dropout_p) -> torch.Tensor | None:
     (``backend="aot_eager"``, or Inductor with ``fallback_random=True``) it is the eager
     path's draw from torch's default generator (``attention._dropout_seed``), so the mask is
     the eager call's; Inductor's own random numbers draw another seed by default."""
-    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p == 0:
+    if no_dropout(dropout_p):
         return None
     return torch.randint(0, 2**62, (), device="cpu")
 
