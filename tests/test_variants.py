@@ -364,6 +364,98 @@ def test_gpu_hopper_forward_variants(case):
     _run_bias_case(case, seed=11, backend="hopper")
 
 
+def test_softcap_fixed_max_rule():
+    """Which softcap calls the Hopper forward runs with a fixed max (``SOFTCAP == 2``): bf16
+    with softcap * log2(e) <= SOFTCAP_FIXED_MAX_LIMIT (the probabilities' range, 2^(64 - 2R)
+    .. 2^64, inside bf16's and fp32's normal numbers), without ALiBi or sinks (their terms
+    are not bounded by the cap); fp16 and the backward keep the running max / the flag as
+    it was."""
+    from diyfa.attention import hopper_fwd as hf
+
+    base = dataclasses.replace(_problem(causal=True), softcap=30.0)
+    assert base.dtype == torch.bfloat16
+    assert hf.variant_args(base)[3]["SOFTCAP"] == 2
+    assert hf.variant_args(base, backward=True)[3]["SOFTCAP"] is True
+    limit = hf.SOFTCAP_FIXED_MAX_LIMIT / hf.LOG2E
+    assert hf.softcap_fixed_max(dataclasses.replace(base, softcap=limit * 0.999))
+    slopes = torch.ones(base.heads)
+    for other in (dict(softcap=limit * 1.001), dict(dtype=torch.float16),
+                  dict(alibi_slopes=slopes), dict(sinks=slopes)):
+        p = dataclasses.replace(base, **other)
+        assert not hf.softcap_fixed_max(p), other
+        assert hf.variant_args(p)[3]["SOFTCAP"] is True, other
+    assert "SOFTCAP" not in hf.variant_args(dataclasses.replace(base, softcap=0.0))[3]
+
+
+_COMPILE_SOFTCAP = """
+import json, torch
+from diyfa._compile import spill_bytes
+from diyfa.attention import hopper_fwd as hf
+out = []
+for d, dtype in ((64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float16)):
+    k = hf.compile_for_hopper(d, dtype, True, variants=("SOFTCAP",))
+    out.append({"d": d, "bf16": dtype == torch.bfloat16, "spilled": spill_bytes(k),
+                "max": k.asm["ptx"].count("max.f32"), "tanh": k.asm["ptx"].count("tanh.approx")})
+print(json.dumps(out))
+"""
+
+
+def test_hopper_kernel_compiles_softcap_fixed_max():
+    """The softcap build with the fixed max (bf16) has no row max left in its PTX (no
+    max.f32 at all), the fp16 one keeps it; both run the hardware tanh and spill at most a
+    few scalars (ptxas, 2026-11-25: 0 bytes at d64, 28 at d256 causal, 20 for fp16 d256).
+    In a fresh process (see test_hopper_attention)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SOFTCAP], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert r["tanh"] > 0 and r["spilled"] <= 96, r
+        assert (r["max"] == 0) == r["bf16"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap, dtype, d", [
+    (30.0, torch.bfloat16, 128), (63.0, torch.bfloat16, 64), (50.0, torch.bfloat16, 256),
+    (80.0, torch.bfloat16, 128), (30.0, torch.float16, 128),
+], ids=["cap30", "cap63-d64", "cap50-d256", "cap80-running-max", "fp16-running-max"])
+def test_gpu_hopper_softcap_fixed_max(softcap, dtype, d):
+    """Softcap's fixed max at the edges of its range: rows whose every score lies far below
+    -softcap (each p at the bottom of the range, 2^(64 - 2R)), rows far above +softcap (the
+    top, 2^64), ordinary rows and rows that see no key (causal, seqlen_q > seqlen_k); out
+    and LSE against float64 (out by the 2x rule), the gradients too (the backward reads the
+    LSE). softcap 80 and fp16 take the running max: the same checks."""
+    torch.manual_seed(5)
+    b, h, hk, sq, sk = 1, 4, 2, 700, 600
+    direction = torch.ones(d, device="cuda") / d**0.5
+    k = 10.0 * direction + 0.3 * torch.randn(b, hk, sk, d, device="cuda")
+    q = torch.randn(b, h, sq, d, device="cuda")
+    # scores of about -/+ lam * 100 * scale: lam = 20 puts them near -/+ 3 softcap at d128
+    lam = 3 * softcap * d**0.5 / 100
+    q[:, :, 0::3] = -lam * 10.0 * direction + 0.3 * q[:, :, 0::3]
+    q[:, :, 1::3] = lam * 10.0 * direction + 0.3 * q[:, :, 1::3]
+    v = torch.randn(b, hk, sk, d, device="cuda")
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = diyfa.flash_attention(q, k, v, causal=True, softcap=softcap, backend="hopper",
+                                     return_lse=True)  # fmt: skip
+    ref, ref_lse = attention_ref(*(t.detach().double() for t in (q, k, v)), causal=True,
+                                 softcap=softcap, compute_dtype=torch.float64,
+                                 return_lse=True)  # fmt: skip
+    assert torch.isfinite(out).all()
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and not seen[:, :, :100].any()
+    lse_err = (lse[seen].double() - ref_lse[seen]).abs().max().item()
+    assert lse_err <= 1e-3 * ref_lse[seen].abs().max().item() + 1e-4, lse_err
+    _run_and_check(q.detach().requires_grad_(), k.detach().requires_grad_(),
+                   v.detach().requires_grad_(), True, (-1, -1), softcap,
+                   backend="hopper")  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "kernel-dq"])
 @pytest.mark.parametrize("case", HOPPER_VARIANT_CASES,

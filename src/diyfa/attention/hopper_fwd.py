@@ -559,7 +559,9 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     the running max is kept P_SHIFT below the true one, so p (and l) come out 2^P_SHIFT times
     larger, at no cost (fp8: P's e4m3 rounding needs its small values away from underflow);
     m + log2(l) is the LSE either way. LAZY > 0: m moves only where the block's max passes
-    it by more than LAZY (alpha stays 1 elsewhere; p and l grow up to 2^LAZY)."""
+    it by more than LAZY (alpha stays 1 elsewhere; p and l grow up to 2^LAZY). SOFTCAP == 2
+    (:func:`softcap_fixed_max`): the tanh bounds every score by qk_scale, so ``m_i`` is a
+    fixed max set before the first block: no row max, no alpha (returned as 1), no rescale."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -576,7 +578,12 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         left = start_n + BLOCK_N - 1 <= row0 + alibi_offset
         if (ALIBI == 2) & (left | (start_n >= row0 + SUB_M - 1 + alibi_offset)):
             sign_slope = gl.where(left, slope2, -slope2)
-            s = s * qk_scale + (cols.to(gl.float32) * sign_slope)[None, :]
+            # Column c = 8 (c >> 3) + (c & 7): in the wgmma layout c >> 3 is the same for
+            # every thread (a constant per register) and c & 7 one of two values a thread,
+            # so the column term costs an FMA per column, with no conversion
+            col_hi = ((cols >> 3) << 3).to(gl.float32)
+            col_lo = (cols & 7).to(gl.float32) * sign_slope
+            s = s * qk_scale + (col_hi * sign_slope + col_lo)[None, :]
             row_term = (offs_m + (alibi_offset - start_n)).to(gl.float32) * -sign_slope
         else:
             dist = offs_m[:, None] + (alibi_offset - start_n) - cols[None, :]
@@ -594,6 +601,9 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         if WINDOW:
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
+    if SOFTCAP == 2:
+        p = gl.exp2(s * qk_scale - m_i[:, None])
+        return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
     if ALIBI:  # already base 2 and scaled, but for the row term
         m_new = gl.maximum(m_i, gl.max(s, 1) + row_term - P_SHIFT)
     else:
@@ -837,6 +847,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if WINDOW:
             left_masked = gl.cdiv(gl.maximum(row0 + SUB_M - 1 + left_offset, 0), BLOCK_N)
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, layout=row_layout)
+        if SOFTCAP == 2:  # softcap bounds the scores by qk_scale (softcap_fixed_max)
+            m_i = gl.full([SUB_M], 0.0, gl.float32, layout=row_layout) + (
+                qk_scale - SOFTCAP_HEADROOM)
         # the row sums as per-lane partials (_row_sums), added up in the epilogue
         l_i = _row_sums(gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout))
         if SINKS:  # the head's sink logit joins every row's denominator (it has no value)
@@ -931,7 +944,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.arrive(v_empty.index(prev))  # nor V_{j-1}
                 if not LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
-                if LAZY > 0:
+                if SOFTCAP == 2:  # (a fixed max: alpha is 1)
+                    pass
+                elif LAZY > 0:
                     acc = _rescale(acc, gl.convert_layout(alpha, orow_layout))
                 else:
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
@@ -1578,7 +1593,8 @@ def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, 
     if left >= 0:
         variants.update(WINDOW=True, left_offset=p.causal_offset - left)
     if softcap:
-        variants.update(SOFTCAP=True, tanh_scale=p.softmax_scale / p.softcap)
+        variants.update(SOFTCAP=2 if not backward and softcap_fixed_max(p) else True,
+                        tanh_scale=p.softmax_scale / p.softcap)  # fmt: skip
     if alibi:
         variants.update(ALIBI=alibi_flag(head_dim_pad(p.head_dim), backward),
                         SLOPES=p.alibi_slopes,
@@ -1589,6 +1605,25 @@ def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, 
         variants.update(SINKS=True, SINK_LOGITS=p.sinks)
     variants.update(dropout_args(p))
     return upper, qk_scale, causal, variants
+
+
+# Softcap bounds every base-2 score by R = softcap * log2(e), so the forward's softmax needs
+# no running max: with a fixed m = R - SOFTCAP_HEADROOM every p = 2^(score - m) lies in
+# [2^(SOFTCAP_HEADROOM - 2R), 2^SOFTCAP_HEADROOM], which bf16 P and the fp32 sums hold with
+# their full precision while SOFTCAP_HEADROOM - 2R >= -120 (R <= SOFTCAP_FIXED_MAX_LIMIT:
+# softcap <= 63.7; Gemma 2 uses 50). No row max, no alpha and no O rescale per block.
+# fp16's P (normal from 2^-14) and fp8's would lose the small probabilities; ALiBi's bias and
+# the sinks' logits are not bounded by the cap: those keep the running max.
+SOFTCAP_FIXED_MAX = True
+SOFTCAP_HEADROOM = gl.constexpr(64.0)
+SOFTCAP_FIXED_MAX_LIMIT = 92.0
+
+
+def softcap_fixed_max(p: Problem) -> bool:
+    """Whether the forward runs softcap with the fixed max (SOFTCAP == 2): bf16, softcap *
+    log2(e) <= SOFTCAP_FIXED_MAX_LIMIT, no ALiBi, no sinks."""
+    return (SOFTCAP_FIXED_MAX and p.dtype == torch.bfloat16 and p.alibi_slopes is None
+            and p.sinks is None and 0 < p.softcap * LOG2E <= SOFTCAP_FIXED_MAX_LIMIT)  # fmt: skip
 
 
 def dropout_args(p: Problem) -> dict:
@@ -1623,6 +1658,9 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
         flags["left_offset"] = -1000
     if "ALIBI" in flags:  # (the flag's value as variant_args gives it)
         flags["ALIBI"] = alibi_flag(head_dim_pad(head_dim))
+    if "SOFTCAP" in flags and SOFTCAP_FIXED_MAX and dtype == torch.bfloat16 and not fp8 and not (
+            {"ALIBI", "SINKS"} & set(flags)):  # (as variant_args sets it for softcap 30)
+        flags["SOFTCAP"] = 2
     if "DROPOUT" in flags:
         flags.update(dropout_seed=2**40 + 3, dropout_thresh=portable.dropout_threshold(0.1),
                      dropout_keep=0.9)  # fmt: skip
