@@ -392,9 +392,12 @@ import json, torch
 from diyfa._compile import spill_bytes
 from diyfa.attention import hopper_fwd as hf
 out = []
-for d, dtype in ((64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float16)):
-    k = hf.compile_for_hopper(d, dtype, True, variants=("SOFTCAP",))
-    out.append({"d": d, "bf16": dtype == torch.bfloat16, "spilled": spill_bytes(k),
+three = hf.HOPPER_CONFIGS_LONG[64]
+for d, dtype, cfg in ((64, torch.bfloat16, None), (256, torch.bfloat16, None),
+                      (128, torch.float16, None), (64, torch.bfloat16, three)):
+    k = hf.compile_for_hopper(d, dtype, True, config=cfg, variants=("SOFTCAP",))
+    out.append({"d": d, "fixed": dtype == torch.bfloat16 and cfg is None,
+                "spilled": spill_bytes(k),
                 "max": k.asm["ptx"].count("max.f32"), "tanh": k.asm["ptx"].count("tanh.approx")})
 print(json.dumps(out))
 """
@@ -402,8 +405,10 @@ print(json.dumps(out))
 
 def test_hopper_kernel_compiles_softcap_fixed_max():
     """The softcap build with the fixed max (bf16) has no row max left in its PTX (no
-    max.f32 at all), the fp16 one keeps it; both run the hardware tanh and spill at most a
-    few scalars (ptxas, 2026-11-25: 0 bytes at d64, 28 at d256 causal, 20 for fp16 d256).
+    max.f32 at all); the fp16 one keeps it, and so does the three-consumer d64 build (the
+    fixed max overran its 160 registers); all run the hardware tanh and spill at most a few
+    scalars (ptxas, 2026-11-25: 0 bytes at d64, 28 at d256 causal; 128 with three
+    consumers, as before the fixed max).
     In a fresh process (see test_hopper_attention)."""
     import json
     import os
@@ -415,8 +420,8 @@ def test_hopper_kernel_compiles_softcap_fixed_max():
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
-        assert r["tanh"] > 0 and r["spilled"] <= 96, r
-        assert (r["max"] == 0) == r["bf16"], r
+        assert r["tanh"] > 0 and r["spilled"] <= 128, r
+        assert (r["max"] == 0) == r["fixed"], r
 
 
 @pytest.mark.gpu
