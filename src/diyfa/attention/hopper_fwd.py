@@ -379,6 +379,22 @@ def _issue_s(q_smem, k_t, zero, D: gl.constexpr, IMPRECISE: gl.constexpr,
 
 
 @gluon.jit
+def _alibi_columns(s_tok, aug_q, aug_k, start_n, row0, alibi_offset, SUB_M: gl.constexpr):
+    """ALIBI == 3: S += (the column term of ALiBi's split bias) / qk_scale by the tensor cores,
+    one more K = 16 product (``aug_q``: the tile's sign * slope2 / qk_scale in three 16-bit
+    pieces, in buffers 0 (keys left of every row's diagonal), 1 (right of it) and 2 (zeros:
+    blocks across the diagonal, which take the distances); ``aug_k``: each key's column in
+    the block, k-columns 0..2). So the softmax of a block on one side adds nothing per
+    score: only its rows' term (_softmax_step)."""
+    BLOCK_N: gl.constexpr = aug_k.type.shape[0]
+    left = start_n + BLOCK_N - 1 <= row0 + alibi_offset
+    right = start_n >= row0 + SUB_M - 1 + alibi_offset
+    side = gl.where(left, 0, gl.where(right, 1, 2))
+    return warpgroup_mma(aug_q.index(side), aug_k.permute((1, 0)), s_tok, use_acc=True,
+                         is_async=True)  # fmt: skip
+
+
+@gluon.jit
 def _wait_s(t0, t1, q_smem, k_t, PENDING: gl.constexpr, HALVES: gl.constexpr):
     """Wait until at most PENDING asynchronous products are outstanding (S's are then done);
     S, the halves added."""
@@ -617,15 +633,21 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         BLOCK_N: gl.constexpr = s.shape[1]
         SUB_M: gl.constexpr = offs_m.shape[0]
         left = start_n + BLOCK_N - 1 <= row0 + alibi_offset
-        if (ALIBI == 2) & (left | (start_n >= row0 + SUB_M - 1 + alibi_offset)):
+        if (ALIBI >= 2) & (left | (start_n >= row0 + SUB_M - 1 + alibi_offset)):
             sign_slope = gl.where(left, slope2, -slope2)
-            # Column c = 8 (c >> 3) + (c & 7): in the wgmma layout c >> 3 is the same for
-            # every thread (a constant per register) and c & 7 one of two values a thread,
-            # so the column term costs an FMA per column, with no conversion
-            col_hi = ((cols >> 3) << 3).to(gl.float32)
-            col_lo = (cols & 7).to(gl.float32) * sign_slope
-            s = s * qk_scale + (col_hi * sign_slope + col_lo)[None, :]
+            if ALIBI == 2:
+                # Column c = 8 (c >> 3) + (c & 7): in the wgmma layout c >> 3 is the same for
+                # every thread (a constant per register) and c & 7 one of two values a
+                # thread, so the column term costs an FMA per column, with no conversion
+                col_hi = ((cols >> 3) << 3).to(gl.float32)
+                col_lo = (cols & 7).to(gl.float32) * sign_slope
+                s = s * qk_scale + (col_hi * sign_slope + col_lo)[None, :]
+            # (ALIBI == 3: the column term came with S, _alibi_columns; s stays unscaled)
             row_term = (offs_m + (alibi_offset - start_n)).to(gl.float32) * -sign_slope
+        elif ALIBI == 3:  # the distances, in S's unscaled units
+            dist = offs_m[:, None] + (alibi_offset - start_n) - cols[None, :]
+            s = s - (slope2 / qk_scale) * gl.abs(dist).to(gl.float32)
+            row_term = offs_m.to(gl.float32) * 0.0
         else:
             dist = offs_m[:, None] + (alibi_offset - start_n) - cols[None, :]
             s = s * qk_scale - slope2 * gl.abs(dist).to(gl.float32)
@@ -645,7 +667,9 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     if SOFTCAP >= 2:  # (SOFTCAP - 2: SOFTCAP_EXP_POLY)
         p = _exp2(s * qk_scale - m_i[:, None], SOFTCAP - 2)
         return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
-    if ALIBI:  # already base 2 and scaled, but for the row term
+    if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + row_term - P_SHIFT)
+    elif ALIBI:  # already base 2 and scaled, but for the row term
         m_new = gl.maximum(m_i, gl.max(s, 1) + row_term - P_SHIFT)
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale - P_SHIFT)
@@ -653,7 +677,9 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         m_new = gl.where(m_new > m_i + LAZY, m_new, m_i)
     # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if ALIBI:
+    if ALIBI == 3:
+        p = gl.exp2(s * qk_scale - (m_use - row_term)[:, None])
+    elif ALIBI:
         p = gl.exp2(s - (m_use - row_term)[:, None])
     else:
         p = gl.exp2(s * qk_scale - m_use[:, None])
@@ -853,6 +879,18 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     Q_BUFS: gl.constexpr = q_bufs.type.shape[0] // CONSUMERS
     pin = gl.allocate_shared_memory(gl.float32, [SUB_M, 4],
                                     gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    if ALIBI == 3:  # _alibi_columns' operands: the keys' columns once, the slope per tile
+        AUG_K: gl.constexpr = 16
+        aug_layout: gl.constexpr = gl.BlockedLayout([1, AUG_K], [32, 1], [4, 1], [1, 0])
+        aug_k = gl.allocate_shared_memory(
+            dtype, [BLOCK_N, AUG_K], gl.NVMMASharedLayout.get_default_for([BLOCK_N, AUG_K], dtype))
+        aug_q = gl.allocate_shared_memory(
+            dtype, [3, SUB_M, AUG_K], gl.NVMMASharedLayout.get_default_for([SUB_M, AUG_K], dtype))
+        key_col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, aug_layout))
+        aug_col = gl.arange(0, AUG_K, layout=gl.SliceLayout(0, aug_layout))
+        aug_k.store(gl.where(aug_col[None, :] < 3, key_col[:, None].to(gl.float32),
+                             0.0).to(dtype))  # fmt: skip
+        aug_q.index(2).store(gl.zeros([SUB_M, AUG_K], dtype, aug_layout))
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     it = 0
     lap = 0
@@ -905,6 +943,18 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         slope2 = 0.0
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
+        if ALIBI == 3:  # slope2 / qk_scale in three 16-bit pieces, + and - (_alibi_columns)
+            ratio = slope2 / qk_scale
+            hi = ratio.to(dtype).to(gl.float32)
+            mid = (ratio - hi).to(dtype).to(gl.float32)
+            rest = ratio - hi - mid
+            piece = gl.where(aug_col == 0, hi, gl.where(aug_col == 1, mid,
+                                                        gl.where(aug_col == 2, rest, 0.0)))
+            pieces = gl.zeros([SUB_M, AUG_K], gl.float32, aug_layout) + piece[None, :]
+            aug_q.index(0).store(pieces.to(dtype))
+            aug_q.index(1).store((-pieces).to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp of the warpgroup has written its rows
         qk_scale_t = qk_scale
         v_descale = 1.0
         if FP8:  # the (batch, kv head)'s descales: Q's times K's, then V's (checks.py)
@@ -926,6 +976,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             s_tok, s_tok2 = _issue_s(q_smem, k_t,
                                      gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
                                      HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
+            if ALIBI == 3:
+                s_tok = _alibi_columns(s_tok, aug_q, aug_k, lo * BLOCK_N, row0, alibi_offset,
+                                       SUB_M)  # fmt: skip
+                s_tok2 = s_tok
             if ORDER & ORDER_PINGPONG:
                 _pingpong(C, CONSUMERS, True)
             s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
@@ -962,6 +1016,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 s_tok, s_tok2 = _issue_s(q_smem, k_t,
                                          gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
                                          HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
+                if ALIBI == 3:
+                    s_tok = _alibi_columns(s_tok, aug_q, aug_k, j * BLOCK_N, row0, alibi_offset,
+                                           SUB_M)  # fmt: skip
+                    s_tok2 = s_tok
                 acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, True)
@@ -1612,10 +1670,17 @@ ALIBI_SPLIT_DIMS = (64, 128)
 ALIBI_SPLIT_DIMS_BWD = (128,)
 
 
+# (an experiment: the forward's ALIBI 3, _alibi_columns; DIYFA_ALIBI_GEMM=1 at import)
+ALIBI_GEMM = os.environ.get("DIYFA_ALIBI_GEMM", "0") == "1"
+
+
 def alibi_flag(head_dim_padded: int, backward: bool = False) -> int:
-    """The kernels' ALIBI value for a padded head dim: 2 (the split bias) or 1 (distances)."""
+    """The kernels' ALIBI value for a padded head dim: 2 (the split bias), 3 (the forward's
+    split with the column term by the tensor cores: ALIBI_GEMM) or 1 (distances)."""
     dims = ALIBI_SPLIT_DIMS_BWD if backward else ALIBI_SPLIT_DIMS
-    return 2 if ALIBI_SPLIT and head_dim_padded in dims else 1
+    if not (ALIBI_SPLIT and head_dim_padded in dims):
+        return 1
+    return 3 if ALIBI_GEMM and not backward else 2
 
 
 def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, dict]:
@@ -1642,7 +1707,10 @@ def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, 
                         else True,
                         tanh_scale=p.softmax_scale / p.softcap)  # fmt: skip
     if alibi:
-        variants.update(ALIBI=alibi_flag(head_dim_pad(p.head_dim), backward),
+        flag = alibi_flag(head_dim_pad(p.head_dim), backward)
+        if flag == 3 and (softcap or p.dtype not in (torch.float16, torch.bfloat16)):
+            flag = 2  # (the tanh comes before the bias; fp8's products take K = 32)
+        variants.update(ALIBI=flag,
                         SLOPES=p.alibi_slopes,
                         alibi_offset=p.causal_offset,
                         stride_slopes_b=p.alibi_slopes.stride(0) if p.alibi_slopes.dim() == 2
