@@ -312,47 +312,6 @@ def _tanh(x):
                                      is_pure=True, pack=1)
 
 
-# Softcap's exponentials partly on the FMA units (an experiment, SOFTCAP_EXP_POLY): with the
-# fixed max a softcap score costs two MUFU operations (the tanh and the exp2) against the
-# matmuls' time at d128. 2^x = 2^j * 2^f, j = round(x) (the 1.5 * 2^23 trick), f in [-0.5,
-# 0.5], 2^f by a cubic (relative error 7.5e-5; the coefficients of the 2026-11-23
-# experiment), 2^j in the exponent bits; x clamped to -127 (a masked -inf gives 0).
-_POLY_C = ("0f3F7FFB4A", "0f3F31798D", "0f3E786EE8", "0f3D61FB68")
-
-
-def _exp2_asm(poly: int) -> str:
-    """PTX for 4 values ($4..$7 -> $0..$3), the last ``poly`` of them on the FMA units."""
-    c0, c1, c2, c3 = _POLY_C
-    lines = ["{", ".reg .f32 x, t, j, f, p, s;", ".reg .b32 e;"]
-    for i in range(4):
-        if i < 4 - poly:
-            lines.append(f"ex2.approx.ftz.f32 ${i}, ${i + 4};")
-            continue
-        lines += [f"max.NaN.f32 x, ${i + 4}, 0fC2FE0000;", "add.rn.f32 t, x, 0f4B400000;",
-                  "sub.rn.f32 j, t, 0f4B400000;", "sub.rn.f32 f, x, j;",
-                  f"fma.rn.f32 p, f, {c3}, {c2};", f"fma.rn.f32 p, p, f, {c1};",
-                  f"fma.rn.f32 p, p, f, {c0};", "mov.b32 e, t;", "shl.b32 e, e, 23;",
-                  "add.s32 e, e, 1065353216;", "mov.b32 s, e;", f"mul.rn.f32 ${i}, p, s;"]
-    return "\n".join(lines + ["}"])
-
-
-EXP2_ASM_1 = gl.constexpr(_exp2_asm(1))
-EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
-
-
-@gluon.jit
-def _exp2(x, POLY: gl.constexpr):
-    """2^x, ``POLY`` (0, 1 or 2) of every 4 values on the FMA units, the rest by ex2."""
-    if POLY == 0:
-        return gl.exp2(x)
-    elif POLY == 1:
-        return gl.inline_asm_elementwise(EXP2_ASM_1, "=f,=f,=f,=f,f,f,f,f", [x],
-                                         dtype=gl.float32, is_pure=True, pack=4)  # fmt: skip
-    else:
-        return gl.inline_asm_elementwise(EXP2_ASM_2, "=f,=f,=f,=f,f,f,f,f", [x],
-                                         dtype=gl.float32, is_pure=True, pack=4)  # fmt: skip
-
-
 @gluon.jit
 def _tile2d(bufs, i):
     """Stage ``i`` of a ring of (1, 1, rows, dim) TMA blocks, as a (rows, dim) operand."""
@@ -664,8 +623,8 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         if WINDOW:
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
-    if SOFTCAP >= 2:  # (SOFTCAP - 2: SOFTCAP_EXP_POLY)
-        p = _exp2(s * qk_scale - m_i[:, None], SOFTCAP - 2)
+    if SOFTCAP == 2:
+        p = gl.exp2(s * qk_scale - m_i[:, None])
         return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + row_term - P_SHIFT)
@@ -865,10 +824,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # (head dims of 128 and more: a thread holds LAZY_PACK or more of O's values)
     LAZY: gl.constexpr = (LAZY_RESCALE if (ORDER & ORDER_LAZY) and not FP8
                           and HEAD_DIM_V >= 2 * LAZY_PACK else 0.0)  # fmt: skip
-    # softcap's fixed max (SOFTCAP == 2) but at three consumers, whose 160 registers it
-    # overran (ptxas: 344 bytes of spills against 128 with the running max; d64 8k causal
-    # softcap 301 against 329 TFLOPS, H200, 2026-11-25)
-    CAP: gl.constexpr = 1 if SOFTCAP >= 2 and CONSUMERS == 3 else SOFTCAP
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -930,7 +885,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if WINDOW:
             left_masked = gl.cdiv(gl.maximum(row0 + SUB_M - 1 + left_offset, 0), BLOCK_N)
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, layout=row_layout)
-        if CAP >= 2:  # softcap bounds the scores by qk_scale (softcap_fixed_max)
+        if SOFTCAP == 2:  # softcap bounds the scores by qk_scale (softcap_fixed_max)
             m_i = gl.full([SUB_M], 0.0, gl.float32, layout=row_layout) + (
                 qk_scale - SOFTCAP_HEADROOM)
         # the row sums as per-lane partials (_row_sums), added up in the epilogue
@@ -987,7 +942,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             p, m_i, l_i, alpha = _softmax_step(
                 s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
                 qk_scale_t, tanh_scale, slope2, alibi_offset,
-                (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, CAP, ALIBI,
+                (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
                 P_SHIFT, LAZY)
             if DROPOUT:  # (the row sums l keep every probability; P V only the kept ones)
                 p = _dropout(p, drop_rows, lo * BLOCK_N, drop_bh, dropout_seed, dropout_thresh,
@@ -1030,7 +985,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s, m_i, l_i, j * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t,
                     left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
-                    (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, CAP, ALIBI,
+                    (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
                     P_SHIFT, LAZY)
                 if DROPOUT:
                     p = _dropout(p, drop_rows, j * BLOCK_N, drop_bh, dropout_seed,
@@ -1047,7 +1002,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.arrive(v_empty.index(prev))  # nor V_{j-1}
                 if not LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
-                if CAP >= 2:  # (a fixed max: alpha is 1)
+                if SOFTCAP == 2:  # (a fixed max: alpha is 1)
                     pass
                 elif LAZY > 0:
                     acc = _rescale(acc, gl.convert_layout(alpha, orow_layout))
@@ -1703,8 +1658,7 @@ def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, 
     if left >= 0:
         variants.update(WINDOW=True, left_offset=p.causal_offset - left)
     if softcap:
-        variants.update(SOFTCAP=2 + SOFTCAP_EXP_POLY if not backward and softcap_fixed_max(p)
-                        else True,
+        variants.update(SOFTCAP=2 if not backward and softcap_fixed_max(p) else True,
                         tanh_scale=p.softmax_scale / p.softcap)  # fmt: skip
     if alibi:
         flag = alibi_flag(head_dim_pad(p.head_dim), backward)
@@ -1727,18 +1681,23 @@ def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, 
 # their full precision while SOFTCAP_HEADROOM - 2R >= -120 (R <= SOFTCAP_FIXED_MAX_LIMIT:
 # softcap <= 63.7; Gemma 2 uses 50). No row max, no alpha and no O rescale per block.
 # fp16's P (normal from 2^-14) and fp8's would lose the small probabilities; ALiBi's bias and
-# the sinks' logits are not bounded by the cap: those keep the running max, and so do the
-# three-consumer configs (the kernel's CAP), where it overran 160 registers.
+# the sinks' logits are not bounded by the cap: those keep the running max. So does d64
+# (padded), where it measured slower: H200, bf16, one process, 3 rounds, TFLOPS fixed /
+# running max (2026-11-25, benchmarks/results/2026-11-25_h200_softcap-fixed-max-ab_a3d9347.txt):
+# d128 8k causal 506.8 / 468.0, not causal 550.1 / 532.9, 2k causal 420.8 / 396.0; d256 8k
+# causal 640.9 / 538.4; d64 8k causal 301.8 / 329.4, 2k causal 267.2 / 280.2 (two consumers
+# too; three overran their 160 registers, 344 bytes of spills against 128).
 SOFTCAP_FIXED_MAX = True
 SOFTCAP_HEADROOM = gl.constexpr(64.0)
 SOFTCAP_FIXED_MAX_LIMIT = 92.0
-SOFTCAP_EXP_POLY = 0  # (of every 4 exponentials on the FMA units, with the fixed max: 0..2)
 
 
 def softcap_fixed_max(p: Problem) -> bool:
-    """Whether the forward runs softcap with the fixed max (SOFTCAP == 2): bf16, softcap *
-    log2(e) <= SOFTCAP_FIXED_MAX_LIMIT, no ALiBi, no sinks."""
-    return (SOFTCAP_FIXED_MAX and p.dtype == torch.bfloat16 and p.alibi_slopes is None
+    """Whether the forward runs softcap with the fixed max (SOFTCAP == 2): bf16, a padded
+    head dim of 128 or more, softcap * log2(e) <= SOFTCAP_FIXED_MAX_LIMIT, no ALiBi, no
+    sinks."""
+    return (SOFTCAP_FIXED_MAX and p.dtype == torch.bfloat16 and head_dim_pad(p.head_dim) >= 128
+            and p.alibi_slopes is None
             and p.sinks is None and 0 < p.softcap * LOG2E <= SOFTCAP_FIXED_MAX_LIMIT)  # fmt: skip
 
 
@@ -1774,8 +1733,9 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
         flags["left_offset"] = -1000
     if "ALIBI" in flags:  # (the flag's value as variant_args gives it)
         flags["ALIBI"] = alibi_flag(head_dim_pad(head_dim))
-    if "SOFTCAP" in flags and SOFTCAP_FIXED_MAX and dtype == torch.bfloat16 and not fp8 and not (
-            {"ALIBI", "SINKS"} & set(flags)):  # (as variant_args sets it for softcap 30)
+    if "SOFTCAP" in flags and SOFTCAP_FIXED_MAX and dtype == torch.bfloat16 and not fp8 and (
+            head_dim_pad(head_dim) >= 128 and not {"ALIBI", "SINKS"} & set(flags)):
+        # (as variant_args sets it for softcap 30)
         flags["SOFTCAP"] = 2
     if "DROPOUT" in flags:
         flags.update(dropout_seed=2**40 + 3, dropout_thresh=portable.dropout_threshold(0.1),
