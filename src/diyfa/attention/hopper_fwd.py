@@ -1625,8 +1625,14 @@ ALIBI_SPLIT_DIMS = (64, 128)
 ALIBI_SPLIT_DIMS_BWD = (128,)
 
 
-# (an experiment: the forward's ALIBI 3, _alibi_columns; DIYFA_ALIBI_GEMM=1 at import)
-ALIBI_GEMM = os.environ.get("DIYFA_ALIBI_GEMM", "0") == "1"
+# The forward's split bias with its column term added by the tensor cores (ALIBI 3,
+# _alibi_columns): one more K = 16 product per block instead of an FMA per column and an add
+# per score. H200, bf16, one process, 3 rounds, TFLOPS with it / the FMAs (2026-11-25,
+# benchmarks/results/2026-11-25_h200_alibi-gemm-ab_1980aa5.txt; plain attention alongside):
+# d128 8k causal 574.2 / 516.2 (599.6), not causal 623.5 / 561.4 (645.4), 2k causal 440.2 /
+# 416.8; d64 8k causal 415.9 / 384.0 (470.0). Not with softcap (the tanh comes before the
+# bias) nor fp8 (its products take K = 32): those keep ALIBI 2.
+ALIBI_GEMM = True
 
 
 def alibi_flag(head_dim_padded: int, backward: bool = False) -> int:
@@ -1733,6 +1739,8 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
         flags["left_offset"] = -1000
     if "ALIBI" in flags:  # (the flag's value as variant_args gives it)
         flags["ALIBI"] = alibi_flag(head_dim_pad(head_dim))
+        if flags["ALIBI"] == 3 and ("SOFTCAP" in flags or fp8):
+            flags["ALIBI"] = 2
     if "SOFTCAP" in flags and SOFTCAP_FIXED_MAX and dtype == torch.bfloat16 and not fp8 and (
             head_dim_pad(head_dim) >= 128 and not {"ALIBI", "SINKS"} & set(flags)):
         # (as variant_args sets it for softcap 30)
