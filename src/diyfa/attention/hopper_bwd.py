@@ -2,9 +2,9 @@
 
 Status: runs on H200 (tests/test_hopper_bwd.py's GPU tests: the gradient matrix against
 float64, both dQ modes, bitwise determinism). "auto" runs it where it measured faster than
-the portable backward (:func:`auto_mode`: the atomic dQ for plain attention and, at
-d72..128, a window or sinks; the deterministic path for softcap, ALiBi, packed sequences at
-d72..128, the variants at d64 and when asked for);
+the portable backward (:func:`auto_mode`: the atomic dQ for plain attention, packed
+sequences and, at d72..128, a window, softcap or sinks; the deterministic path for ALiBi,
+the variants at d64 and when asked for);
 ``backend="hopper"``
 runs it wherever :func:`supports` allows, with the atomic dQ unless ``deterministic=True``.
 Every other call, and every problem :func:`supports` refuses, takes the portable backward.
@@ -287,6 +287,14 @@ def auto_mode(p: Problem) -> str | None:
     and ALiBi 402 / 395 keep the deterministic path; window 1023 332 / 402, sinks 460 /
     528, plain 460 / 552.
 
+    Since softcap's 1 - t^2 joins P^T before the dP^T wait (2026-11-25; ptxas spills at d128
+    causal 420 -> 236 bytes atomic, 280 -> 148 deterministic; H200, bf16, softcap 30, one
+    process, 3 rounds, benchmarks/oldnew_ab.py,
+    benchmarks/results/2026-11-25_h200_softcap-bwd-ab_f7bf9c5.txt, TFLOPS before / after):
+    atomic 1 x 16 x 8192 367 / 530, causal 281 / 432, 4 x 16 x 4096 354 / 504, causal 277 /
+    412; deterministic 367 / 405, 313 / 357, 353 / 401, 297 / 341. So softcap takes the
+    atomic dQ at d72..128 too; ALiBi keeps the deterministic path.
+
     Head dims above 128 (hopper_bwd256's kernel, 2026-11-25) take the deterministic path,
     variants and packed sequences too (``WIDE_DQ_ATOMIC``), or, past the portable dQ
     kernel's 65535 (batch x heads) programs, the atomic dQ."""
@@ -307,7 +315,7 @@ def auto_mode(p: Problem) -> str | None:
         return None
     window = p.window_left >= 0 or p.window_right > 0
     variant = window or p.softcap or p.alibi_slopes is not None or p.sinks is not None
-    heavy = p.softcap or p.alibi_slopes is not None  # (slower with the split dQ)
+    heavy = p.alibi_slopes is not None  # (slower with the split dQ)
     if p.deterministic or heavy or (variant and not wide):
         return "kernel-dq"
     return "atomic"
@@ -761,8 +769,9 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
         if SOFTCAP:
             # tanh's derivative into P^T before the dP^T wait (P^T itself is in p16 now):
-            # one tile live across the wait instead of two (ptxas: 280 -> ... bytes of
-            # spills at d128 causal, deterministic; dropout's sign survives, 1 - t^2 >= 0)
+            # one tile live across the wait instead of two (ptxas, d128 causal: spills 280 ->
+            # 148 bytes deterministic, 420 -> 236 atomic; +14% / +54% on the H200, auto_mode;
+            # dropout's sign survives, 1 - t^2 >= 0)
             pt = pt * st
         delta = delta_bufs.index(s).load(query_layout)
         dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
