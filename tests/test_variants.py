@@ -388,6 +388,26 @@ def test_softcap_fixed_max_rule():
     assert "SOFTCAP" not in hf.variant_args(dataclasses.replace(base, softcap=0.0))[3]
 
 
+def test_alibi_flag_rule():
+    """Which ALiBi form each kernel runs (``hopper_fwd.alibi_flag``): the forward at d64 /
+    d128 adds the column term by the tensor cores (3) for bf16 without softcap; fp16 (its
+    pieces of slope / scale overflow past 65504), fp8 (K = 32 products), softcap (the tanh
+    comes first) and the backward take the split with FMAs (2); other head dims the
+    distances (1). variant_args passes the problem's own."""
+    from diyfa.attention import hopper_fwd as hf
+
+    flag = hf.alibi_flag
+    assert flag(128) == 3 and flag(64) == 3 and flag(256) == 1
+    assert flag(128, dtype=torch.float16) == 2 and flag(128, dtype=torch.float8_e4m3fn) == 2
+    assert flag(128, softcap=True) == 2 and flag(128, backward=True) == 2
+    assert flag(64, backward=True) == 1
+    problem = dataclasses.replace(_problem(causal=True), alibi_slopes=torch.ones(4))
+    assert hf.variant_args(problem)[3]["ALIBI"] == 3
+    assert hf.variant_args(dataclasses.replace(problem, softcap=5.0))[3]["ALIBI"] == 2
+    assert hf.variant_args(dataclasses.replace(problem, dtype=torch.float16))[3]["ALIBI"] == 2
+    assert hf.variant_args(problem, backward=True)[3]["ALIBI"] == 2
+
+
 _COMPILE_SOFTCAP = """
 import json, torch
 from diyfa._compile import spill_bytes

@@ -1630,18 +1630,22 @@ ALIBI_SPLIT_DIMS_BWD = (128,)
 # per score. H200, bf16, one process, 3 rounds, TFLOPS with it / the FMAs (2026-11-25,
 # benchmarks/results/2026-11-25_h200_alibi-gemm-ab_1980aa5.txt; plain attention alongside):
 # d128 8k causal 574.2 / 516.2 (599.6), not causal 623.5 / 561.4 (645.4), 2k causal 440.2 /
-# 416.8; d64 8k causal 415.9 / 384.0 (470.0). Not with softcap (the tanh comes before the
-# bias) nor fp8 (its products take K = 32): those keep ALIBI 2.
+# 416.8; d64 8k causal 415.9 / 384.0 (470.0). bf16 only (its pieces hold any slope / scale
+# ratio; fp16's overflow past 65504) and not with softcap (the tanh comes before the bias):
+# those keep ALIBI 2, as fp8 does (its products take K = 32).
 ALIBI_GEMM = True
 
 
-def alibi_flag(head_dim_padded: int, backward: bool = False) -> int:
+def alibi_flag(head_dim_padded: int, backward: bool = False,
+               dtype: torch.dtype = torch.bfloat16, softcap: bool = False) -> int:
     """The kernels' ALIBI value for a padded head dim: 2 (the split bias), 3 (the forward's
-    split with the column term by the tensor cores: ALIBI_GEMM) or 1 (distances)."""
+    split with the column term by the tensor cores: ALIBI_GEMM, bf16 without softcap) or 1
+    (distances)."""
     dims = ALIBI_SPLIT_DIMS_BWD if backward else ALIBI_SPLIT_DIMS
     if not (ALIBI_SPLIT and head_dim_padded in dims):
         return 1
-    return 3 if ALIBI_GEMM and not backward else 2
+    gemm = ALIBI_GEMM and not backward and dtype == torch.bfloat16 and not softcap
+    return 3 if gemm else 2
 
 
 def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, dict]:
@@ -1667,10 +1671,7 @@ def variant_args(p: Problem, backward: bool = False) -> tuple[int, float, bool, 
         variants.update(SOFTCAP=2 if not backward and softcap_fixed_max(p) else True,
                         tanh_scale=p.softmax_scale / p.softcap)  # fmt: skip
     if alibi:
-        flag = alibi_flag(head_dim_pad(p.head_dim), backward)
-        if flag == 3 and (softcap or p.dtype not in (torch.float16, torch.bfloat16)):
-            flag = 2  # (the tanh comes before the bias; fp8's products take K = 32)
-        variants.update(ALIBI=flag,
+        variants.update(ALIBI=alibi_flag(head_dim_pad(p.head_dim), backward, p.dtype, softcap),
                         SLOPES=p.alibi_slopes,
                         alibi_offset=p.causal_offset,
                         stride_slopes_b=p.alibi_slopes.stride(0) if p.alibi_slopes.dim() == 2
@@ -1702,9 +1703,14 @@ def softcap_fixed_max(p: Problem) -> bool:
     """Whether the forward runs softcap with the fixed max (SOFTCAP == 2): bf16, a padded
     head dim of 128 or more, softcap * log2(e) <= SOFTCAP_FIXED_MAX_LIMIT, no ALiBi, no
     sinks."""
-    return (SOFTCAP_FIXED_MAX and p.dtype == torch.bfloat16 and head_dim_pad(p.head_dim) >= 128
-            and p.alibi_slopes is None
-            and p.sinks is None and 0 < p.softcap * LOG2E <= SOFTCAP_FIXED_MAX_LIMIT)  # fmt: skip
+    return _softcap_fixed_max(p.dtype, p.head_dim, p.softcap,
+                              p.alibi_slopes is not None or p.sinks is not None)  # fmt: skip
+
+
+def _softcap_fixed_max(dtype: torch.dtype, head_dim: int, softcap: float, unbounded: bool):
+    """:func:`softcap_fixed_max`'s rule (``unbounded``: ALiBi or sinks)."""
+    return (SOFTCAP_FIXED_MAX and dtype == torch.bfloat16 and head_dim_pad(head_dim) >= 128
+            and not unbounded and 0 < softcap * LOG2E <= SOFTCAP_FIXED_MAX_LIMIT)  # fmt: skip
 
 
 def dropout_args(p: Problem) -> dict:
@@ -1737,13 +1743,12 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
     flags = {name: True for name in variants}
     if "WINDOW" in flags:
         flags["left_offset"] = -1000
-    if "ALIBI" in flags:  # (the flag's value as variant_args gives it)
-        flags["ALIBI"] = alibi_flag(head_dim_pad(head_dim))
-        if flags["ALIBI"] == 3 and ("SOFTCAP" in flags or fp8):
-            flags["ALIBI"] = 2
-    if "SOFTCAP" in flags and SOFTCAP_FIXED_MAX and dtype == torch.bfloat16 and not fp8 and (
-            head_dim_pad(head_dim) >= 128 and not {"ALIBI", "SINKS"} & set(flags)):
-        # (as variant_args sets it for softcap 30)
+    # (the flags' values as variant_args gives them, softcap 30)
+    kind = torch.float8_e4m3fn if fp8 else dtype
+    if "ALIBI" in flags:
+        flags["ALIBI"] = alibi_flag(head_dim_pad(head_dim), False, kind, "SOFTCAP" in flags)
+    if "SOFTCAP" in flags and _softcap_fixed_max(kind, head_dim, 30.0,
+                                                 bool({"ALIBI", "SINKS"} & set(flags))):
         flags["SOFTCAP"] = 2
     if "DROPOUT" in flags:
         flags.update(dropout_seed=2**40 + 3, dropout_thresh=portable.dropout_threshold(0.1),
