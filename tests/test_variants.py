@@ -460,10 +460,10 @@ print(json.dumps(out))
 def test_hopper_kernel_compiles_alibi_by_the_tensor_cores():
     """ALiBi's forward at d64 / d128 (ALIBI 3): the column term comes with S from one more
     K = 16 product per S (two issue sites per consumer: that many more wgmma in the PTX than
-    the plain build), its operands fit the shared memory, and ptxas spills no more than the split
-    with FMAs did (2026-11-25: 0 bytes with two consumers; with three, 172 causal against
-    ALIBI 2's 132 and the plain build's 84, outside the K/V loop's products; that build
-    measured faster, docs/attention.md). In a fresh process (see test_hopper_attention)."""
+    the plain build), its operands fit the shared memory, and ptxas spills nothing with two
+    consumers and at most 192 bytes with three (2026-11-25: 172 causal, where the split with
+    FMAs spilled 132 and the plain build 84; the three-consumer build measured faster all
+    the same, docs/attention.md). In a fresh process (see test_hopper_attention)."""
     import json
     import os
     import subprocess
