@@ -475,6 +475,7 @@ def test_hopper_kernel_compiles_alibi_by_the_tensor_cores():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     for alibi, plain in zip(rows[0::2], rows[1::2], strict=True):
+        assert alibi["alibi"] and not plain["alibi"] and alibi["d"] == plain["d"]
         # (the PTX holds each consumer's copy of the loop: two issue sites per consumer)
         assert alibi["wgmma"] == plain["wgmma"] + 2 * (3 if alibi["three"] else 2), alibi
         assert alibi["shared"] <= 227 * 1024, alibi
@@ -497,7 +498,7 @@ def test_gpu_hopper_softcap_fixed_max(softcap, dtype, d):
     direction = torch.ones(d, device="cuda") / d**0.5
     k = 10.0 * direction + 0.3 * torch.randn(b, hk, sk, d, device="cuda")
     q = torch.randn(b, h, sq, d, device="cuda")
-    # scores of about -/+ lam * 100 * scale: lam = 20 puts them near -/+ 3 softcap at d128
+    # scores of about -/+ lam * 100 * scale (scale = d^-0.5): -/+ 3 softcap
     lam = 3 * softcap * d**0.5 / 100
     q[:, :, 0::3] = -lam * 10.0 * direction + 0.3 * q[:, :, 0::3]
     q[:, :, 1::3] = lam * 10.0 * direction + 0.3 * q[:, :, 1::3]
