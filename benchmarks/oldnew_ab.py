@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--kind", choices=("fwd", "bwd"), required=True)
     ap.add_argument("--old", help="the old module's source file")
     ap.add_argument("--softcap", type=float, default=0.0, help="the problems' softcap")
+    ap.add_argument("--alibi", action="store_true",
+                    help="ALiBi, slopes 2^(-8 (i + 1) / heads) as the variants suite's")
     ap.add_argument("--rev", default="HEAD", help="else: git show REV:src/diyfa/attention/...")
     ap.add_argument("--shapes", default="1x16x16384x128,4x16x4096x128,1x32x16384x64,4x32x4096x64")
     ap.add_argument("--causal", default="0,1")
@@ -88,8 +90,12 @@ def main() -> int:
             for causal in (bool(int(c)) for c in a.causal.split(",")):
                 q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
                            for _ in range(3))  # fmt: skip
+                extra = dict(softcap=a.softcap)
+                if a.alibi:
+                    extra["alibi_slopes"] = torch.tensor(
+                        [2.0 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
                 p = check_inputs(q, k, v, causal=causal, softmax_scale=None, layout="bhsd",
-                                 align="bottom_right", softcap=a.softcap)  # fmt: skip
+                                 align="bottom_right", **extra)  # fmt: skip
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 mods = (("old", old), ("new", new))
                 if a.kind == "fwd":
@@ -97,7 +103,7 @@ def main() -> int:
                 else:
                     flops *= 2.5
                     o, lse = diyfa.flash_attention(q, k, v, causal=causal, return_lse=True,
-                                                   softcap=a.softcap)  # fmt: skip
+                                                   layout="bhsd", **extra)  # fmt: skip
                     args = (torch.randn_like(o), q, k, v, o, lse / LN2, p)
                     runs = {n: functools.partial(m.hopper_backward, *args,
                                                  atomic_dq=not a.deterministic)

@@ -112,9 +112,9 @@ def test_hopper_bwd_compiles_and_fits(dtype):
             where, r["ptxas"])
         # One exp2 per score (64 per step), and softcap's tanh by the hardware instruction.
         # (ALiBi's split bias has two paths, one per step: blocks on one side of the
-        # diagonal and blocks across it; hopper_fwd.alibi_flag.)
+        # diagonal and blocks across it, but in causal calls: hopper_fwd.alibi_flag.)
         paths = 2 if "ALIBI" in r["variants"] and hopper_bwd.alibi_flag(
-            r["d"], backward=True) == 2 else 1  # fmt: skip
+            r["d"], backward=True, causal=r["causal"]) == 2 else 1  # fmt: skip
         assert ptx.count("ex2.approx") == 64 * paths, where
         assert ptx.count("tanh.approx.f32") == (64 if "SOFTCAP" in r["variants"] else 0), where
         # Packed sequences: a sequence's last key block leaves by masked stores (TMA would
@@ -260,6 +260,8 @@ def test_supports_takes(kwargs):
     (None, "auto", dict(d=64, sk=4096, variant=dict(window_left=100)), "hopper-kernel-dq"),
     (None, "auto", dict(variant=dict(softcap=30.0), causal=True), "hopper-atomic"),
     (None, "auto", dict(variant=dict(alibi_slopes=torch.ones(4)), causal=True),
+     "hopper-atomic"),
+    (None, "auto", dict(d=64, sk=4096, variant=dict(alibi_slopes=torch.ones(4)), causal=True),
      "hopper-kernel-dq"),
     ("1", "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
     (None, "hopper", dict(variant=dict(softcap=30.0)), "hopper-atomic"),
@@ -271,8 +273,8 @@ def test_supports_takes(kwargs):
         "auto-d64-det", "auto-d64-causal-det", "enabled-d64",
         "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256",
         "auto-d256", "auto-d256-huge-batch", "named-d256-huge-batch", "named-d192-window",
-        "auto-window", "auto-window-d64", "auto-softcap", "auto-alibi", "enabled-window",
-        "named-softcap",
+        "auto-window", "auto-window-d64", "auto-softcap", "auto-alibi", "auto-alibi-d64",
+        "enabled-window", "named-softcap",
         "named-det-alibi", "named-sinks", "named-value-dim"])
 def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     """"auto" runs the Gluon backward where it measured faster (hopper_bwd.auto_mode: the
@@ -280,8 +282,8 @@ def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     (deterministic) path when asked for); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
     wherever it applies; naming the family runs it with the atomic dQ unless deterministic.
     The variants (window, softcap, ALiBi, sinks) run in it when named or enabled; "auto"
-    runs ALiBi (and every variant at d64) in the deterministic path, a window, softcap or
-    sinks at d72..128 with the atomic dQ (each measured faster)."""
+    runs every variant at d64 in the deterministic path, a window, softcap, ALiBi or sinks
+    at d72..128 with the atomic dQ (each measured faster)."""
     deterministic = kwargs.pop("deterministic", False)
     variant = kwargs.pop("variant", {})
     if env is None:

@@ -255,16 +255,15 @@ def test_bad_values(kwargs, err, match):
 def test_hopper_family_takes_variants(replace):
     """The Hopper forward runs windows, softcap, ALiBi and sinks, by name and under "auto"
     (measured faster than the portable kernel on an H200); the Gluon backward takes them
-    too, and "auto" runs it where it measured faster: ALiBi in the deterministic mode, a
-    window, softcap or sinks with the atomic dQ at d72..128 (the deterministic mode at
-    d64), with plain attention's head-dim rule."""
+    too, and "auto" runs it where it measured faster: every variant with the atomic dQ at
+    d72..128 (ALiBi too since 2026-11-25; the deterministic mode at d64), with plain
+    attention's head-dim rule."""
     problem = dataclasses.replace(_problem(), **replace)
     assert dispatch.select(problem).name == "hopper"
     assert dict(dispatch.explain(problem))["hopper"] is None
     assert dispatch.select(problem, "hopper").name == "hopper"
     assert hopper_bwd.supports(problem) is None
-    heavy = "alibi_slopes" in replace
-    assert hopper_bwd.auto_mode(problem) == ("kernel-dq" if heavy else "atomic")
+    assert hopper_bwd.auto_mode(problem) == "atomic"
     assert hopper_bwd.auto_mode(dataclasses.replace(problem, deterministic=True)) == "kernel-dq"
     d64 = dataclasses.replace(_problem(d=64), **replace)  # the deterministic rule: d64
     assert hopper_bwd.auto_mode(d64) is None  # non-causal stays portable
@@ -392,20 +391,24 @@ def test_alibi_flag_rule():
     """Which ALiBi form each kernel runs (``hopper_fwd.alibi_flag``): the forward at d64 /
     d128 adds the column term by the tensor cores (3) for bf16 without softcap; fp16 (its
     pieces of slope / scale overflow past 65504), fp8 (K = 32 products), softcap (the tanh
-    comes first) and the backward take the split with FMAs (2); other head dims the
-    distances (1). variant_args passes the problem's own."""
+    comes first) and the backward take the split with FMAs (2), the causal backward on
+    every tile (4); other head dims the distances (1). variant_args passes the problem's
+    own."""
     from diyfa.attention import hopper_fwd as hf
 
     flag = hf.alibi_flag
     assert flag(128) == 3 and flag(64) == 3 and flag(256) == 1
     assert flag(128, dtype=torch.float16) == 2 and flag(128, dtype=torch.float8_e4m3fn) == 2
     assert flag(128, softcap=True) == 2 and flag(128, backward=True) == 2
-    assert flag(64, backward=True) == 1
+    assert flag(128, backward=True, causal=True) == 4 and flag(128, causal=True) == 3
+    assert flag(64, backward=True) == 1 and flag(64, backward=True, causal=True) == 1
     problem = dataclasses.replace(_problem(causal=True), alibi_slopes=torch.ones(4))
     assert hf.variant_args(problem)[3]["ALIBI"] == 3
     assert hf.variant_args(dataclasses.replace(problem, softcap=5.0))[3]["ALIBI"] == 2
     assert hf.variant_args(dataclasses.replace(problem, dtype=torch.float16))[3]["ALIBI"] == 2
-    assert hf.variant_args(problem, backward=True)[3]["ALIBI"] == 2
+    assert hf.variant_args(problem, backward=True)[3]["ALIBI"] == 4
+    full = dataclasses.replace(problem, causal=False)
+    assert hf.variant_args(full, backward=True)[3]["ALIBI"] == 2
 
 
 _COMPILE_SOFTCAP = """
@@ -482,6 +485,47 @@ def test_hopper_kernel_compiles_alibi_by_the_tensor_cores():
         assert alibi["spilled"] <= (192 if alibi["three"] else 0), alibi
 
 
+_COMPILE_ALIBI_BWD = """
+import json, torch
+from diyfa._compile import spill_bytes
+from diyfa.attention import hopper_bwd as hb
+out = []
+for causal in (False, True):
+    for atomic in (False, True):
+        k = hb.compile_bwd_for_hopper(128, causal=causal, dq_atomic=atomic, variants=("ALIBI",))
+        ptx = k.asm["ptx"]
+        out.append({"causal": causal, "atomic": atomic, "spilled": spill_bytes(k),
+                    "abs": ptx.count("abs.f32") + ptx.count("abs.ftz.f32"),
+                    "ex2": ptx.count("ex2.approx")})
+print(json.dumps(out))
+"""
+
+
+def test_hopper_backward_compiles_alibi_without_distances_when_causal():
+    """ALiBi in the Gluon backward at d128: a causal call (ALIBI 4) has no distance (no
+    abs in the PTX, and one exponential per score as the plain build: 64 ex2 over the two
+    consumers' loops), a non-causal one keeps the distances for the diagonal's tiles (a
+    second copy of the exponentials); ptxas spills at most 128 bytes in either dQ mode
+    (2026-11-25: 104 / 108 causal, 96 / 40 not, where the split with distances on every
+    diagonal tile spilled 344 / 148 causal and 216 / 64 not). In a fresh process (see
+    test_hopper_attention)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_ALIBI_BWD], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert r["spilled"] <= 128, r
+        if r["causal"]:
+            assert r["abs"] == 0 and r["ex2"] == 64, r
+        else:
+            assert r["abs"] > 0 and r["ex2"] == 128, r
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("softcap, dtype, d", [
     (30.0, torch.bfloat16, 128), (63.0, torch.bfloat16, 96), (50.0, torch.bfloat16, 256),
@@ -532,6 +576,28 @@ def test_gpu_hopper_backward_variants(case, deterministic, monkeypatch):
 
     monkeypatch.setattr(hopper_bwd, "WIDE_DQ_ATOMIC", True)
     _run_bias_case(case, seed=12, backend="hopper", deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "kernel-dq"])
+@pytest.mark.parametrize("sq, sk, d, dtype", [
+    (300, 1000, 128, torch.bfloat16), (1000, 300, 128, torch.bfloat16),
+    (777, 777, 96, torch.float16), (64, 64, 128, torch.bfloat16),
+], ids=["short-q", "rows-without-keys", "d96-fp16", "one-block"])
+def test_gpu_hopper_alibi_causal_backward(sq, sk, d, dtype, deterministic):
+    """The causal backward's ALiBi on every tile as a key term and a query term (ALIBI 4,
+    the diagonal's tiles too: the keys right of a query's diagonal take the wrong sign there
+    and are masked after the exponential): steep slopes (up to 2, so those scores overflow
+    to inf before the mask), queries that see no key, GQA; gradients against float64 by the
+    3x rule, both dQ modes."""
+    from diyfa.attention import hopper_fwd
+
+    problem = dataclasses.replace(_problem(causal=True), alibi_slopes=torch.ones(4))
+    assert hopper_fwd.variant_args(problem, backward=True)[3]["ALIBI"] == 4
+    q, k, v = _inputs(2, 4, 2, sq, sk, d, dtype)
+    slopes = torch.tensor([2.0, 0.7, 0.05, 0.0], device=DEVICE)
+    _run_and_check(q, k, v, True, (-1, -1), 0.0, "bhsd", slopes, None, "hopper",
+                   deterministic)  # fmt: skip
 
 
 def test_custom_op_carries_the_variants():

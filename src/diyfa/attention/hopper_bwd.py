@@ -295,6 +295,14 @@ def auto_mode(p: Problem) -> str | None:
     412; deterministic 367 / 405, 313 / 357, 353 / 401, 297 / 341. So softcap takes the
     atomic dQ at d72..128 too; ALiBi keeps the deterministic path.
 
+    Since ALiBi's causal backward splits the bias on every tile (ALIBI 4) and the query
+    term costs one conversion a step (2026-11-25; ptxas spills 344 -> 104 bytes atomic,
+    d128 causal; H200, bf16, one process, 3 rounds, benchmarks/oldnew_ab.py --alibi,
+    benchmarks/results/2026-11-25_h200_alibi-bwd-ab_*.txt, TFLOPS before / after): atomic
+    1 x 16 x 8192 causal 355 / 458, not 483 / 546, 4 x 16 x 4096 causal 359 / 447, not 476
+    / 532; deterministic 372 / 370, 423 / 440, 353 / 373, 410 / 432. So ALiBi takes the
+    atomic dQ at d72..128 too.
+
     Head dims above 128 (hopper_bwd256's kernel, 2026-11-25) take the deterministic path,
     variants and packed sequences too (``WIDE_DQ_ATOMIC``), or, past the portable dQ
     kernel's 65535 (batch x heads) programs, the atomic dQ."""
@@ -315,8 +323,7 @@ def auto_mode(p: Problem) -> str | None:
         return None
     window = p.window_left >= 0 or p.window_right > 0
     variant = window or p.softcap or p.alibi_slopes is not None or p.sinks is not None
-    heavy = p.alibi_slopes is not None  # (slower with the split dQ)
-    if p.deterministic or heavy or (variant and not wide):
+    if p.deterministic or (variant and not wide):
         return "kernel-dq"
     return "atomic"
 
@@ -627,11 +634,17 @@ def _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail, causal_off
         # (j - key0), and a query term, -sign * slope2 * (i + alibi_offset - key0), taken off
         # with the LSE (one add per score where |distance| costs four).
         left = key0 + KEYS - 1 <= row0 + alibi_offset
-        if (ALIBI == 2) & (left | (key0 >= row0 + ROWS - 1 + alibi_offset)):
+        if ALIBI == 4:
+            key_term = (offs_k - key0).to(gl.float32) * slope2
+            cols = gl.arange(0, ROWS, layout=lse.type.layout).to(gl.float32)
+            lq = gl.fma(cols + (row0 + alibi_offset - key0).to(gl.float32), slope2, lse)
+            pt = gl.exp2(st * qk_scale + key_term[:, None] - lq[None, :])
+        elif (ALIBI == 2) & (left | (key0 >= row0 + ROWS - 1 + alibi_offset)):
             sign_slope = gl.where(left, slope2, -slope2)
             key_term = (offs_k - key0).to(gl.float32) * sign_slope
-            query_term = (offs_m + (alibi_offset - key0)).to(gl.float32) * sign_slope
-            pt = gl.exp2(st * qk_scale + key_term[:, None] - (lse + query_term)[None, :])
+            cols = gl.arange(0, ROWS, layout=lse.type.layout).to(gl.float32)
+            lq = gl.fma(cols + (row0 + alibi_offset - key0).to(gl.float32), sign_slope, lse)
+            pt = gl.exp2(st * qk_scale + key_term[:, None] - lq[None, :])
         else:
             dist = ((offs_m + alibi_offset).to(gl.float32)[None, :]
                     - offs_k.to(gl.float32)[:, None])  # fmt: skip
@@ -1101,15 +1114,15 @@ def place_work(args: dict, variants: dict | None, packed: dict | None, block_n: 
 
 
 def compile_setup(head_dim: int, dtype: torch.dtype, variants: tuple[str, ...],
-                  packed: bool) -> tuple[dict, dict | None]:
+                  packed: bool, causal: bool = False) -> tuple[dict, dict | None]:
     """The compile-only problems' variant flags (``variants`` names them: WINDOW, SOFTCAP,
-    ALIBI, DROPOUT) and packed-sequence setup (4 sequences in 4096 rows, or None), as ``bwd_args``
-    takes them."""
+    ALIBI, DROPOUT; ALIBI's value as a ``causal`` call gets it) and packed-sequence setup (4
+    sequences in 4096 rows, or None), as ``bwd_args`` takes them."""
     flags = {name: True for name in variants}
     if "WINDOW" in flags:
         flags["left_offset"] = -1000
     if "ALIBI" in flags:  # (the flag's value as bwd_args gives it)
-        flags.update(ALIBI=alibi_flag(head_dim_pad(head_dim), backward=True),
+        flags.update(ALIBI=alibi_flag(head_dim_pad(head_dim), backward=True, causal=causal),
                      SLOPES=torch.empty(16, dtype=torch.float32), alibi_offset=0)  # fmt: skip
     if "DROPOUT" in flags:
         flags.update(dropout_seed=2**40 + 3, dropout_thresh=portable.dropout_threshold(0.1),
@@ -1140,7 +1153,7 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     kv = torch.empty(2, 4, 4096, head_dim, dtype=dtype)
     stats = torch.empty(2, 16, 4096, dtype=torch.float32)
     dq_acc = torch.empty(2, 16, 4096, head_dim_pad(head_dim), dtype=torch.float32)
-    flags, pack = compile_setup(head_dim, dtype, variants, packed)
+    flags, pack = compile_setup(head_dim, dtype, variants, packed, causal)
     if packed:
         q, kv, stats, dq_acc = q[:1], kv[:1], stats[0], dq_acc[:1]
     _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_acc, 0, 0.1, causal,

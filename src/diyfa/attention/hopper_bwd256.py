@@ -490,7 +490,7 @@ def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, causal: bool = False
     oo = q if head_dim_v is None else torch.empty(2, 16, 4096, head_dim_v, dtype=dtype)
     stats = torch.empty(2, 16, 4096, dtype=torch.float32)
     dq_acc = torch.empty(2, 16, 4096, 256, dtype=torch.float32)
-    flags, pack = compile_setup(head_dim, dtype, variants, packed)
+    flags, pack = compile_setup(head_dim, dtype, variants, packed, causal)
     if packed:
         q, kv, vv, oo, stats, dq_acc = q[:1], kv[:1], vv[:1], oo[:1], stats[0], dq_acc[:1]
     dq_desc = _desc(dq_acc, BWD_CONFIGS[256][0], DQ_PIECE)
