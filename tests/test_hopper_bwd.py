@@ -205,12 +205,16 @@ def test_delta_kernel(shape, layout):
     o4, do4 = hopper_bwd.bhsd_view(o, layout), hopper_bwd.bhsd_view(do, layout)
     got = hopper_bwd.delta(o4, do4).cpu()
     want = (o4.double() * do4.double()).sum(-1).cpu()
+    bound = 1e-4 * max(1.0, want.abs().max().item())
     assert got.shape == (b, h, s) and got.dtype == torch.float32
-    assert (got.double() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
-    # with the atomic dQ's workspace (rows padded past seqlen_q): zeroed by the same launch
+    assert (got.double() - want).abs().max().item() < bound
+    # with the atomic dQ's workspace (rows padded past seqlen_q): zeroed by the same launch.
+    # (Another build of the kernel: on a GPU its sums may round in another order, so it is
+    # held to the same bound, not to the first build's bits; 2026-11-25, H200.)
     acc = torch.full((b, h, -(-s // 64) * 64 + 64, 64), float("nan"), device=DEVICE)
     again = hopper_bwd.delta(o4, do4, acc=acc).cpu()
-    assert torch.equal(again, got) and torch.equal(acc, torch.zeros_like(acc))
+    assert (again.double() - want).abs().max().item() < bound
+    assert torch.equal(acc, torch.zeros_like(acc))
 
 
 @pytest.mark.parametrize("kwargs, reason", [
