@@ -266,6 +266,8 @@ def test_supports_takes(kwargs):
     (None, "auto", dict(variant=dict(alibi_slopes=torch.ones(4)), causal=True),
      "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096, variant=dict(alibi_slopes=torch.ones(4)), causal=True),
+     "hopper-atomic"),
+    (None, "auto", dict(d=64, sk=4096, variant=dict(alibi_slopes=torch.ones(4))),
      "hopper-kernel-dq"),
     ("1", "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
     (None, "hopper", dict(variant=dict(softcap=30.0)), "hopper-atomic"),
@@ -278,7 +280,7 @@ def test_supports_takes(kwargs):
         "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256",
         "auto-d256", "auto-d256-huge-batch", "named-d256-huge-batch", "named-d192-window",
         "auto-window", "auto-window-d64", "auto-softcap", "auto-alibi", "auto-alibi-d64",
-        "enabled-window", "named-softcap",
+        "auto-alibi-d64-full", "enabled-window", "named-softcap",
         "named-det-alibi", "named-sinks", "named-value-dim"])
 def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     """"auto" runs the Gluon backward where it measured faster (hopper_bwd.auto_mode: the
@@ -286,8 +288,8 @@ def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     (deterministic) path when asked for); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
     wherever it applies; naming the family runs it with the atomic dQ unless deterministic.
     The variants (window, softcap, ALiBi, sinks) run in it when named or enabled; "auto"
-    runs every variant at d64 in the deterministic path, a window, softcap, ALiBi or sinks
-    at d72..128 with the atomic dQ (each measured faster)."""
+    runs the variants at d64 in the deterministic path but for causal ALiBi alone, a window,
+    softcap, ALiBi or sinks at d72..128 with the atomic dQ (each measured faster)."""
     deterministic = kwargs.pop("deterministic", False)
     variant = kwargs.pop("variant", {})
     if env is None:

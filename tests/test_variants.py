@@ -128,6 +128,22 @@ def _run_bias_case(case, seed, backend="auto", deterministic=False):
                    deterministic)  # fmt: skip
 
 
+def _fresh_rows(script: str) -> list[dict]:
+    """Run a compile-only ``script`` in a fresh Python (kernels run under the interpreter
+    leave Triton patched: see test_hopper_attention) and return the JSON rows it printed
+    last."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_blocks_outside_the_band_are_not_read():
     """NaN in V's first 16 keys: with causal and a 31-key window, the query blocks from row 48
     on have a band starting at key 17 or later, so the kernel must skip that block (reading
@@ -256,8 +272,8 @@ def test_hopper_family_takes_variants(replace):
     """The Hopper forward runs windows, softcap, ALiBi and sinks, by name and under "auto"
     (measured faster than the portable kernel on an H200); the Gluon backward takes them
     too, and "auto" runs it where it measured faster: every variant with the atomic dQ at
-    d72..128 (ALiBi too since 2026-11-25; the deterministic mode at d64), with plain
-    attention's head-dim rule."""
+    d72..128 (ALiBi too since 2026-11-25; the deterministic mode at d64, but for causal
+    ALiBi), with plain attention's head-dim rule."""
     problem = dataclasses.replace(_problem(), **replace)
     assert dispatch.select(problem).name == "hopper"
     assert dict(dispatch.explain(problem))["hopper"] is None
@@ -267,7 +283,8 @@ def test_hopper_family_takes_variants(replace):
     assert hopper_bwd.auto_mode(dataclasses.replace(problem, deterministic=True)) == "kernel-dq"
     d64 = dataclasses.replace(_problem(d=64), **replace)  # the deterministic rule: d64
     assert hopper_bwd.auto_mode(d64) is None  # non-causal stays portable
-    assert hopper_bwd.auto_mode(dataclasses.replace(d64, causal=True)) == "kernel-dq"
+    d64_causal = "atomic" if "alibi_slopes" in replace else "kernel-dq"  # (ALiBi alone)
+    assert hopper_bwd.auto_mode(dataclasses.replace(d64, causal=True)) == d64_causal
     causal = dataclasses.replace(_problem(causal=True), window_right=0)
     assert dispatch.select(causal).name == "hopper"  # causal alone is not a window
     with pytest.raises(ValueError, match="cannot run this problem"):
@@ -314,22 +331,11 @@ def test_hopper_kernel_compiles_the_variants():
     all lie in the sequence (with VARLEN_O_TMA off, by masked stores only: a tile's rows
     past its sequence belong to the next one).
     In a fresh process (see test_hopper_attention)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_VARIANTS], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    plain = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_VARIANTS.replace(
+    rows = _fresh_rows(_COMPILE_HOPPER_VARIANTS)
+    plain = _fresh_rows(_COMPILE_HOPPER_VARIANTS.replace(
         'variants=("WINDOW", "SOFTCAP", "ALIBI", "SINKS")', "variants=()").replace(
-        "packed=True", "packed=False")], env=env,
-        capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    for r, r0 in zip(json.loads(done.stdout.strip().splitlines()[-1]),
-                     json.loads(plain.stdout.strip().splitlines()[-1]), strict=True):
+        "packed=True", "packed=False"))  # fmt: skip
+    for r, r0 in zip(rows, plain, strict=True):
         where = f"d{r['d']} causal={r['causal']}"
         assert r["shared"] <= 227 * 1024, where
         assert r["spilled"] <= 96, where
@@ -401,7 +407,8 @@ def test_alibi_flag_rule():
     assert flag(128, dtype=torch.float16) == 2 and flag(128, dtype=torch.float8_e4m3fn) == 2
     assert flag(128, softcap=True) == 2 and flag(128, backward=True) == 2
     assert flag(128, backward=True, causal=True) == 4 and flag(128, causal=True) == 3
-    assert flag(64, backward=True) == 1 and flag(64, backward=True, causal=True) == 1
+    assert flag(64, backward=True) == 1 and flag(64, backward=True, causal=True) == 4
+    assert flag(256, backward=True, causal=True) == 1
     problem = dataclasses.replace(_problem(causal=True), alibi_slopes=torch.ones(4))
     assert hf.variant_args(problem)[3]["ALIBI"] == 3
     assert hf.variant_args(dataclasses.replace(problem, softcap=5.0))[3]["ALIBI"] == 2
@@ -431,16 +438,8 @@ def test_hopper_kernel_compiles_softcap_fixed_max():
     PTX (no max.f32 at all); the fp16 and d64 ones keep it; all run the hardware tanh and
     spill at most a few scalars (ptxas, 2026-11-25: 0 bytes at d128, 28 at d256 causal).
     In a fresh process (see test_hopper_attention)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SOFTCAP], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    for r in json.loads(done.stdout.strip().splitlines()[-1]):
+    rows = _fresh_rows(_COMPILE_SOFTCAP)
+    for r in rows:
         assert r["tanh"] > 0 and r["spilled"] <= 96, r
         assert (r["max"] == 0) == r["fixed"], r
 
@@ -467,16 +466,7 @@ def test_hopper_kernel_compiles_alibi_by_the_tensor_cores():
     consumers and at most 192 bytes with three (2026-11-25: 172 causal, where the split with
     FMAs spilled 132 and the plain build 84; the three-consumer build measured faster all
     the same, docs/attention.md). In a fresh process (see test_hopper_attention)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_ALIBI], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = _fresh_rows(_COMPILE_ALIBI)
     for alibi, plain in zip(rows[0::2], rows[1::2], strict=True):
         assert alibi["alibi"] and not plain["alibi"] and alibi["d"] == plain["d"]
         # (the PTX holds each consumer's copy of the loop: two issue sites per consumer)
@@ -509,16 +499,8 @@ def test_hopper_backward_compiles_alibi_without_distances_when_causal():
     (2026-11-25: 104 / 108 causal, 96 / 40 not, where the split with distances on every
     diagonal tile spilled 344 / 148 causal and 216 / 64 not). In a fresh process (see
     test_hopper_attention)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_ALIBI_BWD], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    for r in json.loads(done.stdout.strip().splitlines()[-1]):
+    rows = _fresh_rows(_COMPILE_ALIBI_BWD)
+    for r in rows:
         assert r["spilled"] <= 128, r
         if r["causal"]:
             assert r["abs"] == 0 and r["ex2"] == 64, r
@@ -583,7 +565,9 @@ def test_gpu_hopper_backward_variants(case, deterministic, monkeypatch):
 @pytest.mark.parametrize("sq, sk, d, dtype", [
     (300, 1000, 128, torch.bfloat16), (1000, 300, 128, torch.bfloat16),
     (777, 777, 96, torch.float16), (64, 64, 128, torch.bfloat16),
-], ids=["short-q", "rows-without-keys", "d96-fp16", "one-block"])
+    (700, 900, 64, torch.bfloat16), (513, 400, 64, torch.float16),
+], ids=["short-q", "rows-without-keys", "d96-fp16", "one-block", "d64",
+        "d64-fp16-rows-without-keys"])
 def test_gpu_hopper_alibi_causal_backward(sq, sk, d, dtype, deterministic):
     """The causal backward's ALiBi on every tile as a key term and a query term (ALIBI 4,
     the diagonal's tiles too: the keys right of a query's diagonal take the wrong sign there
@@ -592,7 +576,7 @@ def test_gpu_hopper_alibi_causal_backward(sq, sk, d, dtype, deterministic):
     3x rule, both dQ modes."""
     from diyfa.attention import hopper_fwd
 
-    problem = dataclasses.replace(_problem(causal=True), alibi_slopes=torch.ones(4))
+    problem = dataclasses.replace(_problem(causal=True, d=d), alibi_slopes=torch.ones(4))
     assert hopper_fwd.variant_args(problem, backward=True)[3]["ALIBI"] == 4
     q, k, v = _inputs(2, 4, 2, sq, sk, d, dtype)
     slopes = torch.tensor([2.0, 0.7, 0.05, 0.0], device=DEVICE)
@@ -894,16 +878,8 @@ def test_hopper_kernel_compiles_dropout():
     backward's in both dQ modes (none at d64, 32-96 at d128, the plain kernel's 4-92; the
     d256 kernel's at most 320: 96-300, plain 52-288). In a fresh process (see
     test_hopper_attention)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_DROPOUT], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    for r in json.loads(done.stdout.strip().splitlines()[-1]):
+    rows = _fresh_rows(_COMPILE_HOPPER_DROPOUT)
+    for r in rows:
         where = f"d{r['d']} causal={r['causal']} backward={r.get('bwd')}"
         assert r["shared"] <= 227 * 1024, where
         assert r["spilled"] <= (320 if r["d"] == 256 and r.get("bwd") is not None else 128), where

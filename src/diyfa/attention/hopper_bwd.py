@@ -301,7 +301,11 @@ def auto_mode(p: Problem) -> str | None:
     benchmarks/results/2026-11-25_h200_alibi-bwd-ab_*.txt, TFLOPS before / after): atomic
     1 x 16 x 8192 causal 355 / 458, not 483 / 546, 4 x 16 x 4096 causal 359 / 447, not 476
     / 532; deterministic 372 / 370, 423 / 440, 353 / 373, 410 / 432. So ALiBi takes the
-    atomic dQ at d72..128 too.
+    atomic dQ at d72..128 too. At d64 (ALIBI 4 there too since;
+    benchmarks/results/2026-11-25_h200_alibi64-bwd-ab_*.txt) causal ALiBi measured 334-342
+    TFLOPS atomic against 280-294 deterministic (1 x 32 x 8192, 4 x 32 x 4096, 16 x 32 x
+    1024), so causal ALiBi alone takes the atomic dQ at d64 as well; the other d64 variants
+    keep the deterministic path.
 
     Head dims above 128 (hopper_bwd256's kernel, 2026-11-25) take the deterministic path,
     variants and packed sequences too (``WIDE_DQ_ATOMIC``), or, past the portable dQ
@@ -322,8 +326,10 @@ def auto_mode(p: Problem) -> str | None:
     if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS and small:
         return None
     window = p.window_left >= 0 or p.window_right > 0
-    variant = window or p.softcap or p.alibi_slopes is not None or p.sinks is not None
-    if p.deterministic or (variant and not wide):
+    others = window or p.softcap or p.sinks is not None
+    variant = others or p.alibi_slopes is not None
+    causal_alibi = p.causal and not others  # (ALiBi alone: atomic at d64 too)
+    if p.deterministic or (variant and not wide and not causal_alibi):
         return "kernel-dq"
     return "atomic"
 

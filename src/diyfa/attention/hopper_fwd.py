@@ -1640,7 +1640,13 @@ ALIBI_GEMM = True
 # masked) splits ALiBi's bias on every tile, the diagonal's too (ALIBI 4): no distances in the
 # kernel at all, and the query term from the tile's first row (one conversion a step, not one
 # per column). ptxas, d128 causal, spills atomic 344 -> 104 bytes, deterministic 148 -> 108.
+# At d64 (from the distances: ALIBI_SPLIT_DIMS_BWD has no 64) the loop shrinks 868 -> 812
+# instructions; H200, bf16, causal, one process, 3 rounds (scratch/alibi64_ab.py,
+# benchmarks/results/2026-11-25_h200_alibi64-bwd-ab_*.txt), TFLOPS distances / split:
+# deterministic 1 x 32 x 8192 275 / 280, 4 x 32 x 4096 288 / 294, 16 x 32 x 1024 187 / 190;
+# atomic 349 / 342, 337 / 334, 241 / 239.
 ALIBI_CAUSAL_BWD = True
+ALIBI_CAUSAL_BWD_DIMS = (64, 128)
 
 
 def alibi_flag(head_dim_padded: int, backward: bool = False,
@@ -1650,11 +1656,11 @@ def alibi_flag(head_dim_padded: int, backward: bool = False,
     split with the column term by the tensor cores: ALIBI_GEMM, bf16 without softcap), 4 (the
     backward's split on every tile of a ``causal`` call: ALIBI_CAUSAL_BWD) or 1
     (distances)."""
+    if backward and causal and ALIBI_CAUSAL_BWD and head_dim_padded in ALIBI_CAUSAL_BWD_DIMS:
+        return 4
     dims = ALIBI_SPLIT_DIMS_BWD if backward else ALIBI_SPLIT_DIMS
     if not (ALIBI_SPLIT and head_dim_padded in dims):
         return 1
-    if backward and causal and ALIBI_CAUSAL_BWD:
-        return 4
     gemm = ALIBI_GEMM and not backward and dtype == torch.bfloat16 and not softcap
     return 3 if gemm else 2
 
