@@ -1641,7 +1641,7 @@ ALIBI_GEMM = True
 # kernel at all, and the query term from the tile's first row (one conversion a step, not one
 # per column). ptxas, d128 causal, spills atomic 344 -> 104 bytes, deterministic 148 -> 108.
 # At d64 (from the distances: ALIBI_SPLIT_DIMS_BWD has no 64) the loop shrinks 868 -> 812
-# instructions; H200, bf16, causal, one process, 3 rounds (scratch/alibi64_ab.py,
+# instructions; H200, bf16, causal, one process, 3 rounds (benchmarks/alibi_bwd_ab.py,
 # benchmarks/results/2026-11-25_h200_alibi64-bwd-ab_*.txt), TFLOPS distances / split:
 # deterministic 1 x 32 x 8192 275 / 280, 4 x 32 x 4096 288 / 294, 16 x 32 x 1024 187 / 190;
 # atomic 349 / 342, 337 / 334, 241 / 239.
