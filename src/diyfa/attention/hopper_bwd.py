@@ -301,7 +301,7 @@ def auto_mode(p: Problem) -> str | None:
     benchmarks/results/2026-11-25_h200_alibi-bwd-ab_*.txt, TFLOPS before / after): atomic
     1 x 16 x 8192 causal 355 / 458, not 483 / 546, 4 x 16 x 4096 causal 359 / 447, not 476
     / 532; deterministic 372 / 370, 423 / 440, 353 / 373, 410 / 432. So ALiBi takes the
-    atomic dQ at d72..128 too. At d64 (ALIBI 4 there too since;
+    atomic dQ at d72..128 too. At d64 (ALIBI 4 there too since then;
     benchmarks/results/2026-11-25_h200_alibi64-bwd-ab_*.txt) causal ALiBi measured 334-342
     TFLOPS atomic against 280-294 deterministic (1 x 32 x 8192, 4 x 32 x 4096, 16 x 32 x
     1024), so causal ALiBi alone takes the atomic dQ at d64 as well; the other d64 variants
@@ -640,7 +640,7 @@ def _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail, causal_off
         # (j - key0), and a query term, -sign * slope2 * (i + alibi_offset - key0), taken off
         # with the LSE (one add per score where |distance| costs four).
         left = key0 + KEYS - 1 <= row0 + alibi_offset
-        if ALIBI == 4:
+        if ALIBI == 4:  # causal: every kept key is left of its diagonal (hopper_fwd's note)
             key_term = (offs_k - key0).to(gl.float32) * slope2
             cols = gl.arange(0, ROWS, layout=lse.type.layout).to(gl.float32)
             lq = gl.fma(cols + (row0 + alibi_offset - key0).to(gl.float32), slope2, lse)
