@@ -26,6 +26,7 @@ from oldnew_ab import LN2, event_ms  # noqa: E402
 import diyfa  # noqa: E402
 from diyfa.attention import hopper_bwd, hopper_fwd  # noqa: E402
 from diyfa.attention.checks import check_inputs  # noqa: E402
+from diyfa.bench.suites import alibi_slopes  # noqa: E402
 
 
 def main() -> int:
@@ -44,7 +45,7 @@ def main() -> int:
             b, h, s, d = (int(x) for x in shape.split("x"))
             q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))  # fmt: skip
-            slopes = torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
+            slopes = alibi_slopes(h, "cuda")
             p = check_inputs(q, k, v, causal=True, softmax_scale=None, layout="bhsd",
                              align="bottom_right", alibi_slopes=slopes)  # fmt: skip
             o, lse = diyfa.flash_attention(q, k, v, causal=True, return_lse=True,

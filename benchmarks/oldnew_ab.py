@@ -34,6 +34,7 @@ import diyfa  # noqa: E402
 from diyfa.attention import hopper_bwd, hopper_fwd  # noqa: E402
 from diyfa.attention.checks import check_inputs  # noqa: E402
 from diyfa.bench.results import environment  # noqa: E402
+from diyfa.bench.suites import alibi_slopes  # noqa: E402
 
 LN2 = 0.6931471805599453
 
@@ -92,8 +93,7 @@ def main() -> int:
                            for _ in range(3))  # fmt: skip
                 extra = dict(softcap=a.softcap)
                 if a.alibi:
-                    extra["alibi_slopes"] = torch.tensor(
-                        [2.0 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
+                    extra["alibi_slopes"] = alibi_slopes(h, "cuda")
                 p = check_inputs(q, k, v, causal=causal, softmax_scale=None, layout="bhsd",
                                  align="bottom_right", **extra)  # fmt: skip
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)

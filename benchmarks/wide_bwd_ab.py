@@ -28,6 +28,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 import diyfa  # noqa: E402
 from diyfa._launcher import ReplayCache  # noqa: E402
 from diyfa.attention import hopper_bwd  # noqa: E402
+from diyfa.bench.suites import alibi_slopes  # noqa: E402
 
 # (the atomic dQ is not backend="hopper"'s default above d128: hopper_bwd.WIDE_DQ_ATOMIC;
 # "-do2": with two dO stages, hopper_bwd.BWD_CONFIGS[256]'s fifth field. The atomic dQ by
@@ -104,7 +105,7 @@ def variants(a) -> int:
     d = int(a.dims.split(",")[0])
     b, h, s = 1, 8, 8192
     flops = 4 * b * h * s * s * d * 2.5 / 2
-    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
+    slopes = alibi_slopes(h, "cuda")
     cases = {"plain": {}, "window1023": dict(window_size=(1023, 0)),
              "softcap30": dict(softcap=30.0), "alibi": dict(alibi_slopes=slopes),
              "sinks": dict(sinks=torch.zeros(h, device="cuda"))}

@@ -107,8 +107,7 @@ class AttentionCase:
         if self.softcap:
             opts["softcap"] = self.softcap
         if self.alibi:
-            i = torch.arange(1, self.heads + 1, dtype=torch.float32)
-            opts["alibi_slopes"] = torch.exp2(-8.0 * i / self.heads).to(device)
+            opts["alibi_slopes"] = alibi_slopes(self.heads, device)
         if self.sinks:
             opts["sinks"] = torch.linspace(-1.0, 1.0, self.heads).to(device)
         return opts
@@ -335,6 +334,15 @@ def _llm_matmul(target: str, quick: bool) -> Plan | None:
     cases += [MatmulCase(m, n, k, "bf16", trans_b=False) for m, n, k in shapes[-1:]]
     cases += [MatmulCase(m, n, k, "fp8_e4m3", trans_b=True) for m, n, k in shapes]
     return Plan("llm-matmul", target, tuple(cases), ("fwd",))
+
+
+def alibi_slopes(heads: int, device):
+    """ALiBi's slopes as its paper sets them, 2^(-8 i / heads) for i = 1..heads (fp32), on
+    ``device``: the variants suite's, and the A/B scripts' in benchmarks/."""
+    import torch
+
+    i = torch.arange(1, heads + 1, dtype=torch.float32)
+    return torch.exp2(-8.0 * i / heads).to(device)
 
 
 def _variants(target: str, quick: bool) -> Plan | None:
