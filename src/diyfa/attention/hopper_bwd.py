@@ -639,14 +639,15 @@ def _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail, causal_off
         # diagonal j = i + alibi_offset splits the distance into a key term, sign * slope2 *
         # (j - key0), and a query term, -sign * slope2 * (i + alibi_offset - key0), taken off
         # with the LSE (one add per score where |distance| costs four).
-        left = key0 + KEYS - 1 <= row0 + alibi_offset
-        if ALIBI == 4:  # causal: every kept key is left of its diagonal (hopper_fwd's note)
-            key_term = (offs_k - key0).to(gl.float32) * slope2
-            cols = gl.arange(0, ROWS, layout=lse.type.layout).to(gl.float32)
-            lq = gl.fma(cols + (row0 + alibi_offset - key0).to(gl.float32), slope2, lse)
-            pt = gl.exp2(st * qk_scale + key_term[:, None] - lq[None, :])
-        elif (ALIBI == 2) & (left | (key0 >= row0 + ROWS - 1 + alibi_offset)):
+        # ALIBI 4 (causal): every kept key is left of its diagonal, so every tile splits
+        # (hopper_fwd's note); ALIBI 2: the tiles on one side split, ALIBI 1: none.
+        split = ALIBI == 4
+        sign_slope = slope2
+        if ALIBI == 2:
+            left = key0 + KEYS - 1 <= row0 + alibi_offset
+            split = left | (key0 >= row0 + ROWS - 1 + alibi_offset)
             sign_slope = gl.where(left, slope2, -slope2)
+        if split:
             key_term = (offs_k - key0).to(gl.float32) * sign_slope
             cols = gl.arange(0, ROWS, layout=lse.type.layout).to(gl.float32)
             lq = gl.fma(cols + (row0 + alibi_offset - key0).to(gl.float32), sign_slope, lse)
