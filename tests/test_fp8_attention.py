@@ -380,7 +380,8 @@ def test_fp8_sums_setting_from_the_environment(monkeypatch):
     monkeypatch.setattr(hopper_fwd, "FP8_PROMOTION", 0)
     assert [hopper_fwd.fp8_mode(d) for d in (64, 128, 256)] == [4, 5, 5]
     assert hopper_fwd.fp8_config(64) == hopper_fwd.FP8_CONFIGS_UNPROMOTED[64]
-    assert hopper_fwd.fp8_config(128) == hopper_fwd.HOPPER_CONFIGS[128]
+    # (the 16-bit config, unchained: chaining tiles spilled 64-84 bytes in fp8, not measured)
+    assert hopper_fwd.fp8_config(128) == hopper_fwd.HOPPER_CONFIGS[128]._replace(chain=0)
     monkeypatch.setattr(hopper_fwd, "FP8_PROMOTION", 4)
     assert hopper_fwd.fp8_mode(64) == 4
     assert hopper_fwd.fp8_config(128) == hopper_fwd.FP8_CONFIGS_UNPROMOTED[128]

@@ -91,11 +91,12 @@ def test_hopper_kernel_compiles_and_fits(dtype):
             # loop (read in the SASS, 2026-11-23): a bound, not zero.
             assert spilled <= 32, (where, r["ptxas"])
         elif consumers == 3:
-            # Three consumers at 160 registers (d64, long keys): 12 bytes spilled (in the
-            # epilogue and the masked blocks' branch), 84 with the causal mask's per-row
-            # limits; measured faster all the same (hopper_fwd's HOPPER_CONFIGS_LONG). A
-            # bound, so that more shows up here.
-            assert spilled <= (84 if r["causal"] else 12), (where, r["ptxas"])
+            # Three consumers at 160 registers (d64, long keys): 48 bytes spilled with
+            # chained tiles (12 without: the epilogue and the masked blocks' branch; the
+            # K/V loop's SASS is the same), 84 with the causal mask's per-row limits
+            # (unchained); measured faster all the same (hopper_fwd's HOPPER_CONFIGS_LONG,
+            # Config.chain). A bound, so that more shows up here.
+            assert spilled <= (84 if r["causal"] else 48), (where, r["ptxas"])
         else:
             assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (where, r["ptxas"])
 
@@ -363,31 +364,41 @@ def test_gpu_hopper_matrix(shape, dtype, causal, monkeypatch):
 
 
 def _every_config():
+    """Every launch config (and, with two Q buffers, the same with tiles chained and not)."""
     from diyfa.attention import hopper_fwd as hf
 
-    return {f"d{d}-{c.consumers}c-q{c.q_bufs}": (d, c) for d, c in
-            [*hf.HOPPER_CONFIGS.items(), *hf.HOPPER_CONFIGS_LONG.items()]}  # fmt: skip
+    configs = {}
+    for d, c in [*hf.HOPPER_CONFIGS.items(), *hf.HOPPER_CONFIGS_LONG.items()]:
+        configs[f"d{d}-{c.consumers}c-q{c.q_bufs}"] = (d, c)
+        if c.q_bufs == 2:
+            other = c._replace(chain=1 - c.chain)
+            configs[f"d{d}-{c.consumers}c-q2-chain{other.chain}"] = (d, other)
+    return configs
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1000, 1111), (1111, 700)], ids=["q1000k1111", "q1111k700"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", list(_every_config()))
-def test_gpu_hopper_persistent_programs_run_many_tiles(name, causal, monkeypatch):
+def test_gpu_hopper_persistent_programs_run_many_tiles(name, causal, lengths, monkeypatch):
     """Every config with three SMs' worth of persistent programs, so each program runs ~20
     tiles (odd and even counts): the Q buffers' turns (two per consumer), the causal tiles
-    handed out by the counter and its "nothing left" slot, and the static round robin of
-    full attention, against float64 by the 2x rule (the GPU's own SM count leaves d64 and
-    d256 with at most one tile per program in the other tests)."""
+    handed out by the counter and its "nothing left" slot, the static round robin of full
+    attention and chained tiles (Config.chain: a tile's first block with the one before's
+    last), with causal tiles that see no key (more queries than keys) between the others;
+    against float64 by the 2x rule (the GPU's own SM count leaves d64 and d256 with at most
+    one tile per program in the other tests)."""
     from diyfa.attention import hopper_fwd as hf
 
     d, cfg = _every_config()[name]
+    sq, sk = lengths
     monkeypatch.setattr(hf, "kernel_limits", lambda _i: {"sm_count": 3})
-    q, k, v = (t.detach() for t in _inputs(2, 4, 2, 1000, 1111, d, torch.bfloat16,
+    q, k, v = (t.detach() for t in _inputs(2, 4, 2, sq, sk, d, torch.bfloat16,
                                            device="cuda"))  # fmt: skip
     p = check_inputs(q, k, v, causal=causal, softmax_scale=None, layout="bhsd",
                      align="bottom_right")  # fmt: skip
-    grid, args, _ = hf.hopper_args(q, k, v, q, torch.empty(2, 4, 1000, device="cuda"), 0, 0.1,
-                                   causal, 3, cfg)  # fmt: skip
+    grid, args, _ = hf.hopper_args(q, k, v, q, torch.empty(2, 4, sq, device="cuda"),
+                                   p.causal_offset, 0.1, causal, 3, cfg)  # fmt: skip
     assert grid == (3,) and args["DYNAMIC"] == (causal and bool(cfg.dynamic))
     out = hf.hopper_forward(q, k, v, p, cfg)[0].double()
     ref = attention_ref(q.double(), k.double(), v.double(), causal=causal,
@@ -640,3 +651,34 @@ def test_d64_consumers_by_the_busiest_programs_rows():
     cu_host = ((0, 8192, 16384), (0, 1024, 2048))
     pack = dict(batch=2, seqlen_q=8192, seqlen_k=1024, cu_host=cu_host, args=dict(VARLEN=True))
     assert picked(False) == 3 and picked(True) == 2 and picked(False, pack) == 2
+
+
+def test_tiles_chained_for_the_static_round_robin_only():
+    """Config.chain (a tile's first block run with the last P V of the program's tile before
+    it): hopper_args turns it on where programs take their tiles round robin (plain calls
+    without the causal band, two Q buffers: d64 with two or three consumers, d128), and
+    leaves it off where the counter hands them out (causal, windows, packed sequences: it
+    measured 0-5% slower there), at d256 (one Q buffer) and for fp8 (its config unchained)."""
+    from diyfa.attention import hopper_fwd as hf
+
+    lse = torch.empty(2, 16, 4096)
+
+    def chained(d, causal=False, variants=None, cfg=None, dtype=torch.bfloat16, fp8=None,
+                packed=None):
+        q4 = torch.empty(2, 16, 4096, d, dtype=dtype)
+        args = hf.hopper_args(q4, q4, q4, q4, lse, 0, 0.1, causal, 132, cfg, variants, packed,
+                              fp8)[1]  # fmt: skip
+        return bool(args["ORDER"] & hf.ORDER_CHAIN.value)
+
+    assert chained(64) and chained(128) and chained(64, cfg=hf.HOPPER_CONFIGS_LONG[64])
+    assert chained(128, variants=dict(SOFTCAP=True, tanh_scale=0.1))
+    assert not chained(64, causal=True) and not chained(128, causal=True)
+    assert not chained(128, variants=dict(WINDOW=True, left_offset=-100))
+    assert not chained(256) and not chained(128, cfg=hf.HOPPER_CONFIGS[128]._replace(chain=0))
+    cu_host = ((0, 4096, 8192), (0, 4096, 8192))
+    assert not chained(128, packed=dict(batch=2, seqlen_q=4096, seqlen_k=4096, cu_host=cu_host,
+                                        args=dict(VARLEN=True)))  # fmt: skip
+    fp8 = dict(vt=torch.empty(2, 16, 128, 4096, dtype=torch.float8_e4m3fn),
+               descale=torch.empty(2, 2, 16))
+    assert not chained(128, dtype=torch.float8_e4m3fn, fp8=fp8)
+    assert hf.fp8_config(128).chain == 0

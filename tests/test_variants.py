@@ -369,6 +369,34 @@ def test_gpu_hopper_forward_variants(case):
     _run_bias_case(case, seed=11, backend="hopper")
 
 
+# (non-causal without a window: the static round robin, whose tiles may be chained)
+PERSISTENT_VARIANT_CASES = [c for c in HOPPER_VARIANT_CASES if c[5] <= 128] + [
+    (1, 4, 2, 1000, 777, 128, torch.bfloat16, False, (-1, -1), 30.0, None, False, "bhsd"),
+    (2, 4, 2, 700, 900, 64, torch.float16, False, (-1, -1), 0.0, "heads", True, "bshd"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chain", [0, 1], ids=["chain0", "chain1"])
+@pytest.mark.parametrize("case", PERSISTENT_VARIANT_CASES,
+                         ids=lambda c: "d{}-c{}-w{}_{}-cap{}-alibi_{}-sinks{}".format(
+                             c[5], int(c[7]), *c[8], c[9], c[10], int(c[11])))  # fmt: skip
+def test_gpu_hopper_forward_variants_persistent(case, chain, monkeypatch):
+    """The same cases (and two more without the causal band) with three SMs' worth of
+    persistent programs, so that each program runs many tiles and carries each one's state
+    (the window's first block, ALiBi's slope pieces, the sinks, softcap's fixed max) to the
+    next, with tiles chained (Config.chain: a tile's first block run with the one before's
+    last; static round robin only) and not."""
+    from diyfa._launcher import ReplayCache
+    from diyfa.attention import hopper_fwd as hf
+
+    d = hf.head_dim_pad(case[5])
+    monkeypatch.setattr(hf, "kernel_limits", lambda _i: {"sm_count": 3})
+    monkeypatch.setattr(hf, "_REPLAYS", ReplayCache())  # (launches kept with 132 programs)
+    monkeypatch.setitem(hf.HOPPER_CONFIGS, d, hf.HOPPER_CONFIGS[d]._replace(chain=chain))
+    _run_bias_case(case, seed=11, backend="hopper")
+
+
 def test_softcap_fixed_max_rule():
     """Which softcap calls the Hopper forward runs with a fixed max (``SOFTCAP == 2``): bf16
     with softcap * log2(e) <= SOFTCAP_FIXED_MAX_LIMIT (the probabilities' range, 2^(64 - 2R)

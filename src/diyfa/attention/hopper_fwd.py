@@ -105,14 +105,23 @@ class Config(NamedTuple):
     dynamic: int = 0  # 1: causal calls persistent too, tiles handed out by an atomic counter
     pingpong: int = 0  # 1: the consumers issue their products in turns (named barriers)
     lazy: int = 0  # 1: O is rescaled only when a row's max grows by more than LAZY_RESCALE
+    chain: int = 0  # 1: a tile's first S and softmax run with the tile before's last P V
+    # (ORDER_CHAIN; only where programs take their tiles round robin: hopper_args)
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
 HOPPER_CONFIGS = {
-    64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2, dynamic=1),
-    128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2, dynamic=1, lazy=1),
+    64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2, dynamic=1, chain=1),
+    128: Config(2, 128, 2, 1, 240, 24, 1, q_bufs=2, dynamic=1, lazy=1, chain=1),
     256: Config(2, 64, 2, 1, 240, 24, 1, q_bufs=1, dynamic=1, lazy=1),  # (two Q buffers: too big)
 }
+# chain (chained tiles, ORDER_CHAIN): H200, bf16, FlashAttention's sweep (16k tokens), one
+# process, 3 interleaved rounds, twice (scratch A/B of 2026-11-25, benchmarks/results/
+# 2026-11-25_h200_fwd-chain-ab_*.jsonl), TFLOPS without / with, non-causal, 1024 / 2048 /
+# 4096 / 16384 keys: d64 404 / 423, 455 / 485, 472 / 499, 513 / 521 (second run 405 / 419,
+# 450 / 473, 463 / 497, 511 / 525); d128 555 / 565, 594 / 615, 616 / 639, 643 / 643 (552 /
+# 555, 581 / 599, 601 / 628, 633 / 626). Causal calls (tiles from the counter) lost 0-3%
+# (d128 16k 631 / 615) and the windowed one 5%: chained for the static round robin only.
 # lazy (the lazy rescale, ORDER_LAZY): H200, bf16, FlashAttention's sweep (16k tokens), one
 # process, 5 rounds (benchmarks/results/2026-11-24_h200_hopper-fwd-lazy64-ab_d66423d-wip.txt),
 # TFLOPS without / with at 2048 / 4096 / 8192 / 16384 keys: d128 601.7 / 606.3, 617.7 / 622.4,
@@ -171,7 +180,8 @@ SHORT_WORK_D64 = 2**28
 # (causal 4096, which runs two consumers, 403 / 397). Two consumers: level at d64 (-1.7..+1.9%),
 # mixed at d128 (+0.9..+1.4% non-causal, -1.2..-3.3% causal), slower at d256 causal (-3..-6%):
 # three consumers only.
-HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1, pingpong=1)}
+HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1, pingpong=1,
+                                  chain=1)}
 
 
 # A query row costs three consumers this much of what it costs two at d64 without the causal
@@ -512,6 +522,7 @@ ORDER_PIN = gl.constexpr(1)
 ORDER_PINGPONG = gl.constexpr(2)
 ORDER_PIN_GLOBAL = gl.constexpr(4)
 ORDER_LAZY = gl.constexpr(8)
+ORDER_CHAIN = gl.constexpr(16)  # Config.chain
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -784,6 +795,220 @@ def _dropout(x, row_groups, col0, bh, seed, thresh, TRANSPOSED: gl.constexpr):
 
 
 @gluon.jit
+def _tile_state(t, num_m, heads, kv_group, batch_heads, seqlen_q, seqlen_k, causal_offset,
+                left_offset, qk_scale, SLOPES, stride_slopes_b, SINK_LOGITS, CU_Q, CU_K, TILES,
+                tile_group, DESCALE, lap, aug_q, dtype: gl.constexpr,
+                s_layout: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                SINKS: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr, C: gl.constexpr,
+                Q_BUFS: gl.constexpr, P_SHIFT: gl.constexpr, SUB_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """What consumer C needs of work item ``t`` (< ``total``; the chained tail passes the
+    last item for "none left", so that every load stays in bounds): (its Q
+    buffer, batch, head, kv head, first query row of the sequence, the sequence's lengths and
+    causal offset, the consumer's first row, the tile's K/V blocks [lo, n), the first
+    blocks that straddle the causal diagonal or the end of the keys and the window's left
+    edge, the running max and row sums to start from, ALiBi's slope, the scores' scale, V's
+    descale). ALIBI == 3: also writes the slope's pieces into ``aug_q`` (_alibi_columns),
+    which no product in flight may be reading."""
+    BLOCK_M: gl.constexpr = CONSUMERS * SUB_M
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    qb = (lap % Q_BUFS) * CONSUMERS + C  # this tile's Q buffer
+    pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, TILES, tile_group, CAUSAL,
+                                        VARLEN)  # fmt: skip
+    tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
+        off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
+    row0 = pid_m * BLOCK_M + C * SUB_M
+    offs_m = row0 + gl.arange(0, SUB_M, layout=row_layout)
+    # Every consumer walks all the blocks the program loads for the tile; blocks wholly
+    # above this consumer's diagonal come out masked (p = 0).
+    n = _num_blocks(pid_m * BLOCK_M, BLOCK_M, seqlen_q_t, seqlen_k_t, causal_offset_t, BLOCK_N,
+                    CAUSAL)  # fmt: skip
+    lo = _first_block(pid_m * BLOCK_M, left_offset, BLOCK_N, WINDOW)
+    # Blocks from `first_masked` on straddle the causal diagonal or the end of the keys;
+    # with a left window, blocks that start left of this consumer's last row's first key
+    # straddle the window's edge (`left_masked`: blocks before it).
+    first_masked = seqlen_k_t // BLOCK_N
+    if CAUSAL:
+        first_masked = gl.minimum(first_masked,
+                                  gl.maximum(row0 + causal_offset_t + 1, 0) // BLOCK_N)
+    left_masked = 0
+    if WINDOW:
+        left_masked = gl.cdiv(gl.maximum(row0 + SUB_M - 1 + left_offset, 0), BLOCK_N)
+    m_i = gl.full([SUB_M], float("-inf"), gl.float32, layout=row_layout)
+    if SOFTCAP == 2:  # softcap bounds the scores by qk_scale (softcap_fixed_max)
+        m_i = gl.full([SUB_M], 0.0, gl.float32, layout=row_layout) + (
+            qk_scale - SOFTCAP_HEADROOM)
+    # the row sums as per-lane partials (_row_sums), added up in the epilogue
+    l_i = _row_sums(gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout))
+    if SINKS:  # the head's sink logit joins every row's denominator (it has no value)
+        sink2 = gl.load(SINK_LOGITS + off_h).to(gl.float32) * 1.4426950408889634
+        m_i = gl.zeros([SUB_M], gl.float32, layout=row_layout) + sink2
+        m_i -= P_SHIFT
+        l_i += 2.0**P_SHIFT / 4  # (a quarter per partial: the sum is exact)
+    slope2 = 0.0
+    if ALIBI:  # the (sequence, head)'s slope times log2(e)
+        slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
+    if ALIBI == 3:  # slope2 / qk_scale in three 16-bit pieces, + and - (_alibi_columns)
+        AUG_K: gl.constexpr = aug_q.type.shape[2]
+        aug_layout: gl.constexpr = gl.BlockedLayout([1, AUG_K], [32, 1], [4, 1], [1, 0])
+        aug_col = gl.arange(0, AUG_K, layout=gl.SliceLayout(0, aug_layout))
+        ratio = slope2 / qk_scale
+        hi = ratio.to(dtype).to(gl.float32)
+        mid = (ratio - hi).to(dtype).to(gl.float32)
+        rest = ratio - hi - mid
+        piece = gl.where(aug_col == 0, hi, gl.where(aug_col == 1, mid,
+                                                    gl.where(aug_col == 2, rest, 0.0)))
+        pieces = gl.zeros([SUB_M, AUG_K], gl.float32, aug_layout) + piece[None, :]
+        aug_q.index(0).store(pieces.to(dtype))
+        aug_q.index(1).store((-pieces).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp of the warpgroup has written its rows
+    qk_scale_t = qk_scale
+    v_descale = 1.0
+    if FP8:  # the (batch, kv head)'s descales: Q's times K's, then V's (checks.py)
+        ds = off_b * (heads // kv_group) + off_hk
+        qk_scale_t = qk_scale * gl.load(DESCALE + ds)
+        v_descale = gl.load(DESCALE + batch_heads // kv_group + ds)
+    return (qb, off_b, off_h, q_start, seqlen_q_t, seqlen_k_t, causal_offset_t, row0, offs_m, n,
+            lo, first_masked, left_masked, m_i, l_i, slope2, qk_scale_t, v_descale)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
+              offs_m,
+              seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh, v_descale,
+              dropout_keep, row_layout: gl.constexpr, orow_layout: gl.constexpr,
+              o_layout: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
+              DROPOUT: gl.constexpr):
+    """O / l through this consumer's Q buffer (every S of the tile is done) by TMA, which
+    clips rows past seqlen_q and columns past the head dim; LSE (base 2) per row. The caller
+    then lets the loader bring a later tile's Q into the buffer."""
+    SUB_M: gl.constexpr = q_bufs.type.shape[3]
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
+    HEAD_DIM_V: gl.constexpr = acc.shape[1]
+    dtype: gl.constexpr = q_bufs.dtype
+    q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
+    l_i = gl.convert_layout(gl.sum(l_i, 1), row_layout)
+    empty = l_i == 0.0
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
+    l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+    if DROPOUT:  # the kept probabilities' 1 / (1 - dropout_p)
+        l_o = l_o * dropout_keep
+    if VARLEN:
+        # (heads, total_q) LSE. O: a TMA store would also write the rows past this
+        # sequence's end, which are the next sequence's; so a consumer whose 64 rows all
+        # lie in the sequence stores them by TMA (VARLEN == 2: VARLEN_O_TMA), and the
+        # last rows of a sequence go by a masked store.
+        gl.store(LSE + off_h.to(gl.int64) * total_q + q_start + offs_m, lse2,
+                 mask=offs_m < seqlen_q_t)  # fmt: skip
+        if VARLEN == 2 and HEAD_DIM_V == HEAD_DIM and row0 + SUB_M <= seqlen_q_t:
+            q_smem.store((acc / l_o[:, None]).to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [0, off_h, q_start + row0, 0],
+                                            q_bufs.index(qb))  # fmt: skip
+            tma.store_wait(0)
+        else:
+            rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
+            cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = (O + (q_start + rows).to(gl.int64)[:, None] * stride_os
+                      + off_h * stride_oh + cols[None, :])  # fmt: skip
+            gl.store(o_ptrs, (acc / l_o[:, None]).to(dtype),
+                     mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
+    else:
+        off_bh = off_b.to(gl.int64) * heads + off_h
+        gl.store(LSE + off_bh * seqlen_q_t + offs_m, lse2, mask=offs_m < seqlen_q_t)
+        if FP8:
+            # bf16 O by a masked store (Q's fp8 buffer is half its size), with V's
+            # descale (P's 2^8 is in l)
+            rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
+            cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = (O + off_b.to(gl.int64) * stride_ob + rows.to(gl.int64)[:, None]
+                      * stride_os + off_h * stride_oh + cols[None, :])  # fmt: skip
+            o_scale = v_descale
+            gl.store(o_ptrs, (acc * (o_scale / l_o)[:, None]).to(O.dtype.element_ty),
+                     mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
+        elif HEAD_DIM_V == HEAD_DIM:
+            q_smem.store((acc / l_o[:, None]).to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0],
+                                            q_bufs.index(qb))  # fmt: skip
+        else:  # a smaller value head dim: O's tile in the front of Q's buffer
+            o_smem = q_bufs.index(qb)._reinterpret(dtype, o_desc.block_type.shape,
+                                                  o_desc.layout)  # fmt: skip
+            o_smem.reshape([SUB_M, HEAD_DIM_V]).store((acc / l_o[:, None]).to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_smem)
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _open_tile(q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, g, lo, row0, offs_m, m_i, l_i,
+               seqlen_k_t, causal_offset_t, left_offset, qk_scale_t, tanh_scale, slope2,
+               alibi_offset, first_masked, left_masked, drop_bh, dropout_seed, dropout_thresh,
+               s_layout: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr,
+               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+               ALIBI: gl.constexpr, DROPOUT: gl.constexpr, ORDER: gl.constexpr,
+               P_SHIFT: gl.constexpr, LAZY: gl.constexpr, QK_IMPRECISE: gl.constexpr,
+               QK_HALVES: gl.constexpr):
+    """A tile's first K/V block (``lo``, ring step ``g``), whose Q the caller has waited for:
+    S, then its softmax; returns (p, m, l)."""
+    SUB_M: gl.constexpr = q_bufs.type.shape[3]
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
+    s_idx, phase = _stage(g, STAGES)
+    mbarrier.wait(k_ready.index(s_idx), phase)
+    k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
+    if ORDER & ORDER_PINGPONG:
+        _pingpong(C, CONSUMERS, False)
+    s_tok, s_tok2 = _issue_s(q_smem, k_t, gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
+                             HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
+    if ALIBI == 3:
+        s_tok = _alibi_columns(s_tok, aug_q, aug_k, lo * BLOCK_N, row0, alibi_offset, SUB_M)
+        s_tok2 = s_tok
+    if ORDER & ORDER_PINGPONG:
+        _pingpong(C, CONSUMERS, True)
+    s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
+    mbarrier.arrive(k_empty.index(s_idx))  # K_lo is no longer read
+    p, m_i, l_i, alpha = _softmax_step(
+        s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
+        qk_scale_t, tanh_scale, slope2, alibi_offset,
+        (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI, P_SHIFT, LAZY)
+    if DROPOUT:  # (the row sums l keep every probability; P V only the kept ones)
+        p = _dropout(p, _query_group(offs_m), lo * BLOCK_N, drop_bh, dropout_seed,
+                     dropout_thresh, False)  # fmt: skip
+    return p, m_i, l_i
+
+
+@gluon.jit
+def _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, g, n, seqlen_k_t,
+                p_layout: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr,
+                VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr,
+                LATE_P: gl.constexpr, PV_IMPRECISE: gl.constexpr):
+    """A tile's last P V (block ``n`` - 1, ring step ``g``; ``p16`` its operand, or with
+    LATE_P made here from ``p``); returns O."""
+    BLOCK_N: gl.constexpr = v_bufs.type.shape[3] if not FP8 else v_bufs.type.shape[4]
+    STAGES: gl.constexpr = v_bufs.type.shape[0]
+    last, phase = _stage(g, STAGES)
+    mbarrier.wait(v_ready.index(last), phase)
+    v_smem = _v_operand(v_bufs, last, FP8)
+    if VARLEN:
+        _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
+    if LATE_P:
+        p16 = _p_operand(p, p_smem, v_bufs.dtype, p_layout, FP8)
+    if ORDER & ORDER_PINGPONG:
+        _pingpong(C, CONSUMERS, False)
+    acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
+    if ORDER & ORDER_PINGPONG:
+        _pingpong(C, CONSUMERS, True)
+    acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
+    mbarrier.arrive(v_empty.index(last))
+    return acc
+
+
+@gluon.jit
 def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
               k_empty, v_empty,
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
@@ -796,7 +1021,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
               VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
               C: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer warpgroup C: query rows [C * 64, C * 64 + 64) of each of the program's
-    tiles."""
+    tiles. CHAIN (ORDER_CHAIN: Config.chain, two Q buffers, the static round robin): the
+    next tile's first S is issued with this tile's last P V and its softmax runs while that
+    product does, as inside a tile, instead of after this tile's epilogue (a tile of n
+    blocks otherwise spends one block's softmax with no product of its own in flight)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
     # the value / output head dim (padded); fp8 V blocks are V^T's, (dim, BLOCK_N)
@@ -832,6 +1060,14 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     Q_BUFS: gl.constexpr = q_bufs.type.shape[0] // CONSUMERS
+    # (chained tiles need the next tile's Q while this tile's is still in use; the static
+    # round robin only: hopper_args)
+    CHAIN: gl.constexpr = (ORDER & ORDER_CHAIN) != 0 and Q_BUFS == 2 and not DYNAMIC
+    # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P carried
+    # into the next iteration comes out, at three consumers (160 registers), as 16-bit
+    # registers whose halves ptxas swaps before the product (32 PRMT per block); a 32-bit P
+    # carried makes two consumers spill (SASS read, 2026-11-24).
+    LATE_P: gl.constexpr = CONSUMERS == 3
     pin = gl.allocate_shared_memory(gl.float32, [SUB_M, 4],
                                     gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     if ALIBI == 3:  # _alibi_columns' operands: the keys' columns once, the slope per tile
@@ -846,6 +1082,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         aug_k.store(gl.where(aug_col[None, :] < 3, key_col[:, None].to(gl.float32),
                              0.0).to(dtype))  # fmt: skip
         aug_q.index(2).store(gl.zeros([SUB_M, AUG_K], dtype, aug_layout))
+    else:
+        aug_k = pin
+        aug_q = pin
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     it = 0
     lap = 0
@@ -860,100 +1099,53 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     if DYNAMIC:  # the loader's work items, in its order; ``total``: no more
         mbarrier.wait(q_ready.index(C), 0)
         t = _get_tile(tile_ids.index(0))
-    while t < total:
-        qb = (lap % Q_BUFS) * CONSUMERS + C  # this tile's Q buffer
-        pid_m, off_b, off_h, off_hk = _tile(t, num_m, heads, kv_group, TILES, tile_group, CAUSAL,
-                                               VARLEN)
-        q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
-        tb, q_start, k_start, seqlen_q_t, seqlen_k_t, causal_offset_t = _seq(
-            off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN)
-        row0 = pid_m * BLOCK_M + C * SUB_M
-        offs_m = row0 + gl.arange(0, SUB_M, layout=row_layout)
-        # Every consumer walks all the blocks the program loads for the tile; blocks wholly
-        # above this consumer's diagonal come out masked (p = 0).
-        n = _num_blocks(pid_m * BLOCK_M, BLOCK_M, seqlen_q_t, seqlen_k_t, causal_offset_t,
-                        BLOCK_N, CAUSAL)  # fmt: skip
-        lo = _first_block(pid_m * BLOCK_M, left_offset, BLOCK_N, WINDOW)
-        # Blocks from `first_masked` on straddle the causal diagonal or the end of the keys;
-        # with a left window, blocks that start left of this consumer's last row's first key
-        # straddle the window's edge (`left_masked`: blocks before it).
-        first_masked = seqlen_k_t // BLOCK_N
-        if CAUSAL:
-            first_masked = gl.minimum(first_masked,
-                                      gl.maximum(row0 + causal_offset_t + 1, 0) // BLOCK_N)
-        left_masked = 0
-        if WINDOW:
-            left_masked = gl.cdiv(gl.maximum(row0 + SUB_M - 1 + left_offset, 0), BLOCK_N)
-        m_i = gl.full([SUB_M], float("-inf"), gl.float32, layout=row_layout)
-        if SOFTCAP == 2:  # softcap bounds the scores by qk_scale (softcap_fixed_max)
-            m_i = gl.full([SUB_M], 0.0, gl.float32, layout=row_layout) + (
-                qk_scale - SOFTCAP_HEADROOM)
-        # the row sums as per-lane partials (_row_sums), added up in the epilogue
-        l_i = _row_sums(gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout))
-        if SINKS:  # the head's sink logit joins every row's denominator (it has no value)
-            sink2 = gl.load(SINK_LOGITS + off_h).to(gl.float32) * 1.4426950408889634
-            m_i = gl.zeros([SUB_M], gl.float32, layout=row_layout) + sink2
-            m_i -= P_SHIFT
-            l_i += 2.0**P_SHIFT / 4  # (a quarter per partial: the sum is exact)
-        slope2 = 0.0
-        if ALIBI:  # the (sequence, head)'s slope times log2(e)
-            slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
-        if ALIBI == 3:  # slope2 / qk_scale in three 16-bit pieces, + and - (_alibi_columns)
-            ratio = slope2 / qk_scale
-            hi = ratio.to(dtype).to(gl.float32)
-            mid = (ratio - hi).to(dtype).to(gl.float32)
-            rest = ratio - hi - mid
-            piece = gl.where(aug_col == 0, hi, gl.where(aug_col == 1, mid,
-                                                        gl.where(aug_col == 2, rest, 0.0)))
-            pieces = gl.zeros([SUB_M, AUG_K], gl.float32, aug_layout) + piece[None, :]
-            aug_q.index(0).store(pieces.to(dtype))
-            aug_q.index(1).store((-pieces).to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()  # every warp of the warpgroup has written its rows
-        qk_scale_t = qk_scale
-        v_descale = 1.0
-        if FP8:  # the (batch, kv head)'s descales: Q's times K's, then V's (checks.py)
-            ds = off_b * (heads // kv_group) + off_hk
-            qk_scale_t = qk_scale * gl.load(DESCALE + ds)
-            v_descale = gl.load(DESCALE + batch_heads // kv_group + ds)
+    if CHAIN:  # the first tile's state and first block
+        (qb, off_b, off_h, q_start, seqlen_q_t, seqlen_k_t, causal_offset_t, row0, offs_m, n, lo,
+         first_masked, left_masked, m_i, l_i, slope2, qk_scale_t, v_descale) = _tile_state(
+            gl.minimum(t, total - 1), num_m, heads, kv_group, batch_heads, seqlen_q, seqlen_k,
+            causal_offset, left_offset, qk_scale, SLOPES, stride_slopes_b, SINK_LOGITS, CU_Q,
+            CU_K, TILES, tile_group, DESCALE, lap, aug_q, dtype, s_layout, CAUSAL, CONSUMERS,
+            WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, C, Q_BUFS, P_SHIFT, SUB_M, BLOCK_N)
         acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-        drop_rows = _query_group(offs_m)  # (dropout: the rows' groups and the pair's (batch, head))
-        drop_bh = off_b * heads + off_h
-        if not DYNAMIC:
-            mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
-        if n > lo:
-            # Block lo: S, softmax.
-            s_idx, phase = _stage(it, STAGES)
-            mbarrier.wait(k_ready.index(s_idx), phase)
-            k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
-            if ORDER & ORDER_PINGPONG:
-                _pingpong(C, CONSUMERS, False)
-            s_tok, s_tok2 = _issue_s(q_smem, k_t,
-                                     gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
-                                     HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
-            if ALIBI == 3:
-                s_tok = _alibi_columns(s_tok, aug_q, aug_k, lo * BLOCK_N, row0, alibi_offset,
-                                       SUB_M)  # fmt: skip
-                s_tok2 = s_tok
-            if ORDER & ORDER_PINGPONG:
-                _pingpong(C, CONSUMERS, True)
-            s = _wait_s(s_tok, s_tok2, q_smem, k_t, 0, QK_HALVES)
-            mbarrier.arrive(k_empty.index(s_idx))  # K_lo is no longer read
-            p, m_i, l_i, alpha = _softmax_step(
-                s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
-                qk_scale_t, tanh_scale, slope2, alibi_offset,
-                (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                P_SHIFT, LAZY)
-            if DROPOUT:  # (the row sums l keep every probability; P V only the kept ones)
-                p = _dropout(p, drop_rows, lo * BLOCK_N, drop_bh, dropout_seed, dropout_thresh,
-                             False)  # fmt: skip
-            # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P
-            # carried into the next iteration comes out, at three consumers (160 registers),
-            # as 16-bit registers whose halves ptxas swaps before the product (32 PRMT per
-            # block); a 32-bit P carried makes two consumers spill (SASS read, 2026-11-24).
-            LATE_P: gl.constexpr = CONSUMERS == 3
+        p = gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout)
+        p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
+        if t < total:
+            mbarrier.wait(q_ready.index(qb), 0)
+        if (t < total) & (n > lo):
+            p, m_i, l_i = _open_tile(
+                q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, gl.to_tensor(0), lo, row0,
+                offs_m, m_i, l_i, seqlen_k_t, causal_offset_t, left_offset, qk_scale_t,
+                tanh_scale, slope2, alibi_offset, first_masked, left_masked,
+                off_b * heads + off_h, dropout_seed, dropout_thresh, s_layout, CONSUMERS, C,
+                CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, ORDER, P_SHIFT, LAZY, QK_IMPRECISE,
+                QK_HALVES)
             if not LATE_P:
                 p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
+    while t < total:
+        if not CHAIN:
+            (qb, off_b, off_h, q_start, seqlen_q_t, seqlen_k_t, causal_offset_t, row0, offs_m, n,
+             lo, first_masked, left_masked, m_i, l_i, slope2, qk_scale_t, v_descale) = _tile_state(
+                t, num_m, heads, kv_group, batch_heads, seqlen_q, seqlen_k, causal_offset,
+                left_offset, qk_scale, SLOPES, stride_slopes_b, SINK_LOGITS, CU_Q, CU_K, TILES,
+                tile_group, DESCALE, lap, aug_q, dtype, s_layout, CAUSAL, CONSUMERS, WINDOW,
+                SOFTCAP, ALIBI, SINKS, VARLEN, FP8, C, Q_BUFS, P_SHIFT, SUB_M, BLOCK_N)
+            acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
+            if not DYNAMIC:
+                mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
+        q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
+        # (dropout: the rows' groups and the pair's (batch, head))
+        drop_rows = _query_group(offs_m)
+        drop_bh = off_b * heads + off_h
+        if n > lo:
+            if not CHAIN:  # block lo: S, softmax
+                p, m_i, l_i = _open_tile(
+                    q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, it, lo, row0, offs_m,
+                    m_i, l_i, seqlen_k_t, causal_offset_t, left_offset, qk_scale_t, tanh_scale,
+                    slope2, alibi_offset, first_masked, left_masked, drop_bh, dropout_seed,
+                    dropout_thresh, s_layout, CONSUMERS, C, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                    DROPOUT, ORDER, P_SHIFT, LAZY, QK_IMPRECISE, QK_HALVES)
+                if not LATE_P:
+                    p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
             for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
                 g = it + j - lo
@@ -1008,80 +1200,123 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     acc = _rescale(acc, gl.convert_layout(alpha, orow_layout))
                 else:
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-            g = it + n - 1 - lo
-            last, phase = _stage(g, STAGES)
-            mbarrier.wait(v_ready.index(last), phase)
-            v_smem = _v_operand(v_bufs, last, FP8)
-            if VARLEN:
-                _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
-            if LATE_P:
-                p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
-            if ORDER & ORDER_PINGPONG:
-                _pingpong(C, CONSUMERS, False)
-            acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
-            if ORDER & ORDER_PINGPONG:
-                _pingpong(C, CONSUMERS, True)
-            acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
-            mbarrier.arrive(v_empty.index(last))
-            it += n - lo
+            if not CHAIN:  # (LATE_P: P's operand made in _close_tile)
+                acc = _close_tile(v_bufs, v_ready, v_empty, p, p if LATE_P else p16, p_smem, acc,
+                                  it + n - 1 - lo, n, seqlen_k_t, p_layout, CONSUMERS, C, VARLEN,
+                                  FP8, ORDER, LATE_P, PV_IMPRECISE)  # fmt: skip
+                it += n - lo
+        if CHAIN:
+            # The next work item (its Q was loaded during this tile: two Q buffers), its
+            # state, and its first block's S issued with this tile's last P V: the softmax
+            # of one runs while the other is on the tensor cores, as inside a tile.
+            nl = lap + 1
+            t_next = t + gl.num_programs(0)
+            (qb2, off_b2, off_h2, q_start2, seqlen_q2, seqlen_k2, causal_offset2, row02, offs_m2,
+             n2, lo2, first_masked2, left_masked2, m_i2, l_i2, slope22, qk_scale2,
+             v_descale2) = (
+                _tile_state(gl.minimum(t_next, total - 1), num_m, heads, kv_group, batch_heads,
+                            seqlen_q, seqlen_k, causal_offset, left_offset, qk_scale, SLOPES,
+                            stride_slopes_b, SINK_LOGITS, CU_Q, CU_K, TILES, tile_group, DESCALE,
+                            nl, aug_q, dtype, s_layout, CAUSAL, CONSUMERS, WINDOW, SOFTCAP,
+                            ALIBI, SINKS, VARLEN, FP8, C, Q_BUFS, P_SHIFT, SUB_M, BLOCK_N))
+            if t_next < total:
+                mbarrier.wait(q_ready.index(qb2), (nl // Q_BUFS) & 1)
+            blocks = gl.maximum(n - lo, 0)
+            this_one = n > lo
+            next_one = (t_next < total) & (n2 > lo2)
+            p_next = p
+            m_next = m_i2
+            l_next = l_i2
+            p16_next = p16
+            if this_one & next_one:
+                last, last_phase = _stage(it + n - 1 - lo, STAGES)
+                mbarrier.wait(v_ready.index(last), last_phase)
+                v_smem = _v_operand(v_bufs, last, FP8)
+                if VARLEN:
+                    _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
+                if LATE_P:
+                    p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
+                q_smem2 = q_bufs.index(qb2).reshape([SUB_M, HEAD_DIM])
+                s_idx, phase = _stage(it + blocks, STAGES)
+                mbarrier.wait(k_ready.index(s_idx), phase)
+                k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
+                if ORDER & ORDER_PINGPONG:
+                    _pingpong(C, CONSUMERS, False)
+                s_tok, s_tok2 = _issue_s(q_smem2, k_t,
+                                         gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
+                                         HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
+                if ALIBI == 3:
+                    s_tok = _alibi_columns(s_tok, aug_q, aug_k, lo2 * BLOCK_N, row02,
+                                           alibi_offset, SUB_M)  # fmt: skip
+                    s_tok2 = s_tok
+                acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
+                if ORDER & ORDER_PINGPONG:
+                    _pingpong(C, CONSUMERS, True)
+                s = _wait_s(s_tok, s_tok2, q_smem2, k_t, 1, QK_HALVES)
+                mbarrier.arrive(k_empty.index(s_idx))
+                p_next, m_next, l_next, _alpha = _softmax_step(
+                    s, m_i2, l_i2, lo2 * BLOCK_N, offs_m2, row02, seqlen_k2, causal_offset2,
+                    left_offset, qk_scale2, tanh_scale, slope22, alibi_offset,
+                    (lo2 >= first_masked2) | (lo2 < left_masked2), CAUSAL, WINDOW, SOFTCAP,
+                    ALIBI, P_SHIFT, LAZY)
+                if DROPOUT:
+                    p_next = _dropout(p_next, _query_group(offs_m2), lo2 * BLOCK_N,
+                                      off_b2 * heads + off_h2, dropout_seed, dropout_thresh,
+                                      False)  # fmt: skip
+                if ORDER & ORDER_PIN:
+                    pin.store(l_next)
+                if ORDER & ORDER_PIN_GLOBAL:
+                    _pin(l_next, LSE, seqlen_k2)
+                acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
+                mbarrier.arrive(v_empty.index(last))
+                if not LATE_P:
+                    p16_next = _p_operand(p_next, p_smem, dtype, p_layout, FP8)
+            elif this_one:
+                acc = _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc,
+                                  it + n - 1 - lo, n, seqlen_k_t, p_layout, CONSUMERS, C, VARLEN,
+                                  FP8, ORDER, LATE_P, PV_IMPRECISE)  # fmt: skip
+            elif next_one:
+                p_next, m_next, l_next = _open_tile(
+                    q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb2, it + blocks, lo2, row02,
+                    offs_m2, m_i2, l_i2, seqlen_k2, causal_offset2, left_offset, qk_scale2,
+                    tanh_scale, slope22, alibi_offset, first_masked2, left_masked2,
+                    off_b2 * heads + off_h2, dropout_seed, dropout_thresh, s_layout, CONSUMERS, C,
+                    CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, ORDER, P_SHIFT, LAZY, QK_IMPRECISE,
+                    QK_HALVES)
+                if not LATE_P:
+                    p16_next = _p_operand(p_next, p_smem, dtype, p_layout, FP8)
+            it += blocks
         lap += 1
 
-        # Epilogue: O / l through this consumer's Q buffer (every S of the tile is done) by
-        # TMA, which clips rows past seqlen_q and columns past the head dim; LSE (base 2) per
-        # row. Then the loader may bring the next tile's Q into the buffer.
-        l_i = gl.convert_layout(gl.sum(l_i, 1), row_layout)
-        empty = l_i == 0.0
-        lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
-        l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
-        if DROPOUT:  # the kept probabilities' 1 / (1 - dropout_p)
-            l_o = l_o * dropout_keep
-        if VARLEN:
-            # (heads, total_q) LSE. O: a TMA store would also write the rows past this
-            # sequence's end, which are the next sequence's; so a consumer whose 64 rows all
-            # lie in the sequence stores them by TMA (VARLEN == 2: VARLEN_O_TMA), and the
-            # last rows of a sequence go by a masked store.
-            gl.store(LSE + off_h.to(gl.int64) * total_q + q_start + offs_m, lse2,
-                     mask=offs_m < seqlen_q_t)  # fmt: skip
-            if VARLEN == 2 and HEAD_DIM_V == HEAD_DIM and row0 + SUB_M <= seqlen_q_t:
-                q_smem.store((acc / l_o[:, None]).to(dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [0, off_h, q_start + row0, 0],
-                                                q_bufs.index(qb))  # fmt: skip
-                tma.store_wait(0)
-            else:
-                rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
-                cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-                o_ptrs = (O + (q_start + rows).to(gl.int64)[:, None] * stride_os
-                          + off_h * stride_oh + cols[None, :])  # fmt: skip
-                gl.store(o_ptrs, (acc / l_o[:, None]).to(dtype),
-                         mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
-        else:
-            off_bh = off_b.to(gl.int64) * heads + off_h
-            gl.store(LSE + off_bh * seqlen_q_t + offs_m, lse2, mask=offs_m < seqlen_q_t)
-            if FP8:
-                # bf16 O by a masked store (Q's fp8 buffer is half its size), with V's
-                # descale (P's 2^8 is in l)
-                rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
-                cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-                o_ptrs = (O + off_b.to(gl.int64) * stride_ob + rows.to(gl.int64)[:, None]
-                          * stride_os + off_h * stride_oh + cols[None, :])  # fmt: skip
-                o_scale = v_descale
-                gl.store(o_ptrs, (acc * (o_scale / l_o)[:, None]).to(O.dtype.element_ty),
-                         mask=(rows < seqlen_q_t)[:, None] & (cols < head_dim)[None, :])
-            elif HEAD_DIM_V == HEAD_DIM:
-                q_smem.store((acc / l_o[:, None]).to(dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0],
-                                                q_bufs.index(qb))  # fmt: skip
-            else:  # a smaller value head dim: O's tile in the front of Q's buffer
-                o_smem = q_bufs.index(qb)._reinterpret(dtype, o_desc.block_type.shape,
-                                                      o_desc.layout)  # fmt: skip
-                o_smem.reshape([SUB_M, HEAD_DIM_V]).store((acc / l_o[:, None]).to(dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_smem)
-            tma.store_wait(0)
+        _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
+                  offs_m,
+                  seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh, v_descale,
+                  dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8, DROPOUT)
         mbarrier.arrive(q_empty.index(qb))
-        if DYNAMIC:  # (lap counts this tile already)
+        if CHAIN:  # the next tile's state
+            t = t_next
+            qb = qb2
+            off_b = off_b2
+            off_h = off_h2
+            q_start = q_start2
+            seqlen_q_t = seqlen_q2
+            seqlen_k_t = seqlen_k2
+            causal_offset_t = causal_offset2
+            row0 = row02
+            offs_m = offs_m2
+            n = n2
+            lo = lo2
+            first_masked = first_masked2
+            left_masked = left_masked2
+            m_i = m_next
+            l_i = l_next
+            slope2 = slope22
+            qk_scale_t = qk_scale2
+            v_descale = v_descale2
+            p = p_next
+            p16 = p16_next
+            acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
+        elif DYNAMIC:  # (lap counts this tile already)
             mbarrier.wait(q_ready.index((lap % Q_BUFS) * CONSUMERS + C), (lap // Q_BUFS) & 1)
             t = _get_tile(tile_ids.index(lap % Q_BUFS))
         else:
@@ -1368,6 +1603,11 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     banded = causal or args["WINDOW"]
     dynamic = bool(cfg.per_sm and cfg.dynamic and (banded or args["VARLEN"]))
     persistent = cfg.per_sm and (dynamic or not (banded or args["VARLEN"]))
+    if cfg.chain and persistent and not dynamic and cfg.q_bufs == 2:
+        # Chained tiles for the static round robin only: with the tiles handed out by the
+        # counter they measured 0-5% slower (the next tile's Q and first K come later there:
+        # the loader claims the tile first), 5-9% slower still with the claim a tile ahead.
+        args["ORDER"] += ORDER_CHAIN.value
     if dynamic:
         # Persistent programs that take the next tile in the head-major, heaviest-first
         # order from an atomic counter (zeroed per call) as they finish one: the balance and
@@ -1539,7 +1779,7 @@ def fp8_config(head_dim_padded: int) -> Config:
     if fp8_mode(head_dim_padded) == 4:
         return FP8_CONFIGS_UNPROMOTED[head_dim_padded]
     # (the pins fp8 was measured with: d128's shared-memory store, none at d256)
-    return HOPPER_CONFIGS[head_dim_padded]._replace(pin=FP8_PINS[head_dim_padded])
+    return HOPPER_CONFIGS[head_dim_padded]._replace(pin=FP8_PINS[head_dim_padded], chain=0)
 
 
 @triton.jit
