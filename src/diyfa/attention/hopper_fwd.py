@@ -194,6 +194,12 @@ HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1,
 # 458.0, b4 h32 4096 454.3 / 481.1, b1 h32 16k 458.4 / 511.1 (three), b4 h8 4096 454.6 / 454.5
 # and b1 h16 4096 x 15360 466.2 / 469.3 (two: 536 against 512, level).
 THREE_ROW_COST = 0.93
+# ... from LONG_KEYS keys on, with chained tiles (Config.chain): H200, bf16 / fp16, both configs
+# chained, 5 rounds (benchmarks/results/2026-11-25_h200_fwd-consumers-chain-ab_564391e.jsonl),
+# a row's cost with three consumers against two came out 0.85-0.91 from 2048 keys (fp16 b4 h8
+# 4096: 452.6 against 435.5 TFLOPS, bf16 b1 h16 4096 x 15360 477.9 against 456.0, both two
+# by the rule above) and 0.92 at 1024 (b16 h32: 402.8 against 415.0).
+THREE_ROW_COST_LONG = 0.86
 
 
 def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False,
@@ -202,13 +208,15 @@ def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False,
     attention; hopper_args passes 0 keys for the variants). ``tiles``: (batch x heads,
     seqlen_q, persistent programs) of a plain call whose programs take the tiles round robin
     (no causal band, no packed sequences): three consumers at d64 where the rows the busiest
-    program runs, weighed by THREE_ROW_COST, are fewer than with two; else by the key count
+    program runs, weighed by THREE_ROW_COST (THREE_ROW_COST_LONG from LONG_KEYS keys), are
+    fewer than with two; else by the key count
     (LONG_KEYS, LONG_KEYS_CAUSAL)."""
     long = HOPPER_CONFIGS_LONG.get(head_dim_padded)
     if long is None:
         return HOPPER_CONFIGS[head_dim_padded]
     if tiles is not None:
-        three = (_rows_per_program(3 * SUB_M, *tiles) * THREE_ROW_COST
+        cost = THREE_ROW_COST_LONG if seqlen_k >= LONG_KEYS else THREE_ROW_COST
+        three = (_rows_per_program(3 * SUB_M, *tiles) * cost
                  < _rows_per_program(2 * SUB_M, *tiles))  # fmt: skip
     else:
         three = seqlen_k >= (LONG_KEYS_CAUSAL if causal else LONG_KEYS)
