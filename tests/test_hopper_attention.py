@@ -376,10 +376,17 @@ def _every_config():
     return configs
 
 
+# (config, causal): a config with its chain toggled only without the causal band, since
+# causal calls take their tiles from the counter, which hopper_args never chains (the same
+# kernel as the config itself)
+_PERSISTENT_RUNS = [(name, causal) for name in _every_config() for causal in (False, True)
+                    if not (causal and "-chain" in name)]  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [(1000, 1111), (1111, 700)], ids=["q1000k1111", "q1111k700"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", list(_every_config()))
+@pytest.mark.parametrize(("name", "causal"), _PERSISTENT_RUNS,
+                         ids=[f"{n}-{'causal' if c else 'full'}" for n, c in _PERSISTENT_RUNS])
 def test_gpu_hopper_persistent_programs_run_many_tiles(name, causal, lengths, monkeypatch):
     """Every config with three SMs' worth of persistent programs, so each program runs ~20
     tiles (odd and even counts): the Q buffers' turns (two per consumer), the causal tiles

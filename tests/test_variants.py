@@ -376,11 +376,17 @@ PERSISTENT_VARIANT_CASES = [c for c in HOPPER_VARIANT_CASES if c[5] <= 128] + [
 ]
 
 
+# (case, chain): unchained too only where it differs, the static round robin (neither causal
+# nor windowed: hopper_args chains no other call)
+_PERSISTENT_VARIANT_RUNS = [(c, 1) for c in PERSISTENT_VARIANT_CASES] + [
+    (c, 0) for c in PERSISTENT_VARIANT_CASES if not c[7] and c[8] == (-1, -1)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("chain", [0, 1], ids=["chain0", "chain1"])
-@pytest.mark.parametrize("case", PERSISTENT_VARIANT_CASES,
-                         ids=lambda c: "d{}-c{}-w{}_{}-cap{}-alibi_{}-sinks{}".format(
-                             c[5], int(c[7]), *c[8], c[9], c[10], int(c[11])))  # fmt: skip
+@pytest.mark.parametrize(("case", "chain"), _PERSISTENT_VARIANT_RUNS,
+                         ids=["d{}-c{}-w{}_{}-cap{}-alibi_{}-sinks{}-chain{}".format(
+                             c[5], int(c[7]), *c[8], c[9], c[10], int(c[11]), ch)
+                             for c, ch in _PERSISTENT_VARIANT_RUNS])  # fmt: skip
 def test_gpu_hopper_forward_variants_persistent(case, chain, monkeypatch):
     """The same cases (and two more without the causal band) with three SMs' worth of
     persistent programs, so that each program runs many tiles and carries each one's state

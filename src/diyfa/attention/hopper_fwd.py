@@ -1297,9 +1297,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         lap += 1
 
         _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
-                  offs_m,
-                  seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh, v_descale,
-                  dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8, DROPOUT)
+                  offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
+                  v_descale, dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8,
+                  DROPOUT)
         mbarrier.arrive(q_empty.index(qb))
         if CHAIN:  # the next tile's state
             t = t_next
