@@ -169,6 +169,19 @@ BWD_CONFIGS = {
     128: (64, 2, 240, 24),
     256: (64, 2, 240, 24),  # hopper_bwd256's kernel (the head dim split between consumers)
 }
+# d64 plain attention (causal or not, GQA, sinks: the LSE holds them; not the variants'
+# flags nor packed sequences): 128 query rows per step (FlashAttention-3/4's d64 tile), dV's
+# product issued after dS^T (the kernel's LATE_DV), the rows' LSE and delta read from shared
+# memory after their products' waits (32 registers each a thread at 128 rows), and the
+# atomic dQ split by rows (fifth field 3: DQ_ATOMIC 4, each consumer 64 rows x 64 columns).
+# ptxas spills 8-40 bytes (792-892 when the earlier try kept dV first and the statistics
+# live across the waits; softcap, ALiBi and dropout spill 100-1100 at 128 rows: they keep
+# 64). H200, bf16, benchmarks/hopper_bwd_ab.py, twice interleaved in one process,
+# benchmarks/results/2026-11-25_h200_bwd-d64-rows128-ab_6a0494e-wip.txt, kernel TFLOPS
+# 64 / 128 rows, atomic dQ: 1 x 32 x 16k 473, 468 / 501, 501; causal 457, 460 / 471, 468;
+# 4 x 32 x 4096 422, 429 / 456, 456; causal 377, 380 / 387, 388; 16 x 32 x 1024 310, 314 /
+# 325, 346; deterministic 1 x 32 x 16k 415, 415 / 430, 426, causal 396, 392 / 411, 414.
+BWD_CONFIG_D64_ROWS128 = (128, 2, 240, 24, 3)
 # Atomic dQ: every step each consumer computes a column half of dQ (True), or the
 # consumers take turns computing all of it (False). A config's fifth field, when given,
 # overrides these. At d64 the halves are 32 columns wide, and measured slower (H200, bf16,
@@ -567,18 +580,24 @@ def _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, 
 
 
 @gluon.jit
-def _dq_issue(ds_all, k_bufs, piece, layout, WIDTH: gl.constexpr):
+def _dq_issue(ds_all, k_bufs, piece, layout, WIDTH: gl.constexpr, ROWS: gl.constexpr = False):
     """Issue column piece ``piece`` (``WIDTH`` wide) of a query block's dQ = dS K,
     asynchronously (K = every consumer's 64 keys, dS^T from ``ds_all`` as the transposed A
-    operand); returns the accumulator, to be waited for."""
+    operand); returns the accumulator, to be waited for. ROWS: row part ``piece`` instead
+    (the block's rows split evenly between the consumers, every column)."""
     CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
     SUB_N: gl.constexpr = k_bufs.type.shape[3]
     BLOCK_M: gl.constexpr = ds_all.type.shape[1]
-    dq = gl.zeros([BLOCK_M, WIDTH], gl.float32, layout)
+    R: gl.constexpr = BLOCK_M // CONSUMERS if ROWS else BLOCK_M
+    dq = gl.zeros([R, WIDTH], gl.float32, layout)
     for c in gl.static_range(CONSUMERS):
-        ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0).permute((1, 0))
-        k_piece = _tile2d(k_bufs, c).slice(piece * WIDTH, WIDTH, dim=1)
-        dq = warpgroup_mma(ds_t, k_piece, dq, use_acc=c > 0, is_async=True)
+        ds_t = ds_all.slice(c * SUB_N, SUB_N, dim=0)
+        if ROWS:
+            ds_t = ds_t.slice(piece * R, R, dim=1)
+            k_piece = _tile2d(k_bufs, c)
+        else:
+            k_piece = _tile2d(k_bufs, c).slice(piece * WIDTH, WIDTH, dim=1)
+        dq = warpgroup_mma(ds_t.permute((1, 0)), k_piece, dq, use_acc=c > 0, is_async=True)
     return dq
 
 
@@ -680,6 +699,15 @@ def _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail, causal_off
 
 
 @gluon.jit
+def _p16(pt, drop_scale, dtype: gl.constexpr, a_layout: gl.constexpr, DROPOUT: gl.constexpr):
+    """P^T as dV's 16-bit register operand (dropout: the kept entries' P^T / (1 - p), the
+    dropped ones' sign taken off)."""
+    if DROPOUT:
+        pt = gl.maximum(pt, 0.0) * drop_scale
+    return gl.convert_layout(pt.to(dtype), a_layout)
+
+
+@gluon.jit
 def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr):
     """The split dQ's (DQ_ATOMIC 2 and 3) wait at step ``it``: for the step's whole dS^T
     (both consumers' halves), and for the reduce-add of two steps back to have read this
@@ -721,6 +749,9 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, dq_desc.block_type.shape[3], 16])
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    # LATE_DV (128-row steps): dV's product issued after dS^T, so that P^T's 16-bit copy is
+    # not live across the dP^T wait next to P^T, dP^T (64 registers each) and dK, dV
+    LATE_DV: gl.constexpr = BLOCK_M > 64
 
     n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
@@ -760,7 +791,8 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         # steps that hold any (a sequence's last query block) mask them with the keys
         # (_probs_t's ROWS_END: P = 0 there, so dS = 0 whatever the next sequence's delta).
         # (No per-row selects on every step: ncu, 2026-11-24 and 2026-11-25.)
-        lse = lse_bufs.index(s).load(query_layout)
+        if not LATE_DV:
+            lse = lse_bufs.index(s).load(query_layout)
         q_smem = _tile2d(q_bufs, s)
         do_smem = _tile2d(do_bufs, s)
         q_t = q_smem.permute((1, 0))
@@ -770,6 +802,8 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         dpt_tok = warpgroup_mma(v_smem, do_t, gl.zeros([SUB_N, BLOCK_M], gl.float32, s_layout),
                                 use_acc=False, is_async=True)  # fmt: skip
         st, _k, _qt = warpgroup_mma_wait(1, deps=(st_tok, k_smem, q_t))
+        if LATE_DV:  # (not live across the wait: 32 registers a thread at 128 rows)
+            lse = lse_bufs.index(s).load(query_layout)
         pt, st = _probs_t(st, lse, offs_k, offs_m, key0, row0, seqlen_k, key_tail,
                           causal_offset, left_offset, qk_scale, tanh_scale, slope2,
                           alibi_offset, CAUSAL, WINDOW, SOFTCAP, ALIBI, seqlen_q,
@@ -783,22 +817,29 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             # -P^T delta = (-P^T) delta.
             pt = _dropout(pt, drop_keys, row0, off_b * heads + off_h, dropout_seed,
                           dropout_thresh, True)  # fmt: skip
-            p16 = gl.convert_layout((gl.maximum(pt, 0.0) * drop_scale).to(dtype), a_layout)
-        else:
-            p16 = gl.convert_layout(pt.to(dtype), a_layout)
-        dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
+        if SOFTCAP or not LATE_DV:
+            p16 = _p16(pt, drop_scale if DROPOUT else 1.0, dtype, a_layout, DROPOUT)
+        if not LATE_DV:
+            dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
         if SOFTCAP:
             # tanh's derivative into P^T before the dP^T wait (P^T itself is in p16 now):
             # one tile live across the wait instead of two (ptxas, d128 causal: spills 280 ->
             # 148 bytes deterministic, 420 -> 236 atomic; +14% / +54% on the H200, auto_mode;
             # dropout's sign survives, 1 - t^2 >= 0)
             pt = pt * st
-        delta = delta_bufs.index(s).load(query_layout)
-        dpt, _v, _dot = warpgroup_mma_wait(1, deps=(dpt_tok, v_smem, do_t))
+        if not LATE_DV:
+            delta = delta_bufs.index(s).load(query_layout)
+        dpt, _v, _dot = warpgroup_mma_wait(0 if LATE_DV else 1, deps=(dpt_tok, v_smem, do_t))
+        if LATE_DV:
+            delta = delta_bufs.index(s).load(query_layout)
         if DROPOUT:  # (dS^T = P^T times this)
             dpt = gl.where(pt > 0.0, dpt * drop_scale - delta[None, :], delta[None, :])
         else:
             dpt = dpt - delta[None, :]
+        if LATE_DV:
+            if not SOFTCAP:
+                p16 = _p16(pt, drop_scale if DROPOUT else 1.0, dtype, a_layout, DROPOUT)
+            dv_tok = warpgroup_mma(p16, do_smem, dv, is_async=True)
         ds16 = (pt * dpt).to(dtype)
         if DQ_ATOMIC:
             # This consumer's 64 rows of the step's (128 keys, BLOCK_M) dS^T, for dQ below.
@@ -808,18 +849,24 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             gl.thread_barrier()  # every thread's rows are written before the arrival
             mbarrier.arrive(ds_ready.index(it % 2))
         dsa = gl.convert_layout(ds16, a_layout)
-        if DQ_ATOMIC == 3:
+        if DQ_ATOMIC == 3 or DQ_ATOMIC == 4:
             # (DQ_FA3_ORDER) The column-half split below in FlashAttention-3's order: this
             # step's dQ piece is issued before dK, and stored and added to the workspace
             # while dK runs. dV (issued long before) is waited for first: a product issued
             # while another's accumulator registers are still being written makes ptxas
-            # serialise every wgmma of the kernel (its C7515 note).
+            # serialise every wgmma of the kernel (its C7515 note). DQ_ATOMIC 4: the same
+            # with the block's rows split between the consumers instead of its columns.
             tile = _split_tile(ds_ready, dq_bufs, it, C, CONSUMERS)
             dv, _p, _do = warpgroup_mma_wait(0, deps=(dv_tok, p16, do_smem))
-            dq_tok = _dq_issue(ds_all, k_bufs, C, h_layout, dq_desc.block_type.shape[3])
+            dq_tok = _dq_issue(ds_all, k_bufs, C, h_layout, dq_desc.block_type.shape[3],
+                               DQ_ATOMIC == 4)  # fmt: skip
             dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=(dq_tok,))
-            _dq_add(dq, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0, DQ_ROWS)
+            if DQ_ATOMIC == 4:
+                _dq_add(dq, dq_bufs, tile, 0, dq_desc, tb, off_h,
+                        q_start + row0 + C * (BLOCK_M // CONSUMERS), DQ_ROWS)  # fmt: skip
+            else:
+                _dq_add(dq, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0, DQ_ROWS)
             dk, _ds, _q = warpgroup_mma_wait(0, deps=(dk_tok, dsa, q_smem))
             mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
         else:
@@ -957,7 +1004,9 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * SUB_N, BLOCK_M], ds_layout)
     # The atomic mode's fp32 dQ tiles on their way to the workspace: per consumer, the
     # column halves its turn computes (whole blocks of the workspace's descriptor).
-    DQ_TILES: gl.constexpr = 2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC else 1
+    # (DQ_ATOMIC 4: two per consumer, its row part of two steps in turn)
+    DQ_TILES: gl.constexpr = (2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC != 4
+                              else 4) if DQ_ATOMIC else 1
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,
                                         dq_desc.layout)  # fmt: skip
     # Each stage's LSE and delta (BLOCK_M fp32 each), loaded with its Q and dO.
@@ -1080,11 +1129,13 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     if split and not rest and DQ_FA3_ORDER:
         split = 2
     dq_mode = 1 + int(split) if dq_atomic else 0
+    # (dQ mode 4, a config's fifth field 3: the split by rows, blocks of BLOCK_M / 2 rows)
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
                 k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
                 dk_desc=_desc(dk4, SUB_N, dpad), dv_desc=_desc(dv4, SUB_N, dpad),
-                LSE=lse2, DELTA=delta, dq_desc=_dq_desc(dq_acc, block_m, dpad, dq_atomic,
-                                                          dq_mode >= 2),
+                LSE=lse2, DELTA=delta,
+                dq_desc=_dq_desc(dq_acc, block_m // 2 if dq_mode == 4 else block_m, dpad,
+                                 dq_atomic, dq_mode in (2, 3)),
                 heads=h, kv_group=h // k4.shape[1],
                 seqlen_q=sq, seqlen_k=sk, total_q=0, CU_Q=lse2, CU_K=lse2, TILES=lse2, DK=dk4,
                 DV=dv4,
@@ -1192,6 +1243,20 @@ def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
     return res
 
 
+def default_config(p: Problem, variants: dict | None = None) -> tuple:
+    """The launch config of ``p``'s backward (``variants``: its kernel arguments from
+    ``variant_args(p, backward=True)``, computed here if not given): BWD_CONFIG_D64_ROWS128
+    at d64 without the variants' flags (a window's left edge, softcap, ALiBi, dropout) and
+    packed sequences, else BWD_CONFIGS by the padded head dim."""
+    dpad = head_dim_pad(p.head_dim)
+    if dpad == 64 and p.cu_seqlens_q is None:
+        if variants is None:
+            variants = variant_args(p, backward=True)[3]
+        if not any(variants.get(f) for f in ("WINDOW", "SOFTCAP", "ALIBI", "DROPOUT")):
+            return BWD_CONFIG_D64_ROWS128
+    return BWD_CONFIGS[dpad]
+
+
 def default_atomic(p: Problem) -> bool:
     """Whether ``backend="hopper"`` runs ``p``'s backward with the atomic dQ: unless
     ``deterministic``, and not above d128 (``WIDE_DQ_ATOMIC``: slower there) unless batch x
@@ -1224,7 +1289,10 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     # empty_like keeps a dense input's strides (which TMA took for k and v) and makes a
     # non-dense one's gradient contiguous: both meet TMA's rules at these head dims.
     dpad = head_dim_pad(p.head_dim)
-    block_m = (config or BWD_CONFIGS[dpad])[0]
+    # The forward's band, scales and flags (plain attention: no flag; sinks: the LSE has them).
+    upper, qk_scale, causal, variants = variant_args(p, backward=True)
+    launch_config = config or default_config(p, variants)
+    block_m = launch_config[0]
     stats = torch.empty_like(lse2)  # delta = rowsum(dO * O)
     if atomic_dq:  # the fp32 dQ workspace the kernel's TMA reduce-adds go to
         shape = ((1, p.heads, p.total_q, dpad) if varlen else
@@ -1251,8 +1319,6 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         launched.append(portable._dq_launch(do, q, k, v, out, lse2, dq, stats, p))
     else:
         delta(o4, do4, launched, res=stats, acc=dq_acc)
-    # The forward's band, scales and flags (plain attention: no flag; sinks: the LSE has them).
-    upper, qk_scale, causal, variants = variant_args(p, backward=True)
     dk4, dv4 = view(dk), view(dv)
     packed = None
     if varlen:  # dK / dV's last block of a sequence by masked stores: their (total, h, d) form
@@ -1269,12 +1335,12 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         dq_desc = _dq_desc(dq_acc, block_m, dpad, atomic_dq, cols=hopper_bwd256.DQ_PIECE)
         grid, args, num_warps = hopper_bwd256.bwd_args(
             q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_desc, upper, p.softmax_scale, causal,
-            atomic_dq, permuted, config, qk_scale, variants, packed)  # fmt: skip
+            atomic_dq, permuted, launch_config, qk_scale, variants, packed)  # fmt: skip
     else:
         fn = _attn_bwd_hopper
         grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
-                                         p.softmax_scale, causal, atomic_dq, config, qk_scale,
-                                         variants, packed)  # fmt: skip
+                                         p.softmax_scale, causal, atomic_dq, launch_config,
+                                         qk_scale, variants, packed)  # fmt: skip
     kernel = launch(fn, grid, args, {}, num_warps, 1)
     launched.append((fn, kernel, grid, args))
     if atomic_dq:
