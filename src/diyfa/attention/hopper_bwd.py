@@ -45,7 +45,13 @@ What the kernel does
       step, reduce-added from its own two fp32 tiles in turn (FlashAttention-3's division;
       2026-11-24, +11-21% over the turns below); in FlashAttention-3's order since
       (``DQ_FA3_ORDER``, ``DQ_ATOMIC == 3``: dV waited for, the dQ piece issued before dK
-      and stored while dK runs; +0-5%). Otherwise (d64) the
+      and stored while dK runs; +0-5%). At d64, plain attention (``default_config``,
+      ``BWD_CONFIG_D64_ROWS128``, ``DQ_ATOMIC == 4``): 128 query rows per step
+      (FlashAttention-3/4's d64 tile), the products m64n128, dV issued after dS^T (the
+      kernel's ``LATE_DV``: P^T's 16-bit copy not live across the dP^T wait), LSE and delta
+      read after their products' waits, and the block's rows split between the consumers
+      for dQ (64 rows x every column each, the same order; 2026-11-25, +3-8%). Otherwise
+      (the variants and packed sequences at d64) the
       consumers take turns (step ``it`` is consumer ``it % 2``'s) computing the query
       block's whole dQ = dS K (K = 128 keys: dS^T as the transposed A operand, K from both
       consumers' buffers), one column half at a time, each stored to the consumer's own
@@ -160,7 +166,8 @@ BLOCK_N = CONSUMERS * SUB_N
 # registers). Registers per consumer thread at d128: dK + dV 128, S^T + dP^T 64 (BLOCK_M
 # 64), dQ 64 once S^T and dP^T are dead. Shared memory (2-byte types): K, V 2 * 128 * d,
 # Q + dO 2 * BLOCK_M * d per stage, dS^T 2 * 64 * BLOCK_M: 128 KB at d64, 144 KB at d128.
-# (FlashAttention-3's 128-row query blocks at d64 measured far slower here: 792-892 bytes of
+# (FlashAttention-3's 128-row query blocks at d64 measured far slower in a first try, with
+# dV issued first and the statistics live across the waits: 792-892 bytes of
 # spills, H200, bf16, 2026-11-25, benchmarks/results/2026-11-25_h200_bwd-d64-block128-*-ab_*,
 # TFLOPS 64 / 128 rows, atomic dQ: 2 x 32 x 8192 462 / 282, causal 451 / 183; 16 x 32 x 1024
 # 366 / 243; deterministic 407 / 310, causal 385 / 174.)
