@@ -716,7 +716,7 @@ def _p16(pt, drop_scale, dtype: gl.constexpr, a_layout: gl.constexpr, DROPOUT: g
 
 @gluon.jit
 def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The split dQ's (DQ_ATOMIC 2 and 3) wait at step ``it``: for the step's whole dS^T
+    """The split dQ's (DQ_ATOMIC 2, 3 and 4) wait at step ``it``: for the step's whole dS^T
     (both consumers' halves), and for the reduce-add of two steps back to have read this
     consumer's fp32 tile ``it % 2``; returns that tile's index in ``dq_bufs``."""
     SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
