@@ -869,11 +869,10 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                                DQ_ATOMIC == 4)  # fmt: skip
             dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=(dq_tok,))
-            if DQ_ATOMIC == 4:
-                _dq_add(dq, dq_bufs, tile, 0, dq_desc, tb, off_h,
-                        q_start + row0 + C * (BLOCK_M // CONSUMERS), DQ_ROWS)  # fmt: skip
-            else:
-                _dq_add(dq, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0, DQ_ROWS)
+            # (mode 4: this consumer's rows, every column; else its column half, every row)
+            part: gl.constexpr = C * (BLOCK_M // CONSUMERS) if DQ_ATOMIC == 4 else 0
+            _dq_add(dq, dq_bufs, tile, 0 if DQ_ATOMIC == 4 else C, dq_desc, tb, off_h,
+                    q_start + row0 + part, DQ_ROWS)  # fmt: skip
             dk, _ds, _q = warpgroup_mma_wait(0, deps=(dk_tok, dsa, q_smem))
             mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
         else:
