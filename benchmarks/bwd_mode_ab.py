@@ -2,11 +2,13 @@
 path (the portable dQ kernel, then the Gluon kernel for dK / dV) against the atomic dQ,
 both through backend="hopper" (``deterministic`` True / False), for the calls whose mode
 "auto" picks by measurement (``hopper_bwd.auto_mode``): 8k-token d128 causal plain, softcap
-30, ALiBi, a 1023 window and sinks (b1 h16, bf16, bshd), and the varlen suite's mix of
-packed sequences at d128 (GQA 16/4), causal and not. Backward TFLOPS (``torch.autograd.grad``
-timed by do_bench, median; exact FLOPs for the window), the best of 2 interleaved rounds.
+30, ALiBi, a 1023 window, sinks, a 127 window with sinks (gpt-oss's) (b1 h16, bf16, bshd),
+and the varlen suite's mix of packed sequences at d128 (GQA 16/4), causal and not; with a
+head dim of 64, the same at d64 with 32 heads (the varlen suite's d64 rows: 32 kv heads).
+Backward TFLOPS (``torch.autograd.grad`` timed by do_bench, median; exact FLOPs for the
+windows), the best of 2 interleaved rounds.
 
-    python3 benchmarks/bwd_mode_ab.py OUT.jsonl
+    python3 benchmarks/bwd_mode_ab.py OUT.jsonl [HEAD_DIM]
 """
 
 from __future__ import annotations
@@ -30,17 +32,20 @@ def backward_ms(forward, inputs, do) -> float:
     return do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def cases() -> list:
-    """(name, backward FLOPs, forward(deterministic), inputs, dO)."""
+def cases(d: int = 128) -> list:
+    """(name, backward FLOPs, forward(deterministic), inputs, dO) at head dim ``d``."""
     torch.manual_seed(0)
-    b, h, s, d = 1, 16, 8192, 128
+    b, h, s = 1, 2048 // d, 8192
+    hp, hkp = (16, 4) if d == 128 else (h, h)  # the varlen suite's heads
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))  # fmt: skip
     do = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
     variants = [("plain", {}), ("softcap30", dict(softcap=30.0)),
                 ("alibi", dict(alibi_slopes=torch.rand(h, device="cuda") * 0.1)),
                 ("win1023", dict(window_size=(1023, 0))),
-                ("sinks", dict(sinks=torch.randn(h, device="cuda")))]  # fmt: skip
+                ("sinks", dict(sinks=torch.randn(h, device="cuda"))),
+                ("win127+sinks", dict(window_size=(127, 0),
+                                      sinks=torch.randn(h, device="cuda")))]  # fmt: skip
     out = []
     for name, kw in variants:
         window = kw.get("window_size")
@@ -51,14 +56,14 @@ def cases() -> list:
             return diyfa.flash_attention(q, k, v, causal=True, layout="bshd", backend="hopper",
                                          deterministic=det, **kw)  # fmt: skip
 
-        out.append((name, flops, forward, (q, k, v), do))
+        out.append((f"{name} d{d}", flops, forward, (q, k, v), do))
     lengths, cu, total, longest = varlen_mix("cuda")
     for causal in (False, True):
-        qp = torch.randn(total, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        kp, vp = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16,
+        qp = torch.randn(total, hp, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kp, vp = (torch.randn(total, hkp, d, device="cuda", dtype=torch.bfloat16,
                               requires_grad=True) for _ in range(2))  # fmt: skip
-        dop = torch.randn(total, 16, 128, device="cuda", dtype=torch.bfloat16)
-        flops = diyfa.attention_flops(heads=16, head_dim=128, causal=causal, mode="bwd",
+        dop = torch.randn(total, hp, d, device="cuda", dtype=torch.bfloat16)
+        flops = diyfa.attention_flops(heads=hp, head_dim=d, causal=causal, mode="bwd",
                                       convention="published", seqlens_q=lengths,
                                       seqlens_k=lengths)  # fmt: skip
 
@@ -67,14 +72,14 @@ def cases() -> list:
                                                 causal=causal, backend="hopper",
                                                 deterministic=det)  # fmt: skip
 
-        out.append((f"varlen h16/4{' causal' if causal else ''}", flops, forward, (qp, kp, vp),
-                    dop))  # fmt: skip
+        out.append((f"varlen h{hp}/{hkp}{' causal' if causal else ''}", flops, forward,
+                    (qp, kp, vp), dop))  # fmt: skip
     return out
 
 
-def main(path: str) -> None:
+def main(path: str, d: int = 128) -> None:
     best: dict = {}
-    all_cases = cases()
+    all_cases = cases(d)
     for _ in range(2):
         for name, flops, forward, inputs, do in all_cases:
             for det in (True, False):
@@ -91,4 +96,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:3]))

@@ -46,6 +46,7 @@ runs = [(*r, None) for r in runs]
 # d64 plain attention's own config: 128 query rows per step (hopper_bwd.default_config)
 runs += [(64, causal, atomic, (), False, hb.BWD_CONFIG_D64_ROWS128) for causal in (False, True)
          for atomic in (False, True)]
+runs += [(64, causal, not causal, (), True, hb.BWD_CONFIG_D64_ROWS128) for causal in (False, True)]
 for d, causal, atomic, variants, packed, cfg in runs:
     k = hb.compile_bwd_for_hopper(d, getattr(torch, sys.argv[1]), causal, atomic, cfg,
                                   variants=variants, packed=packed)
@@ -72,7 +73,7 @@ print(json.dumps(out))
 SPILL_BOUND = {(64, False): 0, (128, False): 512, (64, True): 192, (128, True): 1024}
 # d64 with 128-row steps (hopper_bwd.BWD_CONFIG_D64_ROWS128): 8 / 16 bytes (deterministic /
 # atomic), 12 / 40 causal (2026-11-25; 248-256 before the statistics were read after their
-# waits)
+# waits); packed sequences 0 / 16, causal 0 / 32
 SPILL_BOUND_ROWS128 = 64
 
 
@@ -412,12 +413,13 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_d64_plain_attention_takes_128_row_steps(causal, monkeypatch):
-    """hopper_bwd.default_config: plain attention at d64 (causal or not, GQA, sinks) runs
-    128 query rows per step with the atomic dQ split by rows (DQ_ATOMIC 4: each consumer
-    adds a (64 rows, 64 columns) tile, so the workspace's blocks are 64 rows, the workspace
-    padded to whole 128-row blocks); the variants' flags and packed sequences keep 64 rows
-    (at 128 ptxas spilled 100-1100 bytes with softcap, ALiBi or dropout), and so do the
-    other head dims. What the launch gets, captured (CPU tensors; nothing runs)."""
+    """hopper_bwd.default_config: plain attention at d64 (causal or not, GQA, sinks, packed
+    sequences) runs 128 query rows per step with the atomic dQ split by rows (DQ_ATOMIC 4:
+    each consumer adds a (64 rows, 64 columns) tile, so the workspace's blocks are 64 rows,
+    the workspace padded to whole 128-row blocks); the variants' flags keep 64 rows (at 128
+    ptxas spilled 100-1100 bytes with softcap, ALiBi or dropout; windows measured slower
+    with the atomic dQ), and so do the other head dims. What the launch gets, captured (CPU
+    tensors; nothing runs)."""
     b, h, hk, sq, sk, d = 2, 4, 2, 200, 300, 64
     q = torch.randn(b, h, sq, d, dtype=torch.bfloat16)
     k = torch.randn(b, hk, sk, d, dtype=torch.bfloat16)
@@ -444,9 +446,14 @@ def test_d64_plain_attention_takes_128_row_steps(causal, monkeypatch):
     # sinks are in the LSE: the same kernel
     sinks = dataclasses.replace(problem, sinks=torch.zeros(h))
     assert hopper_bwd.default_config(sinks) == hopper_bwd.BWD_CONFIG_D64_ROWS128
+    # ... and so do packed sequences (hopper_bwd.ROWS128_PACKED)
+    packed = dataclasses.replace(problem, cu_seqlens_q=torch.zeros(3, dtype=torch.int32))
+    assert hopper_bwd.default_config(packed) == hopper_bwd.BWD_CONFIG_D64_ROWS128
     for other in (dict(softcap=30.0), dict(alibi_slopes=torch.ones(h)), dict(dropout_p=0.1),
-                  dict(window_left=100), dict(cu_seqlens_q=torch.zeros(3, dtype=torch.int32))):
+                  dict(window_left=100)):
         assert hopper_bwd.default_config(dataclasses.replace(problem, **other)) == (
+            hopper_bwd.BWD_CONFIGS[64]), other
+        assert hopper_bwd.default_config(dataclasses.replace(packed, **other)) == (
             hopper_bwd.BWD_CONFIGS[64]), other
     for dd in (96, 128, 256):
         assert hopper_bwd.default_config(_problem(d=dd, causal=causal)) == (

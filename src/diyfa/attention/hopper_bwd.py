@@ -50,8 +50,8 @@ What the kernel does
       (FlashAttention-3/4's d64 tile), the products m64n128, dV issued after dS^T (the
       kernel's ``LATE_DV``: P^T's 16-bit copy not live across the dP^T wait), LSE and delta
       read after their products' waits, and the block's rows split between the consumers
-      for dQ (64 rows x every column each, the same order; 2026-11-25, +3-8%). Otherwise
-      (the variants and packed sequences at d64) the
+      for dQ (64 rows x every column each, the same order; 2026-11-25, +3-8%; packed
+      sequences too, +2-9%). Otherwise (the variants' flags at d64) the
       consumers take turns (step ``it`` is consumer ``it % 2``'s) computing the query
       block's whole dQ = dS K (K = 128 keys: dS^T as the transposed A operand, K from both
       consumers' buffers), one column half at a time, each stored to the consumer's own
@@ -176,8 +176,8 @@ BWD_CONFIGS = {
     128: (64, 2, 240, 24),
     256: (64, 2, 240, 24),  # hopper_bwd256's kernel (the head dim split between consumers)
 }
-# d64 plain attention (causal or not, GQA, sinks: the LSE holds them; not the variants'
-# flags nor packed sequences): 128 query rows per step (FlashAttention-3/4's d64 tile), dV's
+# d64 plain attention (causal or not, GQA, sinks: the LSE holds them, packed sequences; not
+# the variants' flags): 128 query rows per step (FlashAttention-3/4's d64 tile), dV's
 # product issued after dS^T (the kernel's LATE_DV), the rows' LSE and delta read from shared
 # memory after their products' waits (32 registers each a thread at 128 rows), and the
 # atomic dQ split by rows (fifth field 3: DQ_ATOMIC 4, each consumer 64 rows x 64 columns).
@@ -189,6 +189,15 @@ BWD_CONFIGS = {
 # 4 x 32 x 4096 422, 429 / 456, 456; causal 377, 380 / 387, 388; 16 x 32 x 1024 310, 314 /
 # 325, 346; deterministic 1 x 32 x 16k 415, 415 / 430, 426, causal 396, 392 / 411, 414.
 BWD_CONFIG_D64_ROWS128 = (128, 2, 240, 24, 3)
+# The variants' flags that keep 64 rows at d64, and whether packed sequences take 128. H200,
+# bf16, d64, 32 heads, one process, 3 rounds (benchmarks/rows128_ab.py,
+# benchmarks/results/2026-11-25_h200_bwd-rows128-packed-window-ab_3b9d020-wip.txt), backward
+# TFLOPS 64 / 128 rows, atomic dQ: the varlen mix 427 / 436, causal 395 / 404 (deterministic
+# 388 / 406, 349 / 381); b1 8192 with a (1023, 0) window, causal, 334 / 321, a (255, 255)
+# window 251 / 237 (deterministic 236 / 247, 195 / 202). So packed sequences take 128 rows
+# and windows keep 64 (with the atomic dQ, which "auto" runs: auto_mode).
+ROWS128_KEEP_64 = ("WINDOW", "SOFTCAP", "ALIBI", "DROPOUT")
+ROWS128_PACKED = True
 # Atomic dQ: every step each consumer computes a column half of dQ (True), or the
 # consumers take turns computing all of it (False). A config's fifth field, when given,
 # overrides these. At d64 the halves are 32 columns wide, and measured slower (H200, bf16,
@@ -327,6 +336,15 @@ def auto_mode(p: Problem) -> str | None:
     1024), so causal ALiBi alone takes the atomic dQ at d64 as well; the other d64 variants
     keep the deterministic path.
 
+    Since d64 plain attention and packed sequences run 128 query rows per step
+    (``BWD_CONFIG_D64_ROWS128``), the d64 variants measured faster with the atomic dQ too
+    (2026-11-25; H200, bf16, b1 h32 8192 causal, one process, 2 rounds,
+    benchmarks/bwd_mode_ab.py 64, benchmarks/results/2026-11-25_h200_bwd-mode-d64_3b9d020-wip.txt,
+    TFLOPS deterministic / atomic): softcap 30 306 / 399, ALiBi 318 / 426, window 1023 238 /
+    333, sinks 397 / 455, a 127 window with sinks 46 / 45; plain 418 / 465, the varlen mix
+    (h32) 402 / 438, causal 359 / 403. So every call without ``deterministic`` takes the
+    atomic dQ at d64..128.
+
     Head dims above 128 (hopper_bwd256's kernel, 2026-11-25) take the deterministic path,
     variants and packed sequences too (``WIDE_DQ_ATOMIC``), or, past the portable dQ
     kernel's 65535 (batch x heads) programs, the atomic dQ."""
@@ -345,13 +363,7 @@ def auto_mode(p: Problem) -> str | None:
     small = p.batch * p.heads * p.seqlen_q * p.seqlen_k < SHORT_WORK_D64
     if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS and small:
         return None
-    window = p.window_left >= 0 or p.window_right > 0
-    others = window or p.softcap or p.sinks is not None
-    variant = others or p.alibi_slopes is not None
-    causal_alibi = p.causal and not others  # (ALiBi alone: atomic at d64 too)
-    if p.deterministic or (variant and not wide and not causal_alibi):
-        return "kernel-dq"
-    return "atomic"
+    return "kernel-dq" if p.deterministic else "atomic"
 
 
 # Head dims <= 64 without the causal band take the atomic mode from this many keys; below,
@@ -1252,13 +1264,14 @@ def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
 def default_config(p: Problem, variants: dict | None = None) -> tuple:
     """The launch config of ``p``'s backward (``variants``: its kernel arguments from
     ``variant_args(p, backward=True)``, computed here if not given): BWD_CONFIG_D64_ROWS128
-    at d64 without the variants' flags (a window's left edge, softcap, ALiBi, dropout) and
-    packed sequences, else BWD_CONFIGS by the padded head dim."""
+    at d64 without the variants' flags (``ROWS128_KEEP_64``: a window's left edge, softcap,
+    ALiBi, dropout), packed sequences too (``ROWS128_PACKED``), else BWD_CONFIGS by the
+    padded head dim."""
     dpad = head_dim_pad(p.head_dim)
-    if dpad == 64 and p.cu_seqlens_q is None:
+    if dpad == 64 and (ROWS128_PACKED or p.cu_seqlens_q is None):
         if variants is None:
             variants = variant_args(p, backward=True)[3]
-        if not any(variants.get(f) for f in ("WINDOW", "SOFTCAP", "ALIBI", "DROPOUT")):
+        if not any(variants.get(f) for f in ROWS128_KEEP_64):
             return BWD_CONFIG_D64_ROWS128
     return BWD_CONFIGS[dpad]
 
