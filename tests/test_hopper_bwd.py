@@ -273,14 +273,14 @@ def test_supports_takes(kwargs):
     (None, "hopper", dict(d=256, b=16400, sq=2, sk=2), "hopper-atomic"),
     (None, "hopper", dict(d=192, variant=dict(window_left=100)), "hopper-kernel-dq"),
     (None, "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
-    (None, "auto", dict(d=64, sk=4096, variant=dict(window_left=100)), "hopper-kernel-dq"),
+    (None, "auto", dict(d=64, sk=4096, variant=dict(window_left=100)), "hopper-atomic"),
     (None, "auto", dict(variant=dict(softcap=30.0), causal=True), "hopper-atomic"),
     (None, "auto", dict(variant=dict(alibi_slopes=torch.ones(4)), causal=True),
      "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096, variant=dict(alibi_slopes=torch.ones(4)), causal=True),
      "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096, variant=dict(alibi_slopes=torch.ones(4))),
-     "hopper-kernel-dq"),
+     "hopper-atomic"),
     ("1", "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
     (None, "hopper", dict(variant=dict(softcap=30.0)), "hopper-atomic"),
     (None, "hopper", dict(variant=dict(alibi_slopes=torch.ones(4)), deterministic=True),
@@ -300,8 +300,8 @@ def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     (deterministic) path when asked for); DIYFA_HOPPER_BWD=0 turns it off, =1 runs it
     wherever it applies; naming the family runs it with the atomic dQ unless deterministic.
     The variants (window, softcap, ALiBi, sinks) run in it when named or enabled; "auto"
-    runs the variants at d64 in the deterministic path but for causal ALiBi alone, a window,
-    softcap, ALiBi or sinks at d72..128 with the atomic dQ (each measured faster)."""
+    runs a window, softcap, ALiBi or sinks at d64..128 with the atomic dQ (each measured
+    faster; at d64 since 2026-11-25)."""
     deterministic = kwargs.pop("deterministic", False)
     variant = kwargs.pop("variant", {})
     if env is None:
@@ -311,7 +311,7 @@ def test_where_the_backward_runs(env, backend, kwargs, want, monkeypatch):
     problem = dataclasses.replace(_problem(**kwargs), deterministic=deterministic, **variant)
     calls = []
 
-    def fake_hopper(*args, atomic_dq=None):
+    def fake_hopper(*args, atomic_dq=None, delta_out=None):
         atomic = (not problem.deterministic) if atomic_dq is None else atomic_dq
         calls.append("hopper-atomic" if atomic else "hopper-kernel-dq")
 

@@ -180,6 +180,62 @@ def test_sinks_without_keys():
     assert (outp == 0).all() and torch.allclose(lsep, sinks.detach()[:, None].expand(2, 5))
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "packed"])
+def test_sinks_gradient_takes_the_backwards_delta(layout, monkeypatch):
+    """With sinks the backward hands the families an fp32 ``delta_out`` shaped like the LSE,
+    which they fill with rowsum(dO * O) (the delta their kernels compute anyway), and the
+    sinks' gradient takes it from there instead of reading dO and O again: what it gets is
+    that row sum, in the LSE's layout (packed: (heads, total)), zero for rows that see no
+    key (sq > sk, causal), and the gradient is the one computed from dO and O."""
+    from diyfa.attention import function
+
+    seen = []
+    real = function.sink_grad
+
+    def spy(do, out, lse2, problem, delta=None):
+        seen.append(delta)
+        return real(do, out, lse2, problem, delta)
+
+    monkeypatch.setattr(function, "sink_grad", spy)
+    g = torch.Generator().manual_seed(5)
+    h, hk, d = 4, 2, 32
+    sinks = torch.randn(h, generator=g).to(DEVICE).requires_grad_()
+    if layout == "packed":
+        lens_q, lens_k = [7, 0, 40], [3, 5, 33]
+        q = torch.randn(sum(lens_q), h, d, generator=g)
+        k, v = (torch.randn(sum(lens_k), hk, d, generator=g) for _ in range(2))
+        q, k, v = (t.to(DEVICE).requires_grad_() for t in (q, k, v))
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                                   device=DEVICE) for n in (lens_q, lens_k))  # fmt: skip
+        out = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 40, 33, causal=True,
+                                           sinks=sinks)  # fmt: skip
+    else:
+        shape = (lambda s, n: (1, n, s, d)) if layout == "bhsd" else (lambda s, n: (1, s, n, d))
+        q = torch.randn(shape(50, h), generator=g)
+        k, v = (torch.randn(shape(37, hk), generator=g) for _ in range(2))
+        q, k, v = (t.to(DEVICE).requires_grad_() for t in (q, k, v))
+        out = diyfa.flash_attention(q, k, v, causal=True, layout=layout, sinks=sinks)
+    do = torch.randn(out.shape, generator=g).to(DEVICE)
+    out.backward(do)
+    (delta,) = seen
+    rows = (do.double() * out.detach().double()).sum(-1)
+    rows = rows.transpose(0, 1) if layout == "packed" else (
+        rows.transpose(1, 2) if layout == "bshd" else rows)  # fmt: skip
+    assert delta is not None and delta.dtype == torch.float32 and delta.shape == rows.shape
+    assert torch.allclose(delta.double(), rows, rtol=1e-4, atol=1e-5)
+    if layout != "packed":  # rows 0..12 see no key: O = 0, delta 0
+        assert (delta[:, :, :13] == 0).all()
+    lse = (diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 40, 33, causal=True, sinks=sinks,
+                                        return_lse=True)[1] if layout == "packed" else
+           diyfa.flash_attention(q, k, v, causal=True, layout=layout, sinks=sinks,
+                                 return_lse=True)[1])  # fmt: skip
+    sink2 = sinks.detach().double() * 1.4426950408889634
+    sink2 = sink2[:, None] if layout == "packed" else sink2[None, :, None]
+    lse2 = lse.detach().double() * 1.4426950408889634
+    expect = -(torch.exp2(sink2 - lse2) * rows).sum((1,) if layout == "packed" else (0, 2))
+    assert torch.allclose(sinks.grad.double(), expect, rtol=1e-4, atol=1e-5)
+
+
 def test_hopper_windows_wider_than_the_sequences_are_dropped():
     """Window sides at least seqlen_q + seqlen_k never bind: the Hopper forward drops them
     (its offsets stay int32), and a narrower side is kept with the portable conventions."""

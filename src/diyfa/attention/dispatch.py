@@ -3,7 +3,9 @@
 A *family* is one implementation of attention (its kernels and launch code), described by a
 :class:`Family`: its ``name``, ``supports(problem)`` (None when it can run the problem, else
 the reason it cannot, in words), ``forward(q, k, v, problem) -> (out, lse2)`` and
-``backward(do, q, k, v, out, lse2, problem) -> (dq, dk, dv)``; optionally
+``backward(do, q, k, v, out, lse2, problem, delta_out=None) -> (dq, dk, dv)`` (``delta_out``:
+an fp32 tensor shaped like ``lse2`` that gets rowsum(dO * O) for every row the kernels
+visit, for the sinks' gradient); optionally
 ``prefer(problem)``: None, or why "auto" should pass over a problem the family can run
 (a family measured slower there than the ones below it); a named backend ignores it; and
 ``named``: the Family that runs when the family is asked for by name, where that differs

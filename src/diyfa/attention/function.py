@@ -17,19 +17,23 @@ from diyfa.attention.problem import Problem
 LOG2E = 1.4426950408889634
 
 
-def sink_grad(do, out, lse2, problem: Problem) -> torch.Tensor:
+def sink_grad(do, out, lse2, problem: Problem, delta=None) -> torch.Tensor:
     """dL/dsinks, (heads,), in the sinks' dtype. A sink s_h joins row i's softmax with
     probability P_i = exp(s_h - lse_i) and no value, so dL/ds_h = -sum_i P_i * delta_i with
-    delta_i = rowsum(dO_i * O_i) (the backward's delta), over every row of head h."""
-    if problem.cu_seqlens_q is not None:  # packed: (total, heads, d); lse2 (heads, total)
-        delta = (do.float() * out.float()).sum(-1).transpose(0, 1)
+    delta_i = rowsum(dO_i * O_i), over every row of head h. ``delta``: the backward's own
+    (shaped like ``lse2``: a family's ``delta_out``), else computed here from dO and O."""
+    packed = problem.cu_seqlens_q is not None  # packed: (total, heads, d); lse2 (heads, total)
+    if delta is None:
+        delta = (do.float() * out.float()).sum(-1)
+        if packed:
+            delta = delta.transpose(0, 1)
+        elif problem.layout == "bshd":
+            delta = delta.transpose(1, 2)
+    if packed:
         sink2 = problem.sinks.float()[:, None] * LOG2E
         dims = (1,)
     else:
         dims = (0, 2)
-        delta = (do.float() * out.float()).sum(-1)
-        if problem.layout == "bshd":
-            delta = delta.transpose(1, 2)
         sink2 = problem.sinks.float()[None, :, None] * LOG2E
     return -(torch.exp2(sink2 - lse2) * delta).sum(dims).to(problem.sinks.dtype)
 
@@ -51,9 +55,14 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, out, lse2 = ctx.saved_tensors
         prefetch.wait(ctx.compiling)
         ctx.compiling = None
-        dq, dk, dv = ctx.family.backward(do, q, k, v, out, lse2, ctx.problem)
-        dsinks = sink_grad(do, out, lse2, ctx.problem) if ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None
+        if not ctx.needs_input_grad[3]:
+            dq, dk, dv = ctx.family.backward(do, q, k, v, out, lse2, ctx.problem)
+            return dq, dk, dv, None, None, None, None
+        # The sinks' gradient takes the backward's delta = rowsum(dO * O) (zeros: rows the
+        # kernels skip, which see no key, have O = 0).
+        delta = torch.zeros_like(lse2)
+        dq, dk, dv = ctx.family.backward(do, q, k, v, out, lse2, ctx.problem, delta_out=delta)
+        return dq, dk, dv, sink_grad(do, out, lse2, ctx.problem, delta), None, None, None
 
 
 def run(q, k, v, problem: Problem, family: Family):

@@ -1285,10 +1285,11 @@ def default_atomic(p: Problem) -> bool:
 
 
 def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | None = None,
-                    atomic_dq: bool | None = None):
+                    atomic_dq: bool | None = None, delta_out=None):
     """(dq, dk, dv) through the Hopper kernel for a problem :func:`supports` accepts: dQ by
     the kernel's atomic adds (``atomic_dq``; default: unless ``problem.deterministic``) or by
-    the portable dQ kernel first (bitwise reproducible)."""
+    the portable dQ kernel first (bitwise reproducible). ``delta_out``: an fp32 tensor shaped
+    like ``lse2`` that receives rowsum(dO * O) (left as given when there is nothing to run)."""
     p = problem
     if atomic_dq is None:
         atomic_dq = default_atomic(p)
@@ -1312,7 +1313,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     upper, qk_scale, causal, variants = variant_args(p, backward=True)
     launch_config = config or default_config(p, variants)
     block_m = launch_config[0]
-    stats = torch.empty_like(lse2)  # delta = rowsum(dO * O)
+    stats = torch.empty_like(lse2) if delta_out is None else delta_out  # delta = rowsum(dO * O)
     if atomic_dq:  # the fp32 dQ workspace the kernel's TMA reduce-adds go to
         shape = ((1, p.heads, p.total_q, dpad) if varlen else
                  (p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad))  # fmt: skip
@@ -1410,16 +1411,17 @@ def supports(p: Problem) -> str | None:
     return None
 
 
-def backward(do, q, k, v, out, lse2, problem: Problem, forced: bool = False):
+def backward(do, q, k, v, out, lse2, problem: Problem, forced: bool = False, delta_out=None):
     """The Hopper family's backward: this kernel where it applies (:func:`supports`) and was
     asked for (``forced``: ``backend="hopper"``, atomic dQ unless ``deterministic``) or
-    :func:`auto_mode` picks it; else the portable backward (which reads the same LSE)."""
+    :func:`auto_mode` picks it; else the portable backward (which reads the same LSE).
+    ``delta_out``: receives rowsum(dO * O) (the family contract, dispatch.py)."""
     if supports(problem) is None:
         if forced:
-            return hopper_backward(do, q, k, v, out, lse2, problem,
+            return hopper_backward(do, q, k, v, out, lse2, problem, delta_out=delta_out,
                                    atomic_dq=default_atomic(problem))  # fmt: skip
         mode = auto_mode(problem)
         if mode is not None:
             return hopper_backward(do, q, k, v, out, lse2, problem,
-                                   atomic_dq=mode == "atomic")  # fmt: skip
-    return portable.FAMILY.backward(do, q, k, v, out, lse2, problem)
+                                   atomic_dq=mode == "atomic", delta_out=delta_out)  # fmt: skip
+    return portable.FAMILY.backward(do, q, k, v, out, lse2, problem, delta_out=delta_out)

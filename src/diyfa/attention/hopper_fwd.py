@@ -2292,20 +2292,20 @@ def auto_forward(q, k, v, problem: Problem):
     return hopper_forward(q, k, v, problem)
 
 
-def backward(do, q, k, v, out, lse2, problem: Problem):
+def backward(do, q, k, v, out, lse2, problem: Problem, delta_out=None):
     """"auto"'s backward for this family: the Gluon backward (hopper_bwd.py) where it measured
     faster (``hopper_bwd.auto_mode``), else the portable one (which reads the same LSE)."""
     from diyfa.attention import hopper_bwd  # it imports this module
 
-    return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=False)
+    return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=False, delta_out=delta_out)
 
 
-def backward_named(do, q, k, v, out, lse2, problem: Problem):
+def backward_named(do, q, k, v, out, lse2, problem: Problem, delta_out=None):
     """``backend="hopper"``'s backward: the Gluon backward wherever it applies (head dims up to
     128; atomic dQ unless ``deterministic``), else the portable one."""
     from diyfa.attention import hopper_bwd
 
-    return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=True)
+    return hopper_bwd.backward(do, q, k, v, out, lse2, problem, forced=True, delta_out=delta_out)
 
 
 # (late_lengths: packed sequences' lengths are read in _packed_forward, once its launch is

@@ -77,12 +77,18 @@ def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, windo
                         dropout_seed=_seed(dropout_p, dropout_seed, fake))  # fmt: skip
 
 
-def _sink_grad(do, out, lse2, problem):
+def _family_backward(do, q, k, v, out, lse2, problem, backend):
+    """(dq, dk, dv, dsinks) through the family ``backend`` selects (dsinks empty without
+    sinks; with them from the backward's delta, as the eager path does)."""
     from diyfa.attention.function import sink_grad
 
+    family = select(problem, backend)
     if problem.sinks is None:
-        return do.new_empty((0,), dtype=torch.float32)
-    return sink_grad(do, out, lse2, problem)
+        dq, dk, dv = family.backward(do, q, k, v, out, lse2, problem)
+        return dq, dk, dv, do.new_empty((0,), dtype=torch.float32)
+    delta = torch.zeros_like(lse2)
+    dq, dk, dv = family.backward(do, q, k, v, out, lse2, problem, delta_out=delta)
+    return dq, dk, dv, sink_grad(do, out, lse2, problem, delta)
 
 
 @torch.library.custom_op("diyfa::attention_fwd", mutates_args=())
@@ -132,8 +138,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     problem = _problem(q, k, v, causal, align, softmax_scale, layout, deterministic,
                        window_left, window_right, softcap, alibi_slopes, sinks,
                        dropout_p=dropout_p, dropout_seed=dropout_seed)  # fmt: skip
-    dq, dk, dv = select(problem, backend).backward(do, q, k, v, out, lse2, problem)
-    return dq, dk, dv, _sink_grad(do, out, lse2, problem)
+    return _family_backward(do, q, k, v, out, lse2, problem, backend)
 
 
 @attention_bwd.register_fake
@@ -235,8 +240,7 @@ def attention_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, softmax_scale, deterministic, window_left, window_right,
                               softcap, alibi_slopes, sinks, dropout_p, dropout_seed)  # fmt: skip
-    dq, dk, dv = select(problem, backend).backward(do, q, k, v, out, lse2, problem)
-    return dq, dk, dv, _sink_grad(do, out, lse2, problem)
+    return _family_backward(do, q, k, v, out, lse2, problem, backend)
 
 
 @attention_varlen_bwd.register_fake

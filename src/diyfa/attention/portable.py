@@ -1037,9 +1037,10 @@ def _dq_launch(do, q, k, v, out, lse2, dq, delta, problem: Problem):
                    SEQ_BUCKET=tuning.seq_bucket(p.seqlen_q, p.seqlen_k), **common)  # fmt: skip
 
 
-def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
+def _attention_backward(do, q, k, v, out, lse2, problem: Problem, delta_out=None):
     """Run the two backward kernels. Returns (dq, dk, dv). Deterministic whatever
-    ``problem.deterministic`` says: no atomics."""
+    ``problem.deterministic`` says: no atomics. ``delta_out``: an fp32 tensor shaped like
+    ``lse2`` that receives rowsum(dO * O) (the family contract, dispatch.py)."""
     p = problem
     b, h, hk, sq, sk = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k
     if sq == 0 or sk == 0 or b * h == 0:
@@ -1048,7 +1049,8 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem):
         # does, one dense copy. The kernels are then specialised as for a training loop's dO
         # (prefetch.py compiles them during the forward on a dense stand-in).
         do = do.contiguous()
-    dq, delta = torch.empty_like(q), torch.empty_like(lse2)
+    dq = torch.empty_like(q)
+    delta = torch.empty_like(lse2) if delta_out is None else delta_out
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     key = replay_key("bwd", q, p, do.stride(), do.dtype)
     roles = None
