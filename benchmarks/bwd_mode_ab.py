@@ -36,7 +36,6 @@ def cases(d: int = 128) -> list:
     """(name, backward FLOPs, forward(deterministic), inputs, dO) at head dim ``d``."""
     torch.manual_seed(0)
     b, h, s = 1, 2048 // d, 8192
-    hp, hkp = (16, 4) if d == 128 else (h, h)  # the varlen suite's heads
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))  # fmt: skip
     do = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
@@ -57,6 +56,14 @@ def cases(d: int = 128) -> list:
                                          deterministic=det, **kw)  # fmt: skip
 
         out.append((f"{name} d{d}", flops, forward, (q, k, v), do))
+    return out + varlen_cases(d)
+
+
+def varlen_cases(d: int = 128) -> list:
+    """The varlen suite's mix at head dim ``d`` (its heads: 16 / 4 at d128, else 2048 / d
+    both), causal and not, as :func:`cases` lists them."""
+    hp, hkp = (16, 4) if d == 128 else (2048 // d, 2048 // d)
+    out = []
     lengths, cu, total, longest = varlen_mix("cuda")
     for causal in (False, True):
         qp = torch.randn(total, hp, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

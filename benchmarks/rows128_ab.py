@@ -26,7 +26,9 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
 from diyfa.attention import hopper_bwd  # noqa: E402
-from diyfa.bench.suites import varlen_mix  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bwd_mode_ab import varlen_cases  # noqa: E402
 
 KEEP_64 = hopper_bwd.ROWS128_KEEP_64
 
@@ -42,23 +44,7 @@ def cases() -> list:
     """(name, backward FLOPs, forward(deterministic), inputs, dO)."""
     torch.manual_seed(0)
     h, d = 32, 64
-    out = []
-    lengths, cu, total, longest = varlen_mix("cuda")
-    for causal in (False, True):
-        qp, kp, vp = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16,
-                                  requires_grad=True) for _ in range(3))  # fmt: skip
-        dop = torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16)
-        flops = diyfa.attention_flops(heads=h, head_dim=d, causal=causal, mode="bwd",
-                                      convention="published", seqlens_q=lengths,
-                                      seqlens_k=lengths)  # fmt: skip
-
-        def forward(det, qp=qp, kp=kp, vp=vp, causal=causal):
-            return diyfa.flash_attention_varlen(qp, kp, vp, cu, cu, longest, longest,
-                                                causal=causal, backend="hopper",
-                                                deterministic=det)  # fmt: skip
-
-        out.append((f"varlen h32 d64{' causal' if causal else ''}", flops, forward,
-                    (qp, kp, vp), dop))  # fmt: skip
+    out = varlen_cases(d)
     b, s = 1, 8192
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))  # fmt: skip
