@@ -25,6 +25,7 @@ from triton.testing import do_bench
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
+from diyfa._launcher import forget_replays  # noqa: E402
 from diyfa.attention import hopper_bwd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def set_rows(rows: int) -> None:
     """128 rows for packed sequences and windows, or the 64 they keep by default."""
     hopper_bwd.ROWS128_PACKED = rows == 128
     hopper_bwd.ROWS128_KEEP_64 = tuple(f for f in KEEP_64 if f != "WINDOW" or rows == 64)
-    hopper_bwd._REPLAYS.clear()  # (a replay keeps the config it was recorded with)
+    forget_replays()  # (a replay keeps the config it was recorded with)
 
 
 def cases() -> list:
