@@ -151,10 +151,11 @@ def test_gpu_packed_forward_replays_per_lengths(causal, shared_cu, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_plain_calls_reuse_their_checks(monkeypatch):
-    """A plain call on the GPU whose signature passed the checks before skips them
-    (checks.checked_before): the same Problem, no check_inputs; any difference the checks
-    look at (an option's type, an alignment, a dtype, the deterministic flag) or a variant
-    option takes the full checks, so bad input still gets its error."""
+    """A call on the GPU whose signature passed the checks before skips them
+    (checks.checked_before): the same Problem (with the call's own sinks), no check_inputs;
+    any difference the checks look at (an option's type, a window side's, an alignment, a
+    dtype, the sinks' dtype, the deterministic flag) takes the full checks, so bad input
+    still gets its error."""
     import diyfa.attention as attention
     from diyfa.attention import checks
 
@@ -176,8 +177,90 @@ def test_gpu_plain_calls_reuse_their_checks(monkeypatch):
     torch.testing.assert_close(diyfa.flash_attention(odd, k, v, causal=True), want)
     with pytest.raises(TypeError, match="share a dtype"):
         diyfa.flash_attention(q.half(), k, v, causal=True)
-    diyfa.flash_attention(q, k, v, causal=True, softcap=30.0)  # a variant: checked each time
-    diyfa.flash_attention(q, k, v, causal=True, softcap=30.0)
-    assert len(calls) == 1 + 5
+    capped = diyfa.flash_attention(q, k, v, causal=True, softcap=30.0)  # a variant's options
+    assert torch.equal(diyfa.flash_attention(q, k, v, causal=True, softcap=30.0), capped)
+    assert len(calls) == 1 + 4  # (checked once)
+    sinks = [torch.randn(4, device="cuda") for _ in range(2)]
+    got = [diyfa.flash_attention(q, k, v, causal=True, window_size=(1, 0), sinks=s)
+           for s in sinks]  # fmt: skip
+    assert len(calls) == 1 + 5  # the sinks' first call
+    with pytest.raises(TypeError, match="window_size"):  # equal to (1, 0), but not ints
+        diyfa.flash_attention(q, k, v, causal=True, window_size=(True, 0), sinks=sinks[0])
+    with pytest.raises(TypeError, match="sinks.dtype"):
+        diyfa.flash_attention(q, k, v, causal=True, window_size=(1, 0), sinks=sinks[0].int())
+    monkeypatch.setattr(checks, "_CHECKED", {})
+    for s, want in zip(sinks, got, strict=True):  # each call's own sinks, fully checked now
+        assert torch.equal(diyfa.flash_attention(q, k, v, causal=True, window_size=(1, 0),
+                                                 sinks=s), want)  # fmt: skip
+    assert not torch.equal(got[0], got[1])
     with pytest.raises(ValueError, match="layout"):
         diyfa.flash_attention(q, k, v, causal=True, layout=["bhsd"])  # unhashable: checked
+
+
+def test_replay_key_holds_the_layout_of_sinks_and_slopes():
+    """Sinks and ALiBi slopes are a call's own tensors: the replay key holds their dtype,
+    shape and strides, not the tensors, so calls with other sinks or slopes of the same kind
+    share a key and the replay binds theirs (``own_roles``); another shape or dtype, or no
+    sinks, is another key. Packed sequences, fp8 and dropout stay unreplayed."""
+    import types
+
+    from diyfa.attention import checks, portable
+
+    gpu = types.SimpleNamespace(is_cuda=True)
+    q, k, v, _ = (t.detach() for t in _inputs(0, "bhsd", device="cpu"))
+
+    def key(**kw):
+        p = checks.check_inputs(q, k, v, causal=True, softmax_scale=None, layout="bhsd",
+                                align="bottom_right", **kw)  # fmt: skip
+        return p, portable.replay_key("fwd", gpu, p)
+
+    plain = key()[1]
+    p1, k1 = key(sinks=torch.zeros(4))
+    p2, k2 = key(sinks=torch.ones(4))
+    assert k1 == k2 and hash(k1) == hash(k2) and k1 != plain
+    assert portable.own_roles({}, p2)["sinks"] is p2.sinks
+    assert key(sinks=torch.zeros(4, dtype=torch.bfloat16))[1] != k1
+    p3, k3 = key(alibi_slopes=torch.ones(4))
+    assert k3 == key(alibi_slopes=torch.zeros(4))[1] != key(alibi_slopes=torch.ones(2, 4))[1]
+    assert set(portable.own_roles({}, p3)) == {"slopes"}
+    assert k1[1].sinks is None and k3[1].alibi_slopes is None  # (no tensor kept in a key)
+    assert key(dropout_p=0.1)[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["portable", "hopper"])
+@pytest.mark.parametrize("variant", ["sinks", "alibi"])
+def test_gpu_sinks_and_slopes_replay(backend, variant, monkeypatch):
+    """Calls with sinks or ALiBi slopes replay their launches too, each with its own sinks or
+    slopes: forward and backward (deterministic: bitwise comparable) of the second and third
+    calls replayed, and bitwise what the full path gives them (the sinks' gradient too)."""
+    if backend == "hopper" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper family needs an sm90 GPU")
+    runs = count_replays(monkeypatch)
+
+    def setup(seed):
+        q, k, v, do = _inputs(seed, "bshd")
+        g = torch.Generator(device="cpu").manual_seed(100 + seed)
+        own = torch.randn(4, generator=g).to("cuda")
+        if variant == "alibi":
+            own = own.abs() / 4
+        return q, k, v, do, own.requires_grad_(variant == "sinks")
+
+    def call(q, k, v, do, own):
+        kw = {"sinks": own} if variant == "sinks" else {"alibi_slopes": own}
+        q.grad = k.grad = v.grad = own.grad = None
+        out = diyfa.flash_attention(q, k, v, causal=True, layout="bshd", backend=backend,
+                                    deterministic=True, **kw)  # fmt: skip
+        out.backward(do)
+        return out.detach(), q.grad, k.grad, v.grad, own.grad
+
+    call(*setup(3))  # compiled and configs chosen
+    setups = [setup(seed) for seed in range(3)]
+    _launcher.forget_replays()
+    runs.clear()
+    replayed = [call(*s) for s in setups]
+    assert runs == [True] * 4, runs  # forward and backward of the 2nd and 3rd calls
+    for s, got in zip(setups, replayed, strict=True):
+        _launcher.forget_replays()
+        for i, (x, y) in enumerate(zip(got, call(*s), strict=True)):
+            assert (x is None and y is None) or torch.equal(x, y), i

@@ -161,10 +161,10 @@ def flash_attention(
                                                                      generator))  # fmt: skip
     else:
         problem = key = None
-        if (window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None
-                and dropout_p == 0.0 and q_descale is None and k_descale is None
-                and v_descale is None):  # plain attention: maybe checked before  # fmt: skip
-            problem, key = checked_before(q, k, v, causal, softmax_scale, layout, deterministic)
+        if (dropout_p == 0.0 and q_descale is None and k_descale is None
+                and v_descale is None):  # no per-call seed or fp8: maybe checked before
+            problem, key = checked_before(q, k, v, causal, softmax_scale, layout, deterministic,
+                                          window_size, softcap, alibi_slopes, sinks)  # fmt: skip
         if problem is None:
             problem = check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    layout=layout, align="bottom_right",

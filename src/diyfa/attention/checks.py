@@ -271,43 +271,66 @@ def check_inputs(q, k, v, *, causal, softmax_scale, layout, align, fake=False,
                    0 if dv == d else dv, dropout_p, dropout_seed, descales)  # fmt: skip
 
 
-# Plain attention calls on a GPU whose signature passed check_inputs before, with the Problem
-# it built: a training or inference loop repeats a few signatures, and the checks cost ~9 us
-# of host time per call on the H200's host (a small forward's kernel is ~10 us).
+# Attention calls on a GPU whose signature passed check_inputs before, with the Problem it
+# built: a training or inference loop repeats a few signatures, and the checks cost ~9 us of
+# host time per call on the H200's host (a small forward's kernel is ~10 us); more with the
+# variants' options.
 _CHECKED: dict = {}
 _CHECKED_KEPT = 64
 
 
-def checked_before(q, k, v, causal, softmax_scale, layout, deterministic) -> tuple:
-    """(Problem, key) for a plain attention call (no variant, dropout or fp8 option) on CUDA
-    tensors: the Problem that :func:`check_inputs` built for an earlier call with the same
-    signature (None if none), and the key under which :func:`remember_checked` keeps this
-    call's. The signature is everything the checks and the Problem read: each tensor's type,
-    shape, strides, dtype and device, whether all three start on 16 bytes, each option's
-    type and value, and torch's deterministic-algorithms flag. Only calls that passed every
-    check are kept, so a bad call never finds one. Not for CPU tensors (their checks depend
-    on the interpreter's setting too) or tensor subclasses: (None, None)."""
+def _own_signature(t) -> tuple | None:
+    """What the checks read of a sinks or slopes argument (None: none given); TypeError for
+    anything but a plain tensor (the checks then run and say what is wrong)."""
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor:  # noqa: E721
+        raise TypeError
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def checked_before(q, k, v, causal, softmax_scale, layout, deterministic, window_size=(-1, -1),
+                   softcap=0.0, alibi_slopes=None, sinks=None) -> tuple:
+    """(Problem, key) for an attention call without dropout or fp8 on CUDA tensors: the
+    Problem that :func:`check_inputs` built for an earlier call with the same signature
+    (None if none), with this call's sinks and ALiBi slopes in it, and the key under which
+    :func:`remember_checked` keeps this call's. The signature is everything the checks and
+    the Problem read: each tensor's type, shape, strides, dtype and device (sinks and
+    slopes too), whether q, k and v all start on 16 bytes, each option's type and value
+    (the window's sides' too), and torch's deterministic-algorithms flag. Only calls that
+    passed every check are kept, so a bad call never finds one. Not for CPU tensors (their
+    checks depend on the interpreter's setting too), tensor subclasses or a window given as
+    a list: (None, None)."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor  # noqa: E721
             and type(v) is torch.Tensor and q.is_cuda):  # noqa: E721  # fmt: skip
         return None, None
-    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-           v.dtype, q.device, k.device, v.device,
-           not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16), type(causal),
-           causal, type(softmax_scale), softmax_scale, type(layout), layout, type(deterministic),
-           deterministic, torch.are_deterministic_algorithms_enabled())  # fmt: skip
     try:
-        return _CHECKED.get(key), key
-    except TypeError:  # an unhashable option: the checks will say what is wrong with it
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+               v.dtype, q.device, k.device, v.device,
+               not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16), type(causal),
+               causal, type(softmax_scale), softmax_scale, type(layout), layout,
+               type(deterministic), deterministic, torch.are_deterministic_algorithms_enabled(),
+               type(window_size), tuple((type(w), w) for w in window_size), type(softcap),
+               softcap, _own_signature(alibi_slopes), _own_signature(sinks))  # fmt: skip
+        if type(window_size) is not tuple:  # noqa: E721
+            return None, None
+        problem = _CHECKED.get(key)
+    except TypeError:  # an unhashable option or bad tensor: the checks will say what is wrong
         return None, None
+    if problem is not None and (sinks is not None or alibi_slopes is not None):
+        problem = dataclasses.replace(problem, sinks=sinks, alibi_slopes=alibi_slopes)
+    return problem, key
 
 
 def remember_checked(key, problem: Problem) -> None:
     """Keep ``problem`` for later calls with ``key`` (from :func:`checked_before`; None:
-    nothing kept)."""
+    nothing kept), without its sinks and slopes (each call brings its own)."""
     if key is None:
         return
     if len(_CHECKED) >= _CHECKED_KEPT:
         _CHECKED.clear()
+    if problem.sinks is not None or problem.alibi_slopes is not None:
+        problem = dataclasses.replace(problem, sinks=None, alibi_slopes=None)
     _CHECKED[key] = problem
 
 

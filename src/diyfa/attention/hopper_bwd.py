@@ -1325,7 +1325,8 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         "hopper-bwd", q, p, do.stride(), do.dtype, atomic_dq, permuted)  # fmt: skip
     roles = None
     if key is not None:
-        roles = dict(q=q, k=k, v=v, out=out, lse=lse2, do=do, delta=stats, dk=dk, dv=dv)
+        roles = portable.own_roles(dict(q=q, k=k, v=v, out=out, lse=lse2, do=do, delta=stats,
+                                        dk=dk, dv=dv), p)  # fmt: skip
         roles["dq"] = dq
         if atomic_dq:
             roles["dq_acc"] = dq_acc

@@ -79,7 +79,7 @@ from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch
 from diyfa.attention import portable
 from diyfa.attention.checks import HostLengths, host_lengths, packed_lengths
 from diyfa.attention.dispatch import Family
-from diyfa.attention.portable import empty_lse, replay_key
+from diyfa.attention.portable import empty_lse, own_roles, replay_key
 from diyfa.attention.problem import Problem
 from diyfa.device import kernel_limits
 
@@ -2059,7 +2059,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
     key = replay_key("hopper-fwd", q, p) if config is None else None
     roles = None
     if key is not None:
-        roles = dict(q=q, k=k, v=v, out=out, lse=lse2)
+        roles = own_roles(dict(q=q, k=k, v=v, out=out, lse=lse2), p)
         kept = _REPLAYS.get(key)
         if kept is not None:
             replay, counter = kept

@@ -41,6 +41,8 @@ Limits (enforced by checks.py)
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -950,7 +952,7 @@ def _attention_forward(q, k, v, problem: Problem):
     key = replay_key("fwd", q, p)
     roles = None
     if key is not None:
-        roles = dict(q=q, k=k, v=v, out=out, lse=lse2)
+        roles = own_roles(dict(q=q, k=k, v=v, out=out, lse=lse2), p)
         replay = _REPLAYS.get(key)
         if replay is not None and replay.run(roles):
             return out, lse2
@@ -991,14 +993,30 @@ _REPLAYS = ReplayCache()
 def replay_key(kind: str, q: torch.Tensor, problem: Problem, *extra) -> tuple | None:
     """The signature under which a call's launches are kept (``kind`` names the launch
     sequence; ``extra``: what else the arguments depend on, e.g. dO's strides), or None
-    where they are not: off the GPU, and for problems with tensors of their own (packed
-    sequences' lengths, ALiBi slopes, sinks, fp8 descales) or a per-call dropout seed."""
+    where they are not: off the GPU, and for problems with per-call work of their own
+    (packed sequences' lengths, fp8's operands, a per-call dropout seed). Sinks and ALiBi
+    slopes are the call's own tensors: the key holds their dtype, shape and strides, and
+    the replay takes them as roles (:func:`own_roles`)."""
     p = problem
-    if not q.is_cuda or not (p.cu_seqlens_q is None and p.alibi_slopes is None
-                             and p.sinks is None and p.descales is None
+    if not q.is_cuda or not (p.cu_seqlens_q is None and p.descales is None
                              and p.dropout_p == 0):  # fmt: skip
         return None
-    return (kind, p, tuning.autotune_enabled(), *extra)
+    if p.sinks is None and p.alibi_slopes is None:
+        return (kind, p, tuning.autotune_enabled(), *extra)
+    # (a Problem holding a tensor compares by it: the key holds a tensor-free copy)
+    own = tuple(None if t is None else (t.dtype, t.shape, t.stride())
+                for t in (p.sinks, p.alibi_slopes))  # fmt: skip
+    bare = dataclasses.replace(p, sinks=None, alibi_slopes=None)
+    return (kind, bare, tuning.autotune_enabled(), own, *extra)
+
+
+def own_roles(roles: dict, problem: Problem) -> dict:
+    """``roles`` with the call's own tensors (sinks, ALiBi slopes) added, for a replay."""
+    if problem.sinks is not None:
+        roles["sinks"] = problem.sinks
+    if problem.alibi_slopes is not None:
+        roles["slopes"] = problem.alibi_slopes
+    return roles
 
 
 _STRIDE_NAMES = {p: tuple(f"stride_{p}{axis}" for axis in "bhsd")
@@ -1055,7 +1073,8 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem, delta_out=None
     key = replay_key("bwd", q, p, do.stride(), do.dtype)
     roles = None
     if key is not None:
-        roles = dict(q=q, k=k, v=v, out=out, lse=lse2, do=do, dq=dq, delta=delta, dk=dk, dv=dv)
+        roles = own_roles(dict(q=q, k=k, v=v, out=out, lse=lse2, do=do, dq=dq, delta=delta,
+                               dk=dk, dv=dv), p)  # fmt: skip
         replay = _REPLAYS.get(key)
         if replay is not None and replay.run(roles):
             return dq, dk, dv
