@@ -236,6 +236,28 @@ def test_sinks_gradient_takes_the_backwards_delta(layout, monkeypatch):
     assert torch.allclose(sinks.grad.double(), expect, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["bhs", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sink_grad_kernel_sums_every_row(packed, dtype):
+    """``portable.sink_grad`` (one program per head) sums 2^(sink log2 e - lse2) * delta over
+    every row of its head, across batches and blocks of 1024 rows (a tail too), against the
+    same sum in float64, and returns the sinks' dtype."""
+    from diyfa.attention import portable
+
+    g = torch.Generator().manual_seed(11)
+    shape = (4, 2500) if packed else (3, 4, 2500)
+    lse2 = (torch.randn(shape, generator=g) * 3 + 4).to(DEVICE)
+    delta = torch.randn(shape, generator=g).to(DEVICE)
+    sinks = torch.randn(4, generator=g).to(DEVICE, dtype)
+    got = portable.sink_grad(lse2, delta, sinks)
+    sink2 = sinks.double() * 1.4426950408889634
+    terms = torch.exp2((sink2[:, None] if packed else sink2[None, :, None]) - lse2.double())
+    want = -(terms * delta.double()).sum((1,) if packed else (0, 2))
+    assert got.dtype == dtype and got.shape == (4,)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=tol, atol=tol)
+
+
 def test_hopper_windows_wider_than_the_sequences_are_dropped():
     """Window sides at least seqlen_q + seqlen_k never bind: the Hopper forward drops them
     (its offsets stay int32), and a narrower side is kept with the portable conventions."""

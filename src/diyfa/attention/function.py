@@ -21,14 +21,18 @@ def sink_grad(do, out, lse2, problem: Problem, delta=None) -> torch.Tensor:
     """dL/dsinks, (heads,), in the sinks' dtype. A sink s_h joins row i's softmax with
     probability P_i = exp(s_h - lse_i) and no value, so dL/ds_h = -sum_i P_i * delta_i with
     delta_i = rowsum(dO_i * O_i), over every row of head h. ``delta``: the backward's own
-    (shaped like ``lse2``: a family's ``delta_out``), else computed here from dO and O."""
+    (shaped like ``lse2``: a family's ``delta_out``; the sum then by one small kernel,
+    ``portable.sink_grad``), else computed here from dO and O."""
+    if delta is not None:
+        from diyfa.attention import portable  # (a kernel module: imported when first used)
+
+        return portable.sink_grad(lse2, delta, problem.sinks)
     packed = problem.cu_seqlens_q is not None  # packed: (total, heads, d); lse2 (heads, total)
-    if delta is None:
-        delta = (do.float() * out.float()).sum(-1)
-        if packed:
-            delta = delta.transpose(0, 1)
-        elif problem.layout == "bshd":
-            delta = delta.transpose(1, 2)
+    delta = (do.float() * out.float()).sum(-1)
+    if packed:
+        delta = delta.transpose(0, 1)
+    elif problem.layout == "bshd":
+        delta = delta.transpose(1, 2)
     if packed:
         sink2 = problem.sinks.float()[:, None] * LOG2E
         dims = (1,)

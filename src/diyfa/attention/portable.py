@@ -55,6 +55,7 @@ from diyfa._launcher import (
     cdiv,
     compile_kernel,
     compiling_only,
+    launch_recorded,
     next_power_of_2,
 )
 from diyfa._launcher import launch as fast_launch
@@ -935,6 +936,44 @@ def empty_lse(lse2: torch.Tensor, problem: Problem) -> torch.Tensor:
     if problem.sinks is None:
         return lse2.fill_(float("-inf"))
     return lse2.copy_((problem.sinks.float() * LOG2E)[:, None])  # (heads, 1), broadcast
+
+
+@triton.jit
+def _sink_grad(LSE, DELTA, SINKS, DSINKS, batch, seqlen, stride_b, stride_h,
+               BLOCK: tl.constexpr):
+    """dL/dsinks of one head (program h): -sum over its rows of 2^(sink * log2(e) - lse2) *
+    delta, rows in a fixed order (deterministic). LSE and DELTA share their strides: (batch,
+    heads, seqlen) or, packed, (heads, total) with stride_b 0 and batch 1."""
+    h = tl.program_id(0)
+    sink2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for b in range(batch):
+        base = h.to(tl.int64) * stride_h + b * stride_b  # (the LSE: < 2^31 floats)
+        for start in range(0, seqlen, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < seqlen
+            lse = tl.load(LSE + base + offs, mask=ok, other=0.0)
+            delta = tl.load(DELTA + base + offs, mask=ok, other=0.0)
+            acc += tl.where(ok, tl.exp2(sink2 - lse) * delta, 0.0)
+    tl.store(DSINKS + h, (-tl.sum(acc, axis=0)).to(DSINKS.dtype.element_ty))
+
+
+def sink_grad(lse2: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient, (heads,) in their dtype, from the base-2 LSE and the backward's
+    delta = rowsum(dO * O) (same shape and strides: (batch, heads, seqlen_q), or (heads,
+    total_q) when packed) by one small kernel (:func:`_sink_grad`; it replaces six PyTorch
+    ops, ~40 us of host time per backward)."""
+    dsinks = torch.empty_like(sinks)
+    heads = sinks.shape[0]
+    if heads == 0:
+        return dsinks
+    packed = lse2.dim() == 2
+    args = dict(LSE=lse2, DELTA=delta, SINKS=sinks, DSINKS=dsinks,
+                batch=1 if packed else lse2.shape[0], seqlen=lse2.shape[-1],
+                stride_b=0 if packed else lse2.stride(0), stride_h=lse2.stride(-2),
+                BLOCK=1024)  # fmt: skip
+    launch_recorded(_sink_grad, (heads,), args, lse2.is_cuda)
+    return dsinks
 
 
 def _attention_forward(q, k, v, problem: Problem):
