@@ -206,22 +206,27 @@ def test_replay_key_holds_the_layout_of_sinks_and_slopes():
 
     from diyfa.attention import checks, portable
 
-    gpu = types.SimpleNamespace(is_cuda=True)
-    q, k, v, _ = (t.detach() for t in _inputs(0, "bhsd", device="cpu"))
+    from .conftest import DEVICE
+
+    gpu = types.SimpleNamespace(is_cuda=True)  # (the key is None off the GPU)
+    q, k, v, _ = (t.detach() for t in _inputs(0, "bhsd", device=DEVICE))
 
     def key(**kw):
         p = checks.check_inputs(q, k, v, causal=True, softmax_scale=None, layout="bhsd",
                                 align="bottom_right", **kw)  # fmt: skip
         return p, portable.replay_key("fwd", gpu, p)
 
+    def vec(fill, *shape, dtype=torch.float32):
+        return torch.full(shape, fill, dtype=dtype, device=DEVICE)
+
     plain = key()[1]
-    p1, k1 = key(sinks=torch.zeros(4))
-    p2, k2 = key(sinks=torch.ones(4))
+    p1, k1 = key(sinks=vec(0.0, 4))
+    p2, k2 = key(sinks=vec(1.0, 4))
     assert k1 == k2 and hash(k1) == hash(k2) and k1 != plain
     assert portable.own_roles({}, p2)["sinks"] is p2.sinks
-    assert key(sinks=torch.zeros(4, dtype=torch.bfloat16))[1] != k1
-    p3, k3 = key(alibi_slopes=torch.ones(4))
-    assert k3 == key(alibi_slopes=torch.zeros(4))[1] != key(alibi_slopes=torch.ones(2, 4))[1]
+    assert key(sinks=vec(0.0, 4, dtype=torch.bfloat16))[1] != k1
+    p3, k3 = key(alibi_slopes=vec(1.0, 4))
+    assert k3 == key(alibi_slopes=vec(0.0, 4))[1] != key(alibi_slopes=vec(1.0, 2, 4))[1]
     assert set(portable.own_roles({}, p3)) == {"slopes"}
     assert k1[1].sinks is None and k3[1].alibi_slopes is None  # (no tensor kept in a key)
     assert key(dropout_p=0.1)[1] is None
