@@ -54,18 +54,14 @@ for name, kw in (("win127+sinks", dict(window_size=(127, 0), sinks=sinks)),
     print(json.dumps(r))
     if name in ("win127+sinks",):
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                bwd()
-            torch.cuda.synchronize()
-        print(f"== profiler {name} backward x10")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fwd()
-            torch.cuda.synchronize()
-        print(f"== profiler {name} forward x10")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+        for label, fn, limit in (("backward", bwd, 14), ("forward", fwd, 8)):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"== profiler {name} {label} x10")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=limit,
+                                            max_name_column_width=60))
 for r in rows:
     print(json.dumps(r))
 with open(os.path.join(OUT, "gptoss_prof.jsonl"), "w") as f:
