@@ -180,14 +180,15 @@ def test_gpu_plain_calls_reuse_their_checks(monkeypatch):
     capped = diyfa.flash_attention(q, k, v, causal=True, softcap=30.0)  # a variant's options
     assert torch.equal(diyfa.flash_attention(q, k, v, causal=True, softcap=30.0), capped)
     assert len(calls) == 1 + 4  # (checked once)
-    sinks = [torch.randn(4, device="cuda") for _ in range(2)]
+    sinks = [torch.nn.Parameter(torch.randn(4, device="cuda")) for _ in range(2)]  # (a model's)
     got = [diyfa.flash_attention(q, k, v, causal=True, window_size=(1, 0), sinks=s)
            for s in sinks]  # fmt: skip
     assert len(calls) == 1 + 5  # the sinks' first call
     with pytest.raises(TypeError, match="window_size"):  # equal to (1, 0), but not ints
         diyfa.flash_attention(q, k, v, causal=True, window_size=(True, 0), sinks=sinks[0])
     with pytest.raises(TypeError, match="sinks.dtype"):
-        diyfa.flash_attention(q, k, v, causal=True, window_size=(1, 0), sinks=sinks[0].int())
+        diyfa.flash_attention(q, k, v, causal=True, window_size=(1, 0),
+                              sinks=sinks[0].detach().int())  # fmt: skip
     monkeypatch.setattr(checks, "_CHECKED", {})
     for s, want in zip(sinks, got, strict=True):  # each call's own sinks, fully checked now
         assert torch.equal(diyfa.flash_attention(q, k, v, causal=True, window_size=(1, 0),

@@ -281,10 +281,11 @@ _CHECKED_KEPT = 64
 
 def _own_signature(t) -> tuple | None:
     """What the checks read of a sinks or slopes argument (None: none given); TypeError for
-    anything but a plain tensor (the checks then run and say what is wrong)."""
+    anything but a plain tensor or a model's ``nn.Parameter`` (gpt-oss's sinks are one; the
+    checks then run and say what is wrong)."""
     if t is None:
         return None
-    if type(t) is not torch.Tensor:  # noqa: E721
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:  # noqa: E721
         raise TypeError
     return t.shape, t.stride(), t.dtype, t.device
 
