@@ -1,11 +1,11 @@
 """A/B of the sinks' gradient source on a CUDA GPU, in one process: the backward's own delta
 (rowsum(dO * O), which the families write into ``delta_out``) against recomputing it from
-dO and O in PyTorch ops (``function.sink_grad`` without ``delta``: the way before
-2026-11-25). Cases (bf16, causal, bshd, 8192 tokens, "auto"): d64 32 heads with sinks, with
-a (127, 0) window and sinks (gpt-oss's sliding layers), d128 16 heads with sinks (the
-variants suite's row). Backward TFLOPS of ``torch.autograd.grad`` (do_bench median; exact
-FLOPs with the window), best of ``--rounds`` interleaved rounds; the sinks' gradients of
-the two compared.
+dO and O in PyTorch ops (the way before 2026-11-25; ``recomputed`` here, in place of
+``function.family_backward``). Cases (bf16, causal, bshd, 8192 tokens, "auto"): d64 32
+heads with sinks, with a (127, 0) window and sinks (gpt-oss's sliding layers), d128 16 heads
+with sinks (the variants suite's row). Backward TFLOPS of ``torch.autograd.grad`` (do_bench
+median; exact FLOPs with the window), best of ``--rounds`` interleaved rounds; the sinks'
+gradients of the two compared.
 
     python3 benchmarks/sinks_grad_ab.py [--rounds 3] [--out $OUT/sinks_grad_ab.jsonl]
 """
@@ -26,11 +26,19 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 import diyfa  # noqa: E402
 from diyfa.attention import function  # noqa: E402
 
-REAL = function.sink_grad
+REAL = function.family_backward
+LOG2E = 1.4426950408889634
 
 
-def recomputed(do, out, lse2, problem, delta=None):
-    return REAL(do, out, lse2, problem)  # (delta from dO and O, as before)
+def recomputed(family, do, q, k, v, out, lse2, problem, sinks_grad):
+    """``function.family_backward`` as before: the sinks' gradient from dO and O."""
+    dq, dk, dv = family.backward(do, q, k, v, out, lse2, problem)
+    if not sinks_grad:
+        return dq, dk, dv, None
+    delta = (do.float() * out.float()).sum(-1)
+    delta = delta.transpose(1, 2) if problem.layout == "bshd" else delta  # (bhsd like lse2)
+    sink2 = problem.sinks.float()[None, :, None] * LOG2E
+    return dq, dk, dv, -(torch.exp2(sink2 - lse2) * delta).sum((0, 2)).to(problem.sinks.dtype)
 
 
 def main() -> int:
@@ -59,12 +67,12 @@ def main() -> int:
     for _ in range(a.rounds):
         for name, flops, fn in cases:
             for source, patch in (("delta", REAL), ("recomputed", recomputed)):
-                function.sink_grad = patch
+                function.family_backward = patch
                 grads.setdefault((name, source), fn()[3].float())
                 ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
                 tf = round(flops / (ms * 1e-3) / 1e12, 1)
                 best[name, source] = max(best.get((name, source), 0.0), tf)
-    function.sink_grad = REAL
+    function.family_backward = REAL
     with open(a.out, "w") as f:
         for name, _, _ in cases:
             diff = (grads[name, "delta"] - grads[name, "recomputed"]).abs().max().item()

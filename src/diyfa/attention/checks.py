@@ -303,7 +303,8 @@ def checked_before(q, k, v, causal, softmax_scale, layout, deterministic, window
     checks depend on the interpreter's setting too), tensor subclasses or a window given as
     a list: (None, None)."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor  # noqa: E721
-            and type(v) is torch.Tensor and q.is_cuda):  # noqa: E721  # fmt: skip
+            and type(v) is torch.Tensor and q.is_cuda  # noqa: E721
+            and type(window_size) is tuple):  # noqa: E721  # fmt: skip
         return None, None
     try:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
@@ -313,8 +314,6 @@ def checked_before(q, k, v, causal, softmax_scale, layout, deterministic, window
                type(deterministic), deterministic, torch.are_deterministic_algorithms_enabled(),
                type(window_size), tuple((type(w), w) for w in window_size), type(softcap),
                softcap, _own_signature(alibi_slopes), _own_signature(sinks))  # fmt: skip
-        if type(window_size) is not tuple:  # noqa: E721
-            return None, None
         problem = _CHECKED.get(key)
     except TypeError:  # an unhashable option or bad tensor: the checks will say what is wrong
         return None, None

@@ -3,8 +3,7 @@
 Status: runs on H200 (tests/test_hopper_bwd.py's GPU tests: the gradient matrix against
 float64, both dQ modes, bitwise determinism). "auto" runs it where it measured faster than
 the portable backward (:func:`auto_mode`: the atomic dQ for plain attention, packed
-sequences and, at d72..128, a window, softcap or sinks; the deterministic path for ALiBi,
-the variants at d64 and when asked for);
+sequences and the variants, the deterministic path when asked for);
 ``backend="hopper"``
 runs it wherever :func:`supports` allows, with the atomic dQ unless ``deterministic=True``.
 Every other call, and every problem :func:`supports` refuses, takes the portable backward.
@@ -81,7 +80,7 @@ Variants: the forward's sliding window (query blocks wholly outside the band ski
 :func:`_kv_program`, the band's edges masked), softcap (the scores recomputed through the
 same tanh, dS^T times tanh's derivative 1 - t^2) and ALiBi (the bias recomputed); sinks need
 nothing here (they are in the LSE, and delta = rowsum(dO * O) holds; their own gradient is
-computed from delta by ``function.sink_grad``). Compile-checked (every flag on: 48-672 bytes
+computed from delta by ``portable.sink_grad``). Compile-checked (every flag on: 48-672 bytes
 of spills, ``tests/test_hopper_bwd.py``) and run on an H200
 (``tests/test_variants.py::test_gpu_hopper_backward_variants``, both dQ modes, passed
 2026-11-23); "auto" takes it for all four (:func:`auto_mode`).

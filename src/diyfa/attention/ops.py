@@ -78,17 +78,13 @@ def _problem(q, k, v, causal, align, softmax_scale, layout, deterministic, windo
 
 
 def _family_backward(do, q, k, v, out, lse2, problem, backend):
-    """(dq, dk, dv, dsinks) through the family ``backend`` selects (dsinks empty without
-    sinks; with them from the backward's delta, as the eager path does)."""
-    from diyfa.attention.function import sink_grad
+    """(dq, dk, dv, dsinks) through the family ``backend`` selects, as the eager path's
+    (``function.family_backward``); dsinks empty without sinks."""
+    from diyfa.attention.function import family_backward
 
-    family = select(problem, backend)
-    if problem.sinks is None:
-        dq, dk, dv = family.backward(do, q, k, v, out, lse2, problem)
-        return dq, dk, dv, do.new_empty((0,), dtype=torch.float32)
-    delta = torch.zeros_like(lse2)
-    dq, dk, dv = family.backward(do, q, k, v, out, lse2, problem, delta_out=delta)
-    return dq, dk, dv, sink_grad(do, out, lse2, problem, delta)
+    dq, dk, dv, dsinks = family_backward(select(problem, backend), do, q, k, v, out, lse2,
+                                         problem, problem.sinks is not None)  # fmt: skip
+    return dq, dk, dv, do.new_empty((0,), dtype=torch.float32) if dsinks is None else dsinks
 
 
 @torch.library.custom_op("diyfa::attention_fwd", mutates_args=())
