@@ -12,7 +12,10 @@ Rows go to ``--out`` (JSON lines), a table to stdout.
 
 Usage (device): python3 benchmarks/hopper_fwd_ab.py --out $OUT/ab.jsonl
   [--configs "64:2,128,4,1,240,24;64:3,128,4,1,160,24"] [--dims 64,128,256] [--causal 0,1]
-  [--seqlens 2048,8192] [--rounds 5]
+  [--seqlens 2048,8192] [--rounds 5] [--softcap 30]
+
+``--softcap``: every call (checks, timings, FlashAttention-4) with that softcap; cuDNN has
+none and is left out.
 """
 
 from __future__ import annotations
@@ -54,9 +57,12 @@ def parse_configs(text: str) -> dict[int, list[tuple]]:
     return out
 
 
+VARIANTS: dict = {}  # the options every call runs with (--softcap)
+
+
 def run(q, k, v, causal, config):
     p = checks.check_inputs(q, k, v, causal=causal, softmax_scale=None, layout="bhsd",
-                            align="bottom_right")  # fmt: skip
+                            align="bottom_right", **VARIANTS)  # fmt: skip
     return hf.hopper_forward(q, k, v, p, config)[0]
 
 
@@ -73,8 +79,8 @@ def check(d: int, dtype, config) -> float:
         v = torch.randn(b, hk, sk, d, device="cuda", generator=g, dtype=dtype)
         ours = run(q, k, v, causal, config).double()
         ref = attention_ref(q.double(), k.double(), v.double(), causal=causal,
-                            compute_dtype=torch.float64)  # fmt: skip
-        pt = attention_ref(q, k, v, causal=causal, compute_dtype=dtype).double()
+                            compute_dtype=torch.float64, **VARIANTS)  # fmt: skip
+        pt = attention_ref(q, k, v, causal=causal, compute_dtype=dtype, **VARIANTS).double()
         err, pt_err = (ours - ref).abs().max().item(), (pt - ref).abs().max().item()
         worst = max(worst, err / max(pt_err, 1e-30))
     return worst
@@ -103,10 +109,11 @@ def time_shape(d, b, h, s, causal, dtype, configs, fa4, warmup, rep, rounds, sk=
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    fns["cudnn"] = cudnn
+    if not VARIANTS:
+        fns["cudnn"] = cudnn
     if fa4 is not None:
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        fns["fa4"] = lambda: fa4(qt, kt, vt, causal=causal)
+        fns["fa4"] = lambda: fa4(qt, kt, vt, causal=causal, **VARIANTS)
     row = {"d": d, "b": b, "h": h, "s": s, "sk": sk or s, "causal": causal}
     # Rounds: every provider once per round, in turn, and the median over the rounds: the
     # GPU's clocks drift with its temperature and power (the same kernel timed 10% apart
@@ -144,7 +151,10 @@ def main() -> int:
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every provider once per round, in turn; report the median")
+    ap.add_argument("--softcap", type=float, default=0.0)
     a = ap.parse_args()
+    if a.softcap:
+        VARIANTS["softcap"] = a.softcap
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     configs = parse_configs(a.configs) if a.configs else DEFAULT_CONFIGS
     try:
