@@ -12,12 +12,11 @@ normal data with outlier channels (q's first d/16 channels x20, as LLM activatio
 
 ``--config D=consumers,block_n,stages[,pin[,q_bufs]]`` (repeatable) times that
 launch config of padded head dim D too, next to the mode's own (``hopper_fwd.fp8_config``),
-in every mode: columns "mode@label". ``--poly 2,4`` times each mode's own config with that
-many of every 8 probabilities' exp2 by the cubic (``Config.poly``): "mode@poly2". ``vt_us``
-is the V^T copy alone (``hopper_fwd.transpose_v``, part of every fp8 call).
+in every mode: columns "mode@label". ``vt_us`` is the V^T copy alone
+(``hopper_fwd.transpose_v``, part of every fp8 call).
 
 Usage (device): python3 benchmarks/fp8_hopper_ab.py [--out fp8_hopper_ab.jsonl]
-    [--modes 4,5] [--shapes 4x16x4096x128,...] [--config 128=2,128,3,1 ...] [--poly 2,4]
+    [--modes 4,5] [--shapes 4x16x4096x128,...] [--config 128=2,128,3,1 ...]
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def parse_config(text: str) -> tuple[int, str, hopper_fwd.Config]:
     return int(d), label, cfg
 
 
-def measure(b, h, s, d, causal, rep, modes=MODES, configs=(), polys=()) -> dict:
+def measure(b, h, s, d, causal, rep, modes=MODES, configs=()) -> dict:
     """One shape: bf16 TFLOPS, then each mode's (and config's) TFLOPS and errors."""
     from triton.testing import do_bench
 
@@ -87,14 +86,10 @@ def measure(b, h, s, d, causal, rep, modes=MODES, configs=(), polys=()) -> dict:
     before = hopper_fwd.FP8_PROMOTION, hopper_fwd.fp8_config
     dpad = hopper_fwd.head_dim_pad(d)
     variants = [("", None)] + [(label, cfg) for cd, label, cfg in configs if cd == dpad]
-    variants += [(f"poly{n}", n) for n in polys]
     for mode in modes:
         hopper_fwd.FP8_PROMOTION = mode
         for label, cfg in variants:
-            if isinstance(cfg, int):  # the mode's own config with poly = cfg
-                hopper_fwd.fp8_config = lambda d, n=cfg: before[1](d)._replace(poly=n)
-            else:
-                hopper_fwd.fp8_config = before[1] if cfg is None else (lambda _d, c=cfg: c)
+            hopper_fwd.fp8_config = before[1] if cfg is None else (lambda _d, c=cfg: c)
             key = f"{mode}@{label}" if label else str(mode)
             try:
                 out, lse = fp8()
@@ -121,9 +116,7 @@ def main() -> int:
     ap.add_argument("--causal", default="0,1", help="0 and / or 1")
     ap.add_argument("--config", action="append", default=[],
                     help="D=consumers,block_n,stages[,pin[,q_bufs]], repeatable")
-    ap.add_argument("--poly", default="", help="Config.poly values to time too, e.g. 2,4")
     a = ap.parse_args()
-    polys = tuple(int(n) for n in a.poly.split(",") if n)
     modes = tuple(int(m) for m in a.modes.split(","))
     shapes = [tuple(int(x) for x in t.split("x")) for t in a.shapes.split(",")]
     configs = [parse_config(c) for c in a.config]
@@ -133,7 +126,7 @@ def main() -> int:
     with open(a.out, "w") as f:
         for b, h, s, d in shapes:
             for causal in (bool(int(c)) for c in a.causal.split(",")):
-                row = measure(b, h, s, d, causal, a.rep, modes, configs, polys)
+                row = measure(b, h, s, d, causal, a.rep, modes, configs)
                 rows.append(row)
                 f.write(json.dumps({**env, **row}) + "\n")
                 print(json.dumps(row), flush=True)

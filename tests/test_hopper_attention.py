@@ -17,16 +17,12 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
 
 import diyfa
 from diyfa.attention import dispatch
 from diyfa.attention.checks import check_inputs
-from diyfa.attention.hopper_fwd import _exp2
 from diyfa.reference import attention_ref
 
 from .conftest import DEVICE, HAS_CUDA
@@ -696,71 +692,3 @@ def test_tiles_chained_for_the_static_round_robin_only():
                descale=torch.empty(2, 2, 16))
     assert not chained(128, dtype=torch.float8_e4m3fn, fp8=fp8)
     assert hf.fp8_config(128).chain == 0
-
-
-# --------------------------------------------------------------------------------------------
-# exp2 by a cubic (Config.poly)
-# --------------------------------------------------------------------------------------------
-def _f32(hex_text: str) -> np.float32:
-    return np.uint32(int(hex_text[2:], 16)).view(np.float32)
-
-
-def test_exp2_cubic_as_the_kernel_runs_it():
-    """The cubic's PTX (hopper_fwd._exp2_asm), step by step in float32 with its own
-    constants: within 1e-4 of 2^x (relative) from -126 to 16 (P_SHIFT and the lazy rescale
-    reach 2^8 each), exactly 0 at -inf and below -127 (masked scores), exactly 2^n at the
-    integers; and the PTX holds pack - poly MUFU exponentials and poly cubics."""
-    import re
-
-    from diyfa.attention import hopper_fwd as hf
-
-    ptx = hf._exp2_asm(8, 3)
-    assert ptx.count("ex2.approx") == 5 and ptx.count("add.rm.ftz.f32") == 3
-    c3, c2 = (_f32(h) for h in re.search(r"fma\.rn\.ftz\.f32 y, f, (0f\w+), (0f\w+);", ptx)
-              .groups())  # fmt: skip
-    c1 = _f32(re.search(r"fma\.rn\.ftz\.f32 y, y, f, (0f\w+);", ptx).group(1))
-    assert (c1, c2, c3) == tuple(np.float32(c) for c in hf.EXP2_CUBIC)
-    x = np.concatenate([np.linspace(-130, 16, 400_001, dtype=np.float32),
-                        np.arange(-126, 17, dtype=np.float32),
-                        np.array([-np.inf, -127.0, -1e30], dtype=np.float32)])  # fmt: skip
-    t = np.maximum(x, np.float32(-127))  # max.ftz
-    n = np.floor(t)  # add.rm against 1.5 x 2^23, then back: floor(t), exactly
-    f = (t - n).astype(np.float32)
-    y = (f * c3 + c2).astype(np.float32)
-    y = (y * f + c1).astype(np.float32)
-    y = (y * f + np.float32(1)).astype(np.float32)
-    got = (y.view(np.int32) + (n.astype(np.int32) << 23)).view(np.float32)  # shl, add.s32
-    want = np.exp2(x.astype(np.float64))
-    normal = x >= -126
-    rel = np.abs(got[normal] - want[normal]) / want[normal]
-    assert rel.max() < 1e-4, rel.max()
-    ints = np.isin(x, np.arange(-126, 17, dtype=np.float32))
-    assert np.array_equal(got[ints], want[ints].astype(np.float32))
-    assert np.all(got[x <= -127] == 0) and not np.signbit(got[x <= -127]).any()
-    assert np.all(got[(x > -127) & (x < -126)] < 2.0**-126)  # (subnormal, not garbage)
-
-
-@gluon.jit
-def _exp2_kernel(X, Y, N: gl.constexpr, POLY: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-    offs = gl.arange(0, N, layout=layout)
-    gl.store(Y + offs, _exp2(gl.load(X + offs), POLY))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("poly", [1, 4, 8])
-def test_gpu_exp2_cubic_kernel(poly):
-    """hopper_fwd._exp2 on the GPU, its PTX as the forward runs it: the cubic's lanes and
-    MUFU's within 1e-4 of float64 2^x (relative) where 2^x is normal, 0 for -inf and below
-    -127."""
-    n = 1 << 16
-    x = torch.linspace(-140, 16, n, device=DEVICE)
-    x[::97] = float("-inf")
-    y = torch.empty_like(x)
-    for i in range(0, n, 1024):
-        _exp2_kernel[(1,)](x[i:i + 1024], y[i:i + 1024], 1024, poly, num_warps=4)
-    want = torch.exp2(x.double())
-    normal = x >= -126
-    rel = ((y.double() - want).abs() / want)[normal]
-    assert rel.max().item() < 1e-4
-    assert torch.all(y[x < -127] == 0)

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
 from typing import NamedTuple
 
 import torch
@@ -108,8 +107,6 @@ class Config(NamedTuple):
     lazy: int = 0  # 1: O is rescaled only when a row's max grows by more than LAZY_RESCALE
     chain: int = 0  # 1: a tile's first S and softmax run with the tile before's last P V
     # (ORDER_CHAIN; only where programs take their tiles round robin: hopper_args)
-    poly: int = 0  # of every POLY_PACK probabilities, this many by a cubic on the FMA units
-    # instead of MUFU's exp2 (EXP2_CUBIC; ORDER_POLY)
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -333,82 +330,6 @@ def _tanh(x):
                                      is_pure=True, pack=1)
 
 
-# 2^x by a cubic on the FMA units, for part of a block's probabilities (Config.poly): the
-# MUFU unit, which runs exp2 (and softcap's tanh), does 16 results a clock per SM, so at d64
-# (and with softcap at d128) the softmax waits on it while the tensor cores have room. The
-# cubic: x clamped at -127, split into n = floor(x) (by an add rounding down against 1.5 x 2^23,
-# whose low bits then hold n) and f = x - n in [0, 1); 2^f = 1 + f (c1 + f (c2 + f c3)) (a
-# minimax fit for the relative error, 8.6e-5 at most, under a bf16 or fp16 P's rounding:
-# 2^-9, 2^-11); n added to the result's exponent bits. -inf (a masked score) clamps to -127,
-# whose 2^0 = 1.0 plus -127 in the exponent is exactly +0.0. (FlashAttention-4's exp2
-# emulation on Blackwell, written here for Hopper.) A NaN score clamps too, to 0, where MUFU
-# keeps it NaN. Nine instructions a value (ALU and FMA) where MUFU takes one slot of a
-# quarter-rate pipe: a share, not all (POLY_PACK).
-EXP2_CUBIC = (0.69511486, 0.22765366, 0.0770591)
-POLY_PACK = gl.constexpr(8)  # Config.poly of every POLY_PACK probabilities by the cubic
-
-
-def _f32_hex(v: float) -> str:
-    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
-
-
-def _exp2_asm(pack: int, poly: int) -> str:
-    """PTX of one :func:`_exp2` instance: ``pack`` values ($pack..) to their 2^x ($0..), the
-    first pack - poly by ``ex2.approx``, the last ``poly`` by the cubic (EXP2_CUBIC)."""
-    c1, c2, c3 = (_f32_hex(c) for c in EXP2_CUBIC)
-    lines = [f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(pack - poly)]
-    for i in range(pack - poly, pack):
-        lines += [f"max.ftz.f32 t, ${pack + i}, 0fC2FE0000;",  # -127
-                  "add.rm.ftz.f32 r, t, 0f4B400000;",  # 1.5 x 2^23 + floor(t)
-                  "sub.ftz.f32 f, r, 0f4B400000;",
-                  "sub.ftz.f32 f, t, f;",
-                  f"fma.rn.ftz.f32 y, f, {c3}, {c2};",
-                  f"fma.rn.ftz.f32 y, y, f, {c1};",
-                  "fma.rn.ftz.f32 y, y, f, 0f3F800000;",
-                  "shl.b32 r, r, 23;",
-                  "add.s32 y, y, r;",
-                  f"mov.b32 ${i}, y;"]  # fmt: skip
-    return "{\n.reg .f32 t, f;\n.reg .b32 r, y;\n" + "\n".join(lines) + "\n}"
-
-
-EXP2_CONSTRAINTS = gl.constexpr(",".join(["=f"] * POLY_PACK.value + ["f"] * POLY_PACK.value))
-EXP2_POLY1 = gl.constexpr(_exp2_asm(POLY_PACK.value, 1))
-EXP2_POLY2 = gl.constexpr(_exp2_asm(POLY_PACK.value, 2))
-EXP2_POLY3 = gl.constexpr(_exp2_asm(POLY_PACK.value, 3))
-EXP2_POLY4 = gl.constexpr(_exp2_asm(POLY_PACK.value, 4))
-EXP2_POLY5 = gl.constexpr(_exp2_asm(POLY_PACK.value, 5))
-EXP2_POLY6 = gl.constexpr(_exp2_asm(POLY_PACK.value, 6))
-EXP2_POLY8 = gl.constexpr(_exp2_asm(POLY_PACK.value, 8))
-
-
-@gluon.jit
-def _exp2_asm_call(x, ASM: gl.constexpr):
-    return gl.inline_asm_elementwise(ASM, EXP2_CONSTRAINTS, [x], dtype=gl.float32,
-                                     is_pure=True, pack=POLY_PACK)
-
-
-@gluon.jit
-def _exp2(x, POLY: gl.constexpr):
-    """2^x, POLY of every POLY_PACK values by the cubic (EXP2_CUBIC), the rest by MUFU."""
-    if POLY == 0:
-        return gl.exp2(x)
-    elif POLY == 1:
-        return _exp2_asm_call(x, EXP2_POLY1)
-    elif POLY == 2:
-        return _exp2_asm_call(x, EXP2_POLY2)
-    elif POLY == 3:
-        return _exp2_asm_call(x, EXP2_POLY3)
-    elif POLY == 4:
-        return _exp2_asm_call(x, EXP2_POLY4)
-    elif POLY == 5:
-        return _exp2_asm_call(x, EXP2_POLY5)
-    elif POLY == 6:
-        return _exp2_asm_call(x, EXP2_POLY6)
-    else:
-        gl.static_assert(POLY == 8, "Config.poly: 0-6 or 8 of every 8")
-        return _exp2_asm_call(x, EXP2_POLY8)
-
-
 @gluon.jit
 def _tile2d(bufs, i):
     """Stage ``i`` of a ring of (1, 1, rows, dim) TMA blocks, as a (rows, dim) operand."""
@@ -610,7 +531,6 @@ ORDER_PINGPONG = gl.constexpr(2)
 ORDER_PIN_GLOBAL = gl.constexpr(4)
 ORDER_LAZY = gl.constexpr(8)
 ORDER_CHAIN = gl.constexpr(16)  # Config.chain
-ORDER_POLY = gl.constexpr(32)  # Config.poly: ORDER // ORDER_POLY % 16
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -663,8 +583,7 @@ def _row_sums(p):
 def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, left_offset,
                   qk_scale, tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, LAZY: gl.constexpr = 0.0,
-                  POLY: gl.constexpr = 0):
+                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, LAZY: gl.constexpr = 0.0):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
@@ -677,8 +596,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     m + log2(l) is the LSE either way. LAZY > 0: m moves only where the block's max passes
     it by more than LAZY (alpha stays 1 elsewhere; p and l grow up to 2^LAZY). SOFTCAP == 2
     (:func:`softcap_fixed_max`): the tanh bounds every score by qk_scale, so ``m_i`` is a
-    fixed max set before the first block: no row max, no alpha (returned as 1), no rescale.
-    POLY: that many of every POLY_PACK probabilities by the cubic (:func:`_exp2`)."""
+    fixed max set before the first block: no row max, no alpha (returned as 1), no rescale."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -725,7 +643,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
     if SOFTCAP == 2:
-        p = _exp2(s * qk_scale - m_i[:, None], POLY)
+        p = gl.exp2(s * qk_scale - m_i[:, None])
         return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + row_term - P_SHIFT)
@@ -738,11 +656,11 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     if ALIBI == 3:
-        p = _exp2(s * qk_scale - (m_use - row_term)[:, None], POLY)
+        p = gl.exp2(s * qk_scale - (m_use - row_term)[:, None])
     elif ALIBI:
-        p = _exp2(s - (m_use - row_term)[:, None], POLY)
+        p = gl.exp2(s - (m_use - row_term)[:, None])
     else:
-        p = _exp2(s * qk_scale - m_use[:, None], POLY)
+        p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     # (l_i: the per-lane partial sums of _row_sums)
     alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
@@ -1065,8 +983,7 @@ def _open_tile(q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, g, lo, row0, 
     p, m_i, l_i, alpha = _softmax_step(
         s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
         qk_scale_t, tanh_scale, slope2, alibi_offset,
-        (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI, P_SHIFT, LAZY,
-        ORDER // ORDER_POLY % 16)
+        (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI, P_SHIFT, LAZY)
     if DROPOUT:  # (the row sums l keep every probability; P V only the kept ones)
         p = _dropout(p, _query_group(offs_m), lo * BLOCK_N, drop_bh, dropout_seed,
                      dropout_thresh, False)  # fmt: skip
@@ -1154,7 +1071,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # (chained tiles need the next tile's Q while this tile's is still in use; the static
     # round robin only: hopper_args)
     CHAIN: gl.constexpr = (ORDER & ORDER_CHAIN) != 0 and Q_BUFS == 2 and not DYNAMIC
-    POLY: gl.constexpr = ORDER // ORDER_POLY % 16  # (Config.poly)
     # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P carried
     # into the next iteration comes out, at three consumers (160 registers), as 16-bit
     # registers whose halves ptxas swaps before the product (32 PRMT per block); a 32-bit P
@@ -1270,7 +1186,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    P_SHIFT, LAZY, POLY)
+                    P_SHIFT, LAZY)
                 if DROPOUT:
                     p = _dropout(p, drop_rows, j * BLOCK_N, drop_bh, dropout_seed,
                                  dropout_thresh, False)  # fmt: skip
@@ -1350,7 +1266,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s, m_i2, l_i2, lo2 * BLOCK_N, offs_m2, row02, seqlen_k2, causal_offset2,
                     left_offset, qk_scale2, tanh_scale, slope22, alibi_offset,
                     (lo2 >= first_masked2) | (lo2 < left_masked2), CAUSAL, WINDOW, SOFTCAP,
-                    ALIBI, P_SHIFT, LAZY, POLY)
+                    ALIBI, P_SHIFT, LAZY)
                 if DROPOUT:
                     p_next = _dropout(p_next, _query_group(offs_m2), lo2 * BLOCK_N,
                                       off_b2 * heads + off_h2, dropout_seed, dropout_thresh,
@@ -1672,7 +1588,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 total_q=0, head_dim=o4.shape[3], VARLEN=False,
                 ORDER=(ORDER_PIN.value * (cfg.pin == 1) + ORDER_PIN_GLOBAL.value * (cfg.pin == 2)
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
-                       + ORDER_LAZY.value * bool(cfg.lazy) + ORDER_POLY.value * cfg.poly),
+                       + ORDER_LAZY.value * bool(cfg.lazy)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip
