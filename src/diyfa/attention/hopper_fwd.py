@@ -401,12 +401,12 @@ def _mma(a, b, acc, use_acc: gl.constexpr, IMPRECISE: gl.constexpr):
 def _sums_mma(p16, ones, l_acc):
     """Issue l_acc += P 1 (asynchronous; Config.sums): the rows' sums of P by the tensor cores,
     P V's 16-bit A operand (the same registers: its layout depends on the rows and K only)
-    times a (BLOCK_N, SUMS_N) block of ones. Exact fp32 sums of the P that P V multiplies,
+    times a block of ones (``ones``: (SUMS_N, BLOCK_N), used transposed). Exact fp32 sums of the P that P V multiplies,
     where the softmax's own would cost an add per score (ablation, 2026-11-25: without the
     adds the forward ran 5-8% faster at d64 and d128)."""
     a = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=l_acc.type.layout,
                                                    k_width=2))  # fmt: skip
-    return warpgroup_mma(a, ones, l_acc, use_acc=True, is_async=True)
+    return warpgroup_mma(a, ones.permute((1, 0)), l_acc, use_acc=True, is_async=True)
 
 
 @gluon.jit
@@ -1133,11 +1133,13 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         aug_k = pin
         aug_q = pin
     if SUMS:
+        # (K-major, as K^T for S: (SUMS_N, BLOCK_N) taken transposed; an (BLOCK_N, SUMS_N)
+        # block, N-major, faulted at 128 keys on an H200)
         ones = gl.allocate_shared_memory(
-            dtype, [BLOCK_N, SUMS_N], gl.NVMMASharedLayout.get_default_for([BLOCK_N, SUMS_N],
+            dtype, [SUMS_N, BLOCK_N], gl.NVMMASharedLayout.get_default_for([SUMS_N, BLOCK_N],
                                                                           dtype))  # fmt: skip
-        ones.store(gl.full([BLOCK_N, SUMS_N], 1.0, dtype,
-                           layout=gl.BlockedLayout([1, SUMS_N], [32, 1], [4, 1], [1, 0])))
+        ones.store(gl.full([SUMS_N, BLOCK_N], 1.0, dtype,
+                           layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
         fence_async_shared()
         gl.thread_barrier()  # every warp of the warpgroup has written its rows
     else:
