@@ -107,8 +107,6 @@ class Config(NamedTuple):
     lazy: int = 0  # 1: O is rescaled only when a row's max grows by more than LAZY_RESCALE
     chain: int = 0  # 1: a tile's first S and softmax run with the tile before's last P V
     # (ORDER_CHAIN; only where programs take their tiles round robin: hopper_args)
-    sums: int = 0  # 1: the row sums by the tensor cores, P times a block of ones with P V
-    # (ORDER_SUMS; not with fp8 or dropout: hopper_args)
 
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -398,18 +396,6 @@ def _mma(a, b, acc, use_acc: gl.constexpr, IMPRECISE: gl.constexpr):
 
 
 @gluon.jit
-def _sums_mma(p16, ones, l_acc):
-    """Issue l_acc += P 1 (asynchronous; Config.sums): the rows' sums of P by the tensor cores,
-    P V's 16-bit A operand (the same registers: its layout depends on the rows and K only)
-    times a block of ones (``ones``: (SUMS_N, BLOCK_N), used transposed). Exact fp32 sums of the P that P V multiplies,
-    where the softmax's own would cost an add per score (ablation, 2026-11-25: without the
-    adds the forward ran 5-8% faster at d64 and d128)."""
-    a = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=l_acc.type.layout,
-                                                   k_width=2))  # fmt: skip
-    return warpgroup_mma(a, ones.permute((1, 0)), l_acc, use_acc=True, is_async=True)
-
-
-@gluon.jit
 def _p_operand(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
     """P as P @ V's A operand: in registers, in the operands' dtype; fp8 (whose P comes 2^8
     times larger, _softmax_step's P_SHIFT) through shared memory (Triton 3.6 cannot keep an
@@ -545,8 +531,6 @@ ORDER_PINGPONG = gl.constexpr(2)
 ORDER_PIN_GLOBAL = gl.constexpr(4)
 ORDER_LAZY = gl.constexpr(8)
 ORDER_CHAIN = gl.constexpr(16)  # Config.chain
-ORDER_SUMS = gl.constexpr(32)  # Config.sums
-SUMS_N = gl.constexpr(8)  # the ones block's columns (wgmma's smallest N)
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -599,8 +583,7 @@ def _row_sums(p):
 def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, left_offset,
                   qk_scale, tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, LAZY: gl.constexpr = 0.0,
-                  SUMS: gl.constexpr = False):
+                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, LAZY: gl.constexpr = 0.0):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
@@ -613,9 +596,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     m + log2(l) is the LSE either way. LAZY > 0: m moves only where the block's max passes
     it by more than LAZY (alpha stays 1 elsewhere; p and l grow up to 2^LAZY). SOFTCAP == 2
     (:func:`softcap_fixed_max`): the tanh bounds every score by qk_scale, so ``m_i`` is a
-    fixed max set before the first block: no row max, no alpha (returned as 1), no rescale.
-    SUMS (ORDER_SUMS): p's row sums are the tensor cores' (:func:`_sums_mma`), so l only
-    gets alpha here (it holds the sinks' share)."""
+    fixed max set before the first block: no row max, no alpha (returned as 1), no rescale."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -663,9 +644,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         s = gl.where(keep, s, float("-inf"))
     if SOFTCAP == 2:
         p = gl.exp2(s * qk_scale - m_i[:, None])
-        if not SUMS:
-            l_i = l_i + _row_sums(p)
-        return p, m_i, l_i, gl.full_like(m_i, 1.0)
+        return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + row_term - P_SHIFT)
     elif ALIBI:  # already base 2 and scaled, but for the row term
@@ -685,9 +664,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     alpha = gl.exp2(m_i - m_use)
     # (l_i: the per-lane partial sums of _row_sums)
     alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
-    l_i = l_i * alpha_l[:, None]
-    if not SUMS:
-        l_i += _row_sums(p)
+    l_i = l_i * alpha_l[:, None] + _row_sums(p)
     return p, m_new, l_i, alpha
 
 
@@ -906,24 +883,21 @@ def _tile_state(t, num_m, heads, kv_group, batch_heads, seqlen_q, seqlen_k, caus
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, l_acc, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start,
-              row0, offs_m,
+def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
+              offs_m,
               seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh, v_descale,
               dropout_keep, row_layout: gl.constexpr, orow_layout: gl.constexpr,
               o_layout: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
-              DROPOUT: gl.constexpr, SUMS: gl.constexpr):
+              DROPOUT: gl.constexpr):
     """O / l through this consumer's Q buffer (every S of the tile is done) by TMA, which
     clips rows past seqlen_q and columns past the head dim; LSE (base 2) per row. The caller
-    then lets the loader bring a later tile's Q into the buffer. SUMS: l is ``l_i``'s partials
-    (the sinks' share) plus the tensor cores' sums ``l_acc`` (every column holds them)."""
+    then lets the loader bring a later tile's Q into the buffer."""
     SUB_M: gl.constexpr = q_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
     HEAD_DIM_V: gl.constexpr = acc.shape[1]
     dtype: gl.constexpr = q_bufs.dtype
     q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
     l_i = gl.convert_layout(gl.sum(l_i, 1), row_layout)
-    if SUMS:
-        l_i += gl.convert_layout(gl.max(l_acc, 1), row_layout)
     empty = l_i == 0.0
     lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
     l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
@@ -1009,8 +983,7 @@ def _open_tile(q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, g, lo, row0, 
     p, m_i, l_i, alpha = _softmax_step(
         s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
         qk_scale_t, tanh_scale, slope2, alibi_offset,
-        (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI, P_SHIFT, LAZY,
-        (ORDER & ORDER_SUMS) != 0)
+        (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI, P_SHIFT, LAZY)
     if DROPOUT:  # (the row sums l keep every probability; P V only the kept ones)
         p = _dropout(p, _query_group(offs_m), lo * BLOCK_N, drop_bh, dropout_seed,
                      dropout_thresh, False)  # fmt: skip
@@ -1018,12 +991,12 @@ def _open_tile(q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, g, lo, row0, 
 
 
 @gluon.jit
-def _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, l_acc, ones, g, n, seqlen_k_t,
+def _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, g, n, seqlen_k_t,
                 p_layout: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr,
                 VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr,
                 LATE_P: gl.constexpr, PV_IMPRECISE: gl.constexpr):
     """A tile's last P V (block ``n`` - 1, ring step ``g``; ``p16`` its operand, or with
-    LATE_P made here from ``p``), and with ORDER_SUMS its row sums; returns (O, l_acc)."""
+    LATE_P made here from ``p``); returns O."""
     BLOCK_N: gl.constexpr = v_bufs.type.shape[3] if not FP8 else v_bufs.type.shape[4]
     STAGES: gl.constexpr = v_bufs.type.shape[0]
     last, phase = _stage(g, STAGES)
@@ -1035,17 +1008,12 @@ def _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, l_acc, ones, g, n
         p16 = _p_operand(p, p_smem, v_bufs.dtype, p_layout, FP8)
     if ORDER & ORDER_PINGPONG:
         _pingpong(C, CONSUMERS, False)
-    if ORDER & ORDER_SUMS:
-        l_tok = _sums_mma(p16, ones, l_acc)
     acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
     if ORDER & ORDER_PINGPONG:
         _pingpong(C, CONSUMERS, True)
-    if ORDER & ORDER_SUMS:
-        acc, l_acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, p16, v_smem))
-    else:
-        acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
+    acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
     mbarrier.arrive(v_empty.index(last))
-    return acc, l_acc
+    return acc
 
 
 @gluon.jit
@@ -1103,13 +1071,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # (chained tiles need the next tile's Q while this tile's is still in use; the static
     # round robin only: hopper_args)
     CHAIN: gl.constexpr = (ORDER & ORDER_CHAIN) != 0 and Q_BUFS == 2 and not DYNAMIC
-    # SUMS: the row sums by the tensor cores (_sums_mma) into l_acc, issued before each P V
-    # (so that a wait for S leaves P V alone in flight, as without them)
-    SUMS: gl.constexpr = (ORDER & ORDER_SUMS) != 0
-    gl.static_assert(not (SUMS and (FP8 or DROPOUT)), "ORDER_SUMS: 16-bit P, no dropout")
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, SUMS_N, MMA_K])
-    lrow_layout: gl.constexpr = gl.SliceLayout(1, l_layout)
     # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P carried
     # into the next iteration comes out, at three consumers (160 registers), as 16-bit
     # registers whose halves ptxas swaps before the product (32 PRMT per block); a 32-bit P
@@ -1132,18 +1093,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     else:
         aug_k = pin
         aug_q = pin
-    if SUMS:
-        # (K-major, as K^T for S: (SUMS_N, BLOCK_N) taken transposed; an (BLOCK_N, SUMS_N)
-        # block, N-major, faulted at 128 keys on an H200)
-        ones = gl.allocate_shared_memory(
-            dtype, [SUMS_N, BLOCK_N], gl.NVMMASharedLayout.get_default_for([SUMS_N, BLOCK_N],
-                                                                          dtype))  # fmt: skip
-        ones.store(gl.full([SUMS_N, BLOCK_N], 1.0, dtype,
-                           layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
-        fence_async_shared()
-        gl.thread_barrier()  # every warp of the warpgroup has written its rows
-    else:
-        ones = pin
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     it = 0
     lap = 0
@@ -1166,7 +1115,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             CU_K, TILES, tile_group, DESCALE, lap, aug_q, dtype, s_layout, CAUSAL, CONSUMERS,
             WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, C, Q_BUFS, P_SHIFT, SUB_M, BLOCK_N)
         acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-        l_acc = gl.zeros([SUB_M, SUMS_N], gl.float32, layout=l_layout)
         p = gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout)
         p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
         if t < total:
@@ -1190,7 +1138,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 tile_group, DESCALE, lap, aug_q, dtype, s_layout, CAUSAL, CONSUMERS, WINDOW,
                 SOFTCAP, ALIBI, SINKS, VARLEN, FP8, C, Q_BUFS, P_SHIFT, SUB_M, BLOCK_N)
             acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-            l_acc = gl.zeros([SUB_M, SUMS_N], gl.float32, layout=l_layout)
             if not DYNAMIC:
                 mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
         q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
@@ -1228,8 +1175,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s_tok = _alibi_columns(s_tok, aug_q, aug_k, j * BLOCK_N, row0, alibi_offset,
                                            SUB_M)  # fmt: skip
                     s_tok2 = s_tok
-                if SUMS:
-                    l_tok = _sums_mma(p16, ones, l_acc)
                 acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, True)
@@ -1241,7 +1186,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    P_SHIFT, LAZY, SUMS)
+                    P_SHIFT, LAZY)
                 if DROPOUT:
                     p = _dropout(p, drop_rows, j * BLOCK_N, drop_bh, dropout_seed,
                                  dropout_thresh, False)  # fmt: skip
@@ -1253,11 +1198,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     pin.store(l_i)
                 if ORDER & ORDER_PIN_GLOBAL:
                     _pin(l_i, LSE, seqlen_k_t)
-                if SUMS:
-                    acc, l_acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, p16,
-                                                                      v_smem))  # fmt: skip
-                else:
-                    acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
+                acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(v_empty.index(prev))  # nor V_{j-1}
                 if not LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
@@ -1267,13 +1208,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     acc = _rescale(acc, gl.convert_layout(alpha, orow_layout))
                 else:
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-                if SUMS and SOFTCAP != 2:
-                    l_acc = l_acc * gl.convert_layout(alpha, lrow_layout)[:, None]
             if not CHAIN:  # (LATE_P: P's operand made in _close_tile)
-                acc, l_acc = _close_tile(v_bufs, v_ready, v_empty, p, p if LATE_P else p16,
-                                         p_smem, acc, l_acc, ones, it + n - 1 - lo, n,
-                                         seqlen_k_t, p_layout, CONSUMERS, C, VARLEN, FP8, ORDER,
-                                         LATE_P, PV_IMPRECISE)  # fmt: skip
+                acc = _close_tile(v_bufs, v_ready, v_empty, p, p if LATE_P else p16, p_smem, acc,
+                                  it + n - 1 - lo, n, seqlen_k_t, p_layout, CONSUMERS, C, VARLEN,
+                                  FP8, ORDER, LATE_P, PV_IMPRECISE)  # fmt: skip
                 it += n - lo
         if CHAIN:
             # The next work item (its Q was loaded during this tile: two Q buffers), its
@@ -1319,8 +1257,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s_tok = _alibi_columns(s_tok, aug_q, aug_k, lo2 * BLOCK_N, row02,
                                            alibi_offset, SUB_M)  # fmt: skip
                     s_tok2 = s_tok
-                if SUMS:
-                    l_tok = _sums_mma(p16, ones, l_acc)
                 acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, True)
@@ -1330,7 +1266,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s, m_i2, l_i2, lo2 * BLOCK_N, offs_m2, row02, seqlen_k2, causal_offset2,
                     left_offset, qk_scale2, tanh_scale, slope22, alibi_offset,
                     (lo2 >= first_masked2) | (lo2 < left_masked2), CAUSAL, WINDOW, SOFTCAP,
-                    ALIBI, P_SHIFT, LAZY, SUMS)
+                    ALIBI, P_SHIFT, LAZY)
                 if DROPOUT:
                     p_next = _dropout(p_next, _query_group(offs_m2), lo2 * BLOCK_N,
                                       off_b2 * heads + off_h2, dropout_seed, dropout_thresh,
@@ -1339,19 +1275,14 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     pin.store(l_next)
                 if ORDER & ORDER_PIN_GLOBAL:
                     _pin(l_next, LSE, seqlen_k2)
-                if SUMS:
-                    acc, l_acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, p16,
-                                                                      v_smem))  # fmt: skip
-                else:
-                    acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
+                acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(v_empty.index(last))
                 if not LATE_P:
                     p16_next = _p_operand(p_next, p_smem, dtype, p_layout, FP8)
             elif this_one:
-                acc, l_acc = _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, l_acc,
-                                         ones, it + n - 1 - lo, n, seqlen_k_t, p_layout,
-                                         CONSUMERS, C, VARLEN, FP8, ORDER, LATE_P,
-                                         PV_IMPRECISE)  # fmt: skip
+                acc = _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc,
+                                  it + n - 1 - lo, n, seqlen_k_t, p_layout, CONSUMERS, C, VARLEN,
+                                  FP8, ORDER, LATE_P, PV_IMPRECISE)  # fmt: skip
             elif next_one:
                 p_next, m_next, l_next = _open_tile(
                     q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb2, it + blocks, lo2, row02,
@@ -1365,10 +1296,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             it += blocks
         lap += 1
 
-        _epilogue(acc, m_i, l_i, l_acc, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start,
-                  row0, offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
+        _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
+                  offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
                   v_descale, dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8,
-                  DROPOUT, SUMS)
+                  DROPOUT)
         mbarrier.arrive(q_empty.index(qb))
         if CHAIN:  # the next tile's state
             t = t_next
@@ -1393,7 +1324,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             p = p_next
             p16 = p16_next
             acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-            l_acc = gl.zeros([SUB_M, SUMS_N], gl.float32, layout=l_layout)
         elif DYNAMIC:  # (lap counts this tile already)
             mbarrier.wait(q_ready.index((lap % Q_BUFS) * CONSUMERS + C), (lap // Q_BUFS) & 1)
             t = _get_tile(tile_ids.index(lap % Q_BUFS))
@@ -1664,8 +1594,6 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 dropout_keep=1.0)  # fmt: skip
     if variants:
         args.update(variants)
-    if cfg.sums and fp8 is None and not args["DROPOUT"]:  # (16-bit P, every P summed)
-        args["ORDER"] += ORDER_SUMS.value
     if fp8 is not None:
         so = o4.stride()
         args.update(v_desc=_desc(fp8["vt"], head_dim_pad(o4.shape[3]), block_n),
