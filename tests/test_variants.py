@@ -359,8 +359,8 @@ def test_hopper_family_takes_variants(replace):
     assert hopper_bwd.supports(problem) is None
     assert hopper_bwd.auto_mode(problem) == "atomic"
     assert hopper_bwd.auto_mode(dataclasses.replace(problem, deterministic=True)) == "kernel-dq"
-    d64 = dataclasses.replace(_problem(d=64), **replace)  # the deterministic rule: d64
-    assert hopper_bwd.auto_mode(d64) is None  # non-causal stays portable
+    d64 = dataclasses.replace(_problem(d=64), **replace)
+    assert hopper_bwd.auto_mode(d64) is None  # short and non-causal: portable
     assert hopper_bwd.auto_mode(dataclasses.replace(d64, causal=True)) == "atomic"
     assert hopper_bwd.auto_mode(dataclasses.replace(d64, causal=True, deterministic=True)) == (
         "kernel-dq")
