@@ -531,17 +531,20 @@ def test_host_path_passes_the_variants(monkeypatch):
     scale / softcap as tanh_scale (the softmax scale still scales dK), the slopes; the sinks
     stay out (they are in the LSE)."""
     b, h, hk, sq, sk, d = 1, 4, 2, 100, 120, 64
-    q = torch.randn(b, h, sq, d, dtype=torch.bfloat16)
-    k = torch.randn(b, hk, sk, d, dtype=torch.bfloat16)
-    slopes = torch.rand(h)
+    g = torch.Generator().manual_seed(0)  # (the same inputs every run)
+    q = torch.randn(b, h, sq, d, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, hk, sk, d, dtype=torch.bfloat16, generator=g)
+    slopes = torch.rand(h, generator=g)
     problem = dataclasses.replace(_problem(b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, scale=0.5),
                                   causal=True, window_left=30, softcap=20.0,
                                   alibi_slopes=slopes, sinks=torch.zeros(h))  # fmt: skip
     seen = {}
     monkeypatch.setattr(hopper_bwd, "launch", lambda fn, grid, args, *a: seen.update(args))
     monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
-    hopper_bwd.hopper_backward(torch.randn_like(q), q, k, k.clone(), torch.randn_like(q),
-                               torch.randn(b, h, sq), problem)  # fmt: skip
+    do = torch.randn(q.shape, dtype=q.dtype, generator=g)
+    out = torch.randn(q.shape, dtype=q.dtype, generator=g)
+    hopper_bwd.hopper_backward(do, q, k, k.clone(), out, torch.randn(b, h, sq, generator=g),
+                               problem)  # fmt: skip
     assert seen["CAUSAL"] and seen["WINDOW"] and seen["SOFTCAP"] and seen["ALIBI"]
     assert seen["causal_offset"] == sk - sq and seen["left_offset"] == sk - sq - 30
     assert seen["qk_scale"] == pytest.approx(20.0 * hopper_bwd.LOG2E)
