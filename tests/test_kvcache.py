@@ -1258,3 +1258,56 @@ def test_one_split_writes_the_output_without_the_combine(monkeypatch):
         diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                            num_splits=1, sinks=sinks)  # fmt: skip
         assert len(combined) == 2
+
+
+_COMPILE_TABLE = """
+import re
+import torch
+from diyfa._compile import compile_for_sm90
+from diyfa.attention import decode
+
+def values(fn, **args):
+    return {p.name: args.get(p.name, torch.empty(16, dtype=torch.int32 if p.name in (
+        "BLOCK_TABLE", "CACHE_SEQLENS") else torch.bfloat16)) if p.name.isupper() else (
+        1 if p.name.startswith("stride") and p.name.endswith("d") else 1024) for p in fn.params}
+
+base = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
+            HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", WINDOW=False, SOFTCAP=False,
+            ALIBI=False, FP8=False, BLOCK_M=16, DIRECT=False, PDL=True, PDL_WAIT=False,
+            HEAD_DIM_TAIL=0, V_IN_K=False, PAGED=True)
+block_n, warps, _ = decode.PAGED_WAVES
+for page in (16, 256, 0):  # whole pages a block, a block in one page, any page size
+    for asm in (True, False):
+        k = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
+                             PAGE=page, BLOCK_N=block_n, TABLE_ASM=asm), num_warps=warps,
+                             num_stages=3)  # fmt: skip
+        waits = sorted(set(int(w) for w in re.findall(r"cp.async.wait_group\\s+(\\d+);",
+                                                      k.asm["ptx"])))  # fmt: skip
+        print(page, asm, k.metadata.shared, waits)
+"""
+
+
+def test_paged_decode_keeps_its_copies_in_flight():
+    """decode.TABLE_ASM: with the block table read by inline PTX, the paged split kernel's
+    K/V copies are pipelined as the contiguous kernel's are (sm90 PTX: a wait that leaves
+    copies in flight, two K/V tiles of shared memory); with ``tl.load`` (TABLE_ASM off, as
+    under the interpreter) Triton's pipeliner waits for every copy each step and holds one
+    tile, for every way through the table."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_TABLE], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    tile = 64 * 128 * 2  # a 64-key d128 bf16 tile
+    rows = [line.split(" ", 3) for line in done.stdout.strip().splitlines()]
+    assert len(rows) == 6, done.stdout
+    for page, asm, shared, waits in rows:
+        most = max(ast.literal_eval(waits))
+        if asm == "True":
+            assert most >= 1 and int(shared) >= 4 * tile, (page, shared, waits)
+        else:
+            assert most == 0 and int(shared) < 4 * tile, (page, shared, waits)
