@@ -6,8 +6,7 @@ output is first compared with the default's (the same math, max |diff| printed).
 
 Usage (device): python3 benchmarks/decode_ab.py [--out decode_ab.jsonl]
   [--variants "default;64,4,3,2;128,8,3,2"]   (BLOCK_N, warps, stages, programs per SM;
-                 "default": what decode.launch_config picks; a suffix ":asm0" / ":asm1"
-                 sets decode.TABLE_ASM, the paged table read, for that variant)
+                 "default": what decode.launch_config picks)
   [--rounds N]  (the variants measured in turn N times per shape, the best kept)
   [--checked]   (without max_seqlen_k: the lengths read back every call, as before
                  2026-11-24, when that synchronisation hid every launch choice)
@@ -39,21 +38,6 @@ PAGED_SHAPES = [(16, 32, 8, 16384, 16), (16, 32, 8, 16384, 256), (64, 32, 8, 409
                 (128, 32, 8, 512, 16)]  # fmt: skip
 MULTI_SHAPES = [(16, 32, 8, 16384, None), (16, 32, 8, 16384, 16), (16, 32, 8, 16384, 256)]
 DEFAULT_VARIANTS = "64,4,3,2;64,4,3,4;64,4,3,8;64,4,4,8;128,4,3,4;128,8,3,4;64,8,3,8"
-
-
-@contextlib.contextmanager
-def table_asm(on: bool | None):
-    """decode.TABLE_ASM set to ``on`` (None: left as it is) for the calls inside."""
-    saved = decode.TABLE_ASM
-    if on is not None:
-        decode.TABLE_ASM = on
-        decode._PREPARED.clear()
-    try:
-        yield
-    finally:
-        if on is not None:
-            decode.TABLE_ASM = saved
-            decode._PREPARED.clear()
 
 
 @contextlib.contextmanager
@@ -119,14 +103,8 @@ def main() -> int:
     from triton.testing import do_bench
 
     # ("default": the launch decode.launch_config picks, WIDE / PAGED_WAVES included)
-    variants = []
-    for v in a.variants.split(";"):
-        if not v:
-            continue
-        launch, _, asm = v.partition(":")
-        variants.append((launch if launch == "default" else tuple(int(x) for x in
-                                                                    launch.split(",")),
-                         {"asm0": False, "asm1": True}[asm] if asm else None))
+    variants = [v if v == "default" else tuple(int(x) for x in v.split(","))
+                for v in a.variants.split(";") if v]  # fmt: skip
     env, copy = run_record()
     table = []
     with open(a.out, "w") as out:
@@ -137,16 +115,14 @@ def main() -> int:
             nbytes = 2 * b * n * hk * 128 * 2 + 2 * q.numel() * 2
             row = {"b": b, "h": h, "hk": hk, "n": n, "page": page, "tokens": a.tokens}
             ref = None
-            for var, asm in [v for _ in range(a.rounds) for v in variants]:
+            for var in [v for _ in range(a.rounds) for v in variants]:
                 name = var if var == "default" else "v" + "-".join(map(str, var))
-                name += "" if asm is None else f":asm{int(asm)}"
                 try:
                     bound = {} if a.checked else {"max_seqlen_k": n}
                     fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,
                                            cache_seqlens=seqlens, block_table=tbl,
                                            **bound)  # fmt: skip
-                    with table_asm(asm), (contextlib.nullcontext() if var == "default"
-                                          else variant(*var)):  # fmt: skip
+                    with contextlib.nullcontext() if var == "default" else variant(*var):
                         o = fn()
                         ref = o if ref is None else ref
                         diff = (o.float() - ref.float()).abs().max().item()

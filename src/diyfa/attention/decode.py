@@ -124,14 +124,6 @@ PAGED_WAVES_FP8 = (128, 4, 3)
 # asserts on, is never read out of bounds), the combine for the splits. It hides the check
 # (~1 us) and a kernel boundary per launch. ``DIYFA_DECODE_PDL=0`` turns it off.
 PDL = os.environ.get("DIYFA_DECODE_PDL", "1") != "0"
-# Paged caches on a GPU: the block table read by inline PTX (_table_entries), not tl.load.
-# With tl.load Triton's pipeliner makes the table read an asynchronous copy two blocks
-# ahead, like the K/V tiles whose addresses it gives, and then waits for every copy in
-# flight (cp.async.wait_group 0) at the top of each step: the copies of block j + 1 are
-# issued at the end of step j and waited for at once, so a paged program never overlaps a
-# copy with its math (sm90 PTX and its 39 KB of shared memory, one K and one V tile,
-# against the contiguous kernel's wait_group 2; read 2026-11-25).
-TABLE_ASM = True
 # Head dims above 256 (MLA's decode form: 576 / 512, one latent kv head shared by 16-128
 # query heads). Programs of <= 16 query rows (16 heads a GPU at 8-way tensor parallelism):
 # 32-key blocks (a 576-wide key tile is 36 KB in bf16), 4 warps, two programs per SM, three
@@ -241,18 +233,6 @@ def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int,
 
 
 @triton.jit
-def _table_entries(ptrs, mask, ASM: tl.constexpr):
-    """Block-table entries at ``ptrs`` (0 where ``mask`` is off): by a plain global load in
-    inline PTX where ASM (:data:`TABLE_ASM`; a GPU), which Triton's pipeliner does not turn
-    into an asynchronous copy, else by ``tl.load``."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }",
-            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
-    return tl.load(ptrs, mask=mask, other=0)
-
-
-@triton.jit
 def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   stride_qb, stride_qs, stride_qh, stride_qd,
                   stride_ob, stride_os, stride_oh, stride_od,
@@ -268,8 +248,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                   PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PAGE: tl.constexpr,
-                  HEAD_DIM_TAIL: tl.constexpr = 0, V_IN_K: tl.constexpr = False,
-                  TABLE_ASM: tl.constexpr = False):
+                  HEAD_DIM_TAIL: tl.constexpr = 0, V_IN_K: tl.constexpr = False):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group
     against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
     query r % seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no
@@ -280,9 +259,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     and pages to the pool [0, ``pool``): a no-op for checked inputs, and no read out of
     bounds for bad ones while the device check, which asserts on them, runs alongside.
     PAGE: the page size where it is a power of two (a block then reads one table entry per
-    page it covers, not one per key, and divides by shifts), else 0. TABLE_ASM (a GPU,
-    :data:`TABLE_ASM`): the table read by :func:`_table_entries`' inline PTX, an entry per
-    key, so that the K/V copies stay pipelined.
+    page it covers, not one per key, and divides by shifts), else 0.
 
     Head dims above 256 (MLA's decode form, 576 / 512: :func:`head_chunks`): q's and k's
     columns are two power-of-two chunks, [0, HEAD_DIM_PAD) and HEAD_DIM_TAIL more after
@@ -356,14 +333,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        if PAGED and TABLE_ASM and PAGE > 0:
-            # each key its page's entry (a warp's loads of one entry are one transaction)
-            page = _table_entries(BLOCK_TABLE + off_b * stride_tb + offs_n // PAGE, n_ok,
-                                  TABLE_ASM).to(tl.int64)  # fmt: skip
-            page = tl.minimum(tl.maximum(page, 0), pool - 1)
-            k_rows = page * stride_kb + (offs_n % PAGE).to(tl.int64) * stride_ks
-            v_rows = page * stride_vb + (offs_n % PAGE).to(tl.int64) * stride_vs
-        elif PAGED and PAGE >= BLOCK_N:  # the block lies in one page: one table entry
+        if PAGED and PAGE >= BLOCK_N:  # the block lies in one page: one table entry
             page = tl.load(BLOCK_TABLE + off_b * stride_tb + start_n // PAGE).to(tl.int64)
             page = tl.minimum(tl.maximum(page, 0), pool - 1)
             within = (start_n % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -380,8 +350,8 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
             k_rows = page * stride_kb + within * stride_ks
             v_rows = page * stride_vb + within * stride_vs
         elif PAGED:  # any page size: an entry per key
-            page = _table_entries(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, n_ok,
-                                  TABLE_ASM).to(tl.int64)  # fmt: skip
+            page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_ok,
+                           other=0).to(tl.int64)  # fmt: skip
             page = tl.minimum(tl.maximum(page, 0), pool - 1)
             k_rows = page * stride_kb + (offs_n % page_size) * stride_ks
             v_rows = page * stride_vb + (offs_n % page_size) * stride_vs
@@ -845,7 +815,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
         PAGE=_pow2_page(k_cache.shape[1]) if paged else 0, HEAD_DIM_TAIL=d_tail,
-        V_IN_K=v_in_k, TABLE_ASM=paged and q.is_cuda and TABLE_ASM,
+        V_IN_K=v_in_k,
     )  # fmt: skip
     combine_args = dict(
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
