@@ -4,7 +4,7 @@ process on an sm90 GPU.
 Modes: 1 promotes Q K^T's fp8 sums into fp32 every 32 products and P V's once per key block
 (the portable kernel's recipe), 2 only P V's, 3 only Q K^T's, 4 neither (the tensor cores'
 reduced-precision sums throughout), 5 Q K^T as two halves of the head dim added in fp32;
-0 the default (4 at d64, 5 above, each with its config: ``hopper_fwd.fp8_config``).
+0 the default (4 at d64, 5 at d128, 3 at d256, each with its config: ``hopper_fwd.fp8_config``).
 For each shape: TFLOPS (``triton.testing.do_bench``
 median, causal halved) of each mode next to diyfa's bf16 forward, and each mode's largest
 output error and LSE error against float64 attention of the dequantised inputs, on random

@@ -104,11 +104,11 @@ def test_hopper_kernel_compiles_and_fits(dtype):
 def test_hopper_fp8_kernel_compiles_and_fits():
     """The fp8 forward (e4m3 q, k, v; V^T blocks; P through shared memory) compiles for sm90a
     at each padded head dim, causal or not, with both products on fp8 wgmma (k32) and its
-    shared memory within a block's 227 KB; in the default sums modes (4 at d64, 5 above) and
-    in mode 4 with its wider blocks at every head dim. Spills are bounded as measured, so
-    that more shows up here: 0-44 bytes, but for mode 4's 256-key blocks at d128 (S alone is
-    128 registers a thread; 248-560 bytes, and still its fastest config measured:
-    hopper_fwd.FP8_CONFIGS_UNPROMOTED) and its 128-key blocks at d256 (80-104)."""
+    shared memory within a block's 227 KB; in the default sums modes (4 at d64, 5 at d128, 3
+    at d256) and in mode 4 with its wider blocks at every head dim. Spills are bounded as
+    measured, so that more shows up here: 0-44 bytes, but for mode 4's 256-key blocks at
+    d128 (S alone is 128 registers a thread; 248-560 bytes, and still its fastest config
+    measured: hopper_fwd.FP8_CONFIGS_UNPROMOTED) and its 128-key blocks at d256 (80-104)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, "float8_e4m3fn"], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip

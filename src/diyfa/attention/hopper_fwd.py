@@ -1740,7 +1740,7 @@ def _no_counter(device) -> torch.Tensor:
 # halves of 32 products, exactly 3's errors) and passes the tests' LSE bound
 # (tests/test_fp8_attention.py, GPU, 24 cases). 3 keeps the LSE error lowest (1.2e-2); 4 is
 # FlashAttention-3's choice, the fastest.
-# The default (0, "auto", 2026-11-24): mode 4 at head dim 64, mode 5 above. At d64 mode 4's
+# The default (0, "auto"): mode 4 at head dim 64, mode 5 at 128, mode 3 at 256. At d64 mode 4's
 # one product is 64 fp8 products long, as each of mode 5's halves at d128, and with its
 # single accumulator it takes 256-key blocks (FP8_CONFIGS_UNPROMOTED): 555 against 398
 # TFLOPS (b4 h32 4096; ..._fp8-speed-mode4_847848b.txt, ..._rescale-tau-ab_ba74254.txt),
@@ -1748,6 +1748,15 @@ def _no_counter(device) -> torch.Tensor:
 # d128 (one product of 128), tried as the default the same day for its speed, broke the
 # tests' LSE bound (2^-10 of sum_c |q_c k_c|) by 9-14% on 4 of 24 GPU cases (d128, 1000
 # queries x 1531 keys, causal or not; benchmarks/results/*_gpu-tests-fp8-mode4_847848b.txt).
+# Mode 5 at d256 (halves of 128 products, as mode 4's one product at d128) broke the same
+# bound too: found by the GPU fuzz at 14a9395 (1 x 2 heads, 438 x 5255, causal, outlier
+# channels: LSE off by 0.518 against 0.485 allowed), then 6 of 15 cases around it failed in
+# mode 5 (up to 0.638 against 0.500), 12 of 15 in mode 4, none in mode 3 (H200, 2026-11-25,
+# benchmarks/results/2026-11-25_h200_fp8-d256-sums_58ef716.txt). So d256 runs mode 3 by
+# default: Q K^T promoted every 32 products, its LSE error 6.5e-3 against mode 5's 4.6e-2,
+# at 0.70-0.78x mode 5's speed and 0.87-0.93x the bf16 forward's (b4 h8 4096: 621.6 against
+# 857.5 and 690.2 TFLOPS; b1 h8 16k causal 699.5 / 918.2 / 749.7). DIYFA_FP8_ATTN_SUMS=5
+# keeps the speed, with those errors.
 def _fp8_sums_from_env() -> int:
     """FP8_PROMOTION's value at import: DIYFA_FP8_ATTN_SUMS (1..5, or "auto": 0, the
     default, :func:`fp8_mode`)."""
@@ -1778,8 +1787,10 @@ FP8_PINS = {64: 0, 128: 1, 256: 0}
 
 def fp8_mode(head_dim_padded: int) -> int:
     """The fp8 sums mode the kernel runs at a padded head dim (FP8_PROMOTION; "auto": 4 at
-    d64, 5 above)."""
-    return FP8_PROMOTION or (4 if head_dim_padded <= 64 else 5)
+    d64, 5 at d128, 3 at d256)."""
+    if FP8_PROMOTION:
+        return FP8_PROMOTION
+    return 4 if head_dim_padded <= 64 else 5 if head_dim_padded <= 128 else 3
 
 
 def fp8_config(head_dim_padded: int) -> Config:
