@@ -256,6 +256,14 @@ def auto_mode(p: Problem) -> str | None:
     kernel: the deterministic mode's path), "atomic" (this kernel with its atomic dQ) or
     None (the portable backward).
 
+    The rule now: "kernel-dq" when ``deterministic`` (or torch's deterministic algorithms)
+    asks for it, else "atomic", variants and packed sequences alike; at head dims <= 64
+    without the causal band, below ``ATOMIC_D64_KEYS`` keys and ``SHORT_WORK_D64`` scores,
+    the portable backward; past 65535 (batch x heads) the portable backward (d256: the
+    atomic dQ unless deterministic); d256 otherwise as ``WIDE_DQ_ATOMIC`` says. The
+    paragraphs below are how each part of it was measured, oldest first: a later one
+    overrides what an earlier one kept.
+
     ``DIYFA_HOPPER_BWD=0`` turns the Gluon backward off for "auto", ``=1`` runs it wherever
     it applies, in the mode ``deterministic`` asks for. Unset: the measured rule, from one
     H200 run with every mode side by side (2026-11-23, benchmarks/results/*_fa4_9f4758b.jsonl,
