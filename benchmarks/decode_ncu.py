@@ -10,7 +10,8 @@ cached tokens, bf16, one new token) with a contiguous cache or pages of ``--page
       --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section SourceCounters \
       python3 benchmarks/decode_ncu.py --page 16
-(``--fp8``: the cache in e4m3, issue 18's fp8 cache.)
+(``--fp8``: the cache in e4m3, issue 18's fp8 cache; ``--tokens N``: N new query tokens
+per sequence, causal.)
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--cached", type=int, default=16384)
     ap.add_argument("--fp8", action="store_true", help="an e4m3 cache (unit descales)")
+    ap.add_argument("--tokens", type=int, default=1, help="new query tokens per sequence")
     a = ap.parse_args()
-    q, k, v, seqlens, table = inputs(a.batch, 32, 8, a.cached, a.page or None)
+    q, k, v, seqlens, table = inputs(a.batch, 32, 8, a.cached, a.page or None,
+                                     tokens=a.tokens)  # fmt: skip
     extra = {}
     if a.fp8:
         k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
@@ -45,7 +48,8 @@ def main() -> int:
         out = diyfa.flash_attention_with_kvcache(q, k, v, cache_seqlens=seqlens,
                                                  block_table=table, **extra)  # fmt: skip
     torch.cuda.synchronize()
-    print("page", a.page, "out", tuple(out.shape), float(out.float().abs().mean()))
+    print("page", a.page, "tokens", a.tokens, "out", tuple(out.shape),
+          float(out.float().abs().mean()))
     return 0
 
 
