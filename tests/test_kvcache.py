@@ -459,9 +459,9 @@ def test_kvcache_bad_max_seqlen_k(value, err, match):
 
 
 def test_pick_splits_fills_whole_waves(monkeypatch):
-    """Paged 16-bit caches (decode.PAGED_WAVES: 3 programs per SM): the fewest splits whose
-    last wave is 90% full on a 132-SM GPU, as the H200 A/B found best; the others keep the
-    programs-per-SM rule."""
+    """Whole waves (paged caches, decode.PAGED_WAVES; 3 programs per SM below): the fewest
+    splits whose last wave is 90% full on a 132-SM GPU, as the H200 A/B found best; the
+    others keep the programs-per-SM rule."""
     from diyfa.attention import decode
 
     monkeypatch.setattr(decode, "kernel_limits", lambda index: {"sm_count": 132})
@@ -478,9 +478,9 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(False, 128, 128, 1, True) == (
         decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, False)  # fp8: the defaults
     assert decode.launch_config(False, 128, 128, 4, True)[0] == decode.BLOCK_N  # fp32: default
-    # 8 new tokens x a group of 4 = 32 rows a program: 128-key blocks, 2 per SM (16-bit)
+    # 8 new tokens x a group of 4 = 32 rows a program: the same launch (16-bit)
     assert decode.launch_config(True, 128, 128, 2, True, block_m=32) == (
-        *decode.PAGED_WAVES_MULTI, True)
+        *decode.PAGED_WAVES, True)
     assert decode.launch_config(True, 128, 128, 1, True, block_m=32)[2] == 2  # fp8
     # ... and contiguous ones take WIDE_MULTI's launch
     assert decode.launch_config(False, 128, 128, 2, True, block_m=32) == (
@@ -545,7 +545,7 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
     # versions), no variant; the contiguous one writing its output directly (one split)
     for paged, launch, rows in ((False, decode.WIDE, 16),
                                 (True, decode.PAGED_WAVES_FP8 if fp8 else decode.PAGED_WAVES, 16),
-                                (True, decode.PAGED_WAVES_MULTI, 32)):  # fmt: skip
+                                (True, decode.PAGED_WAVES, 32)):  # fmt: skip
         block_n, warps, _ = launch
         plain = dict(args, BLOCK_N=block_n, PAGED=paged, WINDOW=False, SOFTCAP=False,
                      ALIBI=False, DIRECT=not paged, BLOCK_M=rows)  # fmt: skip
@@ -850,7 +850,7 @@ def test_gpu_kvcache_mla(latent, paged, h):
 def test_gpu_kvcache(paged, tokens):
     """New tokens appended and attended causally, against float64. 8 new tokens x a GQA
     group of 4 = 32 query rows a program: the launch for such programs (decode.WIDE_MULTI on
-    a contiguous cache, PAGED_WAVES with 2 programs per SM on a paged one)."""
+    a contiguous cache, PAGED_WAVES on a paged one)."""
     (q, k_cache, v_cache, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
      after_v) = _setup(torch.bfloat16, tokens, tokens, h=32, hk=8, d=128,
                        device="cuda")  # fmt: skip

@@ -94,25 +94,25 @@ WIDE_MULTI = (64, 4, 3)
 SHORT = (64, 4, 2)
 SHORT_STAGES = 4
 SHORT_KEYS = 1024
-# Paged 16-bit caches at head dims <= 128 on a GPU: 64-key blocks, 4 warps, and the split
-# count that fills whole waves of the 3 programs an SM holds (3 stages of 64-key d128
-# tiles: ~72 KB of shared memory each). The paged A/B (decode_ab.py --paged, pages of 16
-# unless said, GB/s; 2 programs per SM against the best variant): b16 x 16k 3,849 (3
-# splits, 0.97 of a wave, the best there), b64 x 4k 2,987 / 3,710 (3 splits), b4 x 64k
-# 3,018 / 3,715, 32 kv heads 3,183 / 4,151 (3 splits), b1 x 128k (pages of 256) 2,884 /
-# 3,475; this rule picks 3 splits for those three and whole waves for the others.
-PAGED_WAVES = (64, 4, 3)
-# ... and paged programs of more than 16 query rows (8 new tokens x a group of 4): 128-key
-# blocks, 4 warps, whole waves of 2 per SM. H200, bf16 d128, b16 32/8 16k, 8 new tokens, one
-# process (..._decode-paged-ab_48710d6.jsonl, GB/s, contiguous 4,002): pages of 16 3,159
-# against PAGED_WAVES' 2,622, pages of 256 3,219 / 2,716; one new token kept PAGED_WAVES
-# (b16 x 16k pages of 16 3,730 against 3,596).
-PAGED_WAVES_MULTI = (128, 4, 2)
+# Paged 16-bit caches at head dims <= 128 on a GPU: 128-key blocks, 4 warps, and the split
+# count that fills whole waves of the 2 programs an SM holds (ncu at 32 query rows, 8 new
+# tokens: 82 KB of shared memory and 255 registers a program, 2 resident by both). History:
+# 64-key blocks at 3 programs per SM had won the paged A/B of 2026-11-24 (decode_ab.py
+# --paged; ..._decode-paged-ab_48710d6.jsonl: b16 x 16k pages of 16 3,730 against 3,596 for
+# these), and programs of more than 16 query rows (8 new tokens x a group of 4) took these
+# already (3,159 against 2,622). Measured again on 2026-11-25, since the kernel reads one
+# table entry per page (H200, bf16 d128, one process, best of 2; a scratch version of
+# benchmarks/paged_launch_ab.py, benchmarks/results/2026-11-25_h200_paged-launch-ab_7e85611
+# .{txt,jsonl}), GB/s (ratio to the contiguous cache in the same process), 64-4-3 / these:
+# b16 x 16k pages of 16 4,018 (0.953) / 4,073 (0.966), b64 x 4k 3,943 (0.942) / 4,109
+# (0.982), b128 x 512 3,201 (0.941) / 3,232 (0.950), b4 x 64k 4,068 (0.987) / 4,083 (0.991);
+# 8 warps lost everywhere (0.62-0.98 of the contiguous cache).
+PAGED_WAVES = (128, 4, 2)
 # fp8 (e4m3) caches. H200 (benchmarks/fp8_decode.py --launches, one process each run,
 # ..._fp8-decode-launches_b045090.jsonl and ..._fp8-decode_6f68b6b.jsonl), fp8 tokens/s over
 # the bf16 cache's: contiguous 0.81-0.91 with 256-key blocks, 1.04-1.08 with WIDE's, 1.07-1.15
 # with the defaults above (the run before, whose bf16 numbers were the same): the defaults
-# (None); paged 1.01-1.05 with 128-key blocks, 0.57-0.73 with PAGED_WAVES' 64 and 0.57-0.76
+# (None); paged 1.01-1.05 with 128-key blocks, 0.57-0.73 with 64-key blocks and 0.57-0.76
 # with the defaults.
 WIDE_FP8 = None
 PAGED_WAVES_FP8 = (128, 4, 3)
@@ -184,12 +184,11 @@ def pdl_on(device: torch.device) -> bool:
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
                   block_m: int = 16, latent: bool = False,
                   max_shared: int = SM90_SHARED) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI,
-    PAGED_WAVES and PAGED_WAVES_MULTI; whole waves: :func:`pick_splits` counts the programs
-    per SM as the ones resident and fills whole waves of them). ``block_m``: the query rows
-    of a program (the GQA group x new tokens, padded); paged programs of more than 16 rows
-    hold more registers (ptxas, sm90, bf16 d128: 161 at 16 rows, 203 at 32, 187 at 64; 4
-    warps), so 2 of them fit an SM, not 3. Head dims above 256: WIDE_HEAD and its group
+    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI
+    and PAGED_WAVES; whole waves: :func:`pick_splits` counts the programs per SM as the ones
+    resident and fills whole waves of them). ``block_m``: the query rows of a program (the
+    GQA group x new tokens, padded); paged fp8 programs of more than 16 rows hold more
+    registers, so at most 2 of them run an SM. Head dims above 256: WIDE_HEAD and its group
     launches (``latent``: one latent cache, the key tile read as the value tile; fp32 with
     16-key blocks below WIDE_HEAD_GROUP_SHARED bytes of ``max_shared``)."""
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
@@ -203,8 +202,6 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
     if wide and narrow and not paged:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
-        if block_m > 16 and elem_bytes == 2:
-            return (*PAGED_WAVES_MULTI, True)
         block_n, warps, per_sm = paged_waves
         return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
