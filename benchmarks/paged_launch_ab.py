@@ -1,11 +1,13 @@
-"""Paged decode launches A/B: ``decode.PAGED_WAVES`` (BLOCK_N, warps, programs per SM; the
-split count fills whole waves of them) and the pipeline depth, against the default and the
-same cache contiguous, in one process on a CUDA GPU. GB/s = (K and V bytes read + q + out) /
-time (``triton.testing.do_bench`` medians, the best of the rounds); each variant's output
-is compared with the default's first.
+"""Paged decode launches A/B: ``decode.PAGED_WAVES`` and ``PAGED_WAVES_LARGE_PAGES`` (BLOCK_N,
+warps, programs per SM; the split count fills whole waves of them) and the pipeline depth,
+against the default and the same cache contiguous, in one process on a CUDA GPU. GB/s = (K
+and V bytes read + q + out) / time (``triton.testing.do_bench`` medians, the best of the
+rounds); each variant's output is compared with the default's first.
 
 Usage (device): python3 benchmarks/paged_launch_ab.py OUT.jsonl
-  [--variants "128,4,2,3;64,4,3,3"]  (BLOCK_N, warps, programs per SM, stages)
+  [--variants "128,4,2,3;64,4,3,3;128,4,2,3,0"]  (BLOCK_N, warps, programs per SM, stages;
+                 a fifth 0: the kernel's table read per key, PAGE = 0, instead of one read
+                 per page; -1: per key with the page size compiled in, PAGE < 0)
   [--shapes "16,1,16384,16;64,1,4096,16"]  (batch, new tokens, cached, page size; 32 q
                                             heads / 8 kv heads, d128, bf16)
   [--rounds 2]
@@ -51,7 +53,8 @@ def main() -> int:
     a = ap.parse_args()
     env, copy = run_record()
     variants = ["contig", "default", *_parse(a.variants)]
-    saved = decode.PAGED_WAVES, decode.split_stages
+    saved = (decode.PAGED_WAVES, decode.PAGED_WAVES_LARGE_PAGES, decode.split_stages,
+             decode._pow2_page)
     rows = []
     with open(a.out, "w") as f:
         f.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")
@@ -66,8 +69,12 @@ def main() -> int:
                     name = var if isinstance(var, str) else "-".join(map(str, var))
                     q, k, v, seqlens, table = data[var != "contig"]
                     if isinstance(var, tuple):
-                        decode.PAGED_WAVES = var[:3]
+                        decode.PAGED_WAVES = decode.PAGED_WAVES_LARGE_PAGES = var[:3]
                         decode.split_stages = lambda *_, _s=var[3], **__: _s
+                        if len(var) > 4 and var[4] == 0:
+                            decode._pow2_page = lambda _page: 0
+                        elif len(var) > 4 and var[4] < 0:  # (the kernel's PAGE < 0 branch)
+                            decode._pow2_page = lambda page: -page
                     decode._PREPARED.clear()  # (launches kept from another variant)
                     try:
                         fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,
@@ -82,7 +89,8 @@ def main() -> int:
                         gbps = round(nbytes / (_time(fn) * 1e-3) / 1e9)
                         row[name] = max(row.get(name, 0), gbps)
                     finally:
-                        decode.PAGED_WAVES, decode.split_stages = saved
+                        (decode.PAGED_WAVES, decode.PAGED_WAVES_LARGE_PAGES,
+                         decode.split_stages, decode._pow2_page) = saved
                         decode._PREPARED.clear()
             del data
             torch.cuda.empty_cache()

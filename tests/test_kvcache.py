@@ -478,9 +478,16 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(False, 128, 128, 1, True) == (
         decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, False)  # fp8: the defaults
     assert decode.launch_config(False, 128, 128, 4, True)[0] == decode.BLOCK_N  # fp32: default
-    # 8 new tokens x a group of 4 = 32 rows a program: the same launch (16-bit)
-    assert decode.launch_config(True, 128, 128, 2, True, block_m=32) == (
+    # pages of LARGE_PAGE keys or more at <= 16 rows a program: 64-key blocks, 3 per SM
+    big = decode.LARGE_PAGE
+    assert decode.launch_config(True, 128, 128, 2, True, page=big) == (
+        *decode.PAGED_WAVES_LARGE_PAGES, True)
+    assert decode.launch_config(True, 128, 128, 2, True, page=big // 2) == (
         *decode.PAGED_WAVES, True)
+    # 8 new tokens x a group of 4 = 32 rows a program: PAGED_WAVES at any page size (16-bit)
+    for page in (16, big, 2 * big):
+        assert decode.launch_config(True, 128, 128, 2, True, block_m=32, page=page) == (
+            *decode.PAGED_WAVES, True)
     assert decode.launch_config(True, 128, 128, 1, True, block_m=32)[2] == 2  # fp8
     # ... and contiguous ones take WIDE_MULTI's launch
     assert decode.launch_config(False, 128, 128, 2, True, block_m=32) == (
@@ -545,7 +552,8 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
     # versions), no variant; the contiguous one writing its output directly (one split)
     for paged, launch, rows in ((False, decode.WIDE, 16),
                                 (True, decode.PAGED_WAVES_FP8 if fp8 else decode.PAGED_WAVES, 16),
-                                (True, decode.PAGED_WAVES, 32)):  # fmt: skip
+                                (True, decode.PAGED_WAVES, 32),
+                                (True, decode.PAGED_WAVES_LARGE_PAGES, 16)):  # fmt: skip
         block_n, warps, _ = launch
         plain = dict(args, BLOCK_N=block_n, PAGED=paged, WINDOW=False, SOFTCAP=False,
                      ALIBI=False, DIRECT=not paged, BLOCK_M=rows)  # fmt: skip

@@ -106,8 +106,16 @@ SHORT_KEYS = 1024
 # .{txt,jsonl}), GB/s (ratio to the contiguous cache in the same process), 64-4-3 / these:
 # b16 x 16k pages of 16 4,018 (0.953) / 4,073 (0.966), b64 x 4k 3,943 (0.942) / 4,109
 # (0.982), b128 x 512 3,201 (0.941) / 3,232 (0.950), b4 x 64k 4,068 (0.987) / 4,083 (0.991);
-# 8 warps lost everywhere (0.62-0.98 of the contiguous cache).
+# 8 warps lost everywhere (0.62-0.98 of the contiguous cache). With pages of 256 and 16 query
+# rows the 64-key launch stayed ahead (same run as below: b16 x 16k 0.915 against 0.967, b1 x
+# 128k 0.934 against 0.960; with 8 new tokens 128-key blocks, 0.993), so programs of <= 16
+# rows over pages of LARGE_PAGE keys or more keep it (PAGED_WAVES_LARGE_PAGES). Confirmed in
+# a second process (..._paged-launch-ab_3468bf3.{txt,jsonl}, best of 3, these / 64-4-3):
+# pages of 16 b16 x 16k 0.974 / 0.959, b64 x 4k 0.982 / 0.947, b128 x 512 0.948 / 0.935, b4
+# x 64k 0.984 / 0.982, 2 / 4 new tokens 0.976 / 0.956, 0.974 / 0.956; 8 new tokens 0.900.
 PAGED_WAVES = (128, 4, 2)
+PAGED_WAVES_LARGE_PAGES = (64, 4, 3)
+LARGE_PAGE = 128
 # fp8 (e4m3) caches. H200 (benchmarks/fp8_decode.py --launches, one process each run,
 # ..._fp8-decode-launches_b045090.jsonl and ..._fp8-decode_6f68b6b.jsonl), fp8 tokens/s over
 # the bf16 cache's: contiguous 0.81-0.91 with 256-key blocks, 1.04-1.08 with WIDE's, 1.07-1.15
@@ -182,13 +190,14 @@ def pdl_on(device: torch.device) -> bool:
 
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
-                  block_m: int = 16, latent: bool = False,
-                  max_shared: int = SM90_SHARED) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI
-    and PAGED_WAVES; whole waves: :func:`pick_splits` counts the programs per SM as the ones
-    resident and fills whole waves of them). ``block_m``: the query rows of a program (the
-    GQA group x new tokens, padded); paged fp8 programs of more than 16 rows hold more
-    registers, so at most 2 of them run an SM. Head dims above 256: WIDE_HEAD and its group
+                  block_m: int = 16, latent: bool = False, max_shared: int = SM90_SHARED,
+                  page: int = 0) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI,
+    PAGED_WAVES and PAGED_WAVES_LARGE_PAGES; whole waves: :func:`pick_splits` counts the
+    programs per SM as the ones resident and fills whole waves of them). ``block_m``: the
+    query rows of a program (the GQA group x new tokens, padded); paged fp8 programs of more
+    than 16 rows hold more registers, so at most 2 of them run an SM. ``page``: a paged
+    cache's page size. Head dims above 256: WIDE_HEAD and its group
     launches (``latent``: one latent cache, the key tile read as the value tile; fp32 with
     16-key blocks below WIDE_HEAD_GROUP_SHARED bytes of ``max_shared``)."""
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
@@ -203,6 +212,8 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
         block_n, warps, per_sm = paged_waves
+        if elem_bytes == 2 and block_m <= 16 and page >= LARGE_PAGE:
+            block_n, warps, per_sm = PAGED_WAVES_LARGE_PAGES
         return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
 
@@ -346,6 +357,13 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
             within = (tl.arange(0, BLOCK_N) % PAGE).to(tl.int64)
             k_rows = page * stride_kb + within * stride_ks
             v_rows = page * stride_vb + within * stride_vs
+        elif PAGED and PAGE < 0:  # (A/B: an entry per key, the page size -PAGE compiled in)
+            PG: tl.constexpr = -PAGE
+            page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // PG, mask=n_ok,
+                           other=0).to(tl.int64)  # fmt: skip
+            page = tl.minimum(tl.maximum(page, 0), pool - 1)
+            k_rows = page * stride_kb + (offs_n % PG).to(tl.int64) * stride_ks
+            v_rows = page * stride_vb + (offs_n % PG).to(tl.int64) * stride_vs
         elif PAGED:  # any page size: an entry per key
             page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_ok,
                            other=0).to(tl.int64)  # fmt: skip
@@ -764,7 +782,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
     block_n, warps, per_sm, waves = launch_config(paged, d_pad + d_tail, dv_pad,
                                                   k_cache.element_size(), q.is_cuda,
-                                                  block_m, v_in_k, max_shared)  # fmt: skip
+                                                  block_m, v_in_k, max_shared,
+                                                  k_cache.shape[1] if paged else 0)  # fmt: skip
     short = (block_n, warps, per_sm) == WIDE and short_cache(
         max_seqlen_k, b * hk, kernel_limits(q.device.index)["sm_count"])  # (WIDE: a GPU)
     if short:
