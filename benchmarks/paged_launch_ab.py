@@ -7,7 +7,7 @@ rounds); each variant's output is compared with the default's first.
 Usage (device): python3 benchmarks/paged_launch_ab.py OUT.jsonl
   [--variants "128,4,2,3;64,4,3,3;128,4,2,3,0"]  (BLOCK_N, warps, programs per SM, stages;
                  a fifth 0: the kernel's table read per key, PAGE = 0, instead of one read
-                 per page; -1: per key with the page size compiled in, PAGE < 0)
+                 per page)
   [--shapes "16,1,16384,16;64,1,4096,16"]  (batch, new tokens, cached, page size; 32 q
                                             heads / 8 kv heads, d128, bf16)
   [--rounds 2]
@@ -73,8 +73,6 @@ def main() -> int:
                         decode.split_stages = lambda *_, _s=var[3], **__: _s
                         if len(var) > 4 and var[4] == 0:
                             decode._pow2_page = lambda _page: 0
-                        elif len(var) > 4 and var[4] < 0:  # (the kernel's PAGE < 0 branch)
-                            decode._pow2_page = lambda page: -page
                     decode._PREPARED.clear()  # (launches kept from another variant)
                     try:
                         fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,

@@ -357,13 +357,6 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
             within = (tl.arange(0, BLOCK_N) % PAGE).to(tl.int64)
             k_rows = page * stride_kb + within * stride_ks
             v_rows = page * stride_vb + within * stride_vs
-        elif PAGED and PAGE < 0:  # (A/B: an entry per key, the page size -PAGE compiled in)
-            PG: tl.constexpr = -PAGE
-            page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // PG, mask=n_ok,
-                           other=0).to(tl.int64)  # fmt: skip
-            page = tl.minimum(tl.maximum(page, 0), pool - 1)
-            k_rows = page * stride_kb + (offs_n % PG).to(tl.int64) * stride_ks
-            v_rows = page * stride_vb + (offs_n % PG).to(tl.int64) * stride_vs
         elif PAGED:  # any page size: an entry per key
             page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_ok,
                            other=0).to(tl.int64)  # fmt: skip
