@@ -109,7 +109,8 @@ SHORT_KEYS = 1024
 # 8 warps lost everywhere (0.62-0.98 of the contiguous cache). With pages of 256 and 16 query
 # rows the 64-key launch stayed ahead (same run as below: b16 x 16k 0.915 against 0.967, b1 x
 # 128k 0.934 against 0.960; with 8 new tokens 128-key blocks, 0.993), so programs of <= 16
-# rows over pages of LARGE_PAGE keys or more keep it (PAGED_WAVES_LARGE_PAGES). Confirmed in
+# rows over pages of LARGE_PAGE keys or more, or of a size not a power of two, keep it
+# (PAGED_WAVES_LARGE_PAGES). Confirmed in
 # a second process (..._paged-launch-ab_3468bf3.{txt,jsonl}, best of 3, these / 64-4-3):
 # pages of 16 b16 x 16k 0.974 / 0.959, b64 x 4k 0.982 / 0.947, b128 x 512 0.948 / 0.935, b4
 # x 64k 0.984 / 0.982, 2 / 4 new tokens 0.976 / 0.956, 0.974 / 0.956; 8 new tokens 0.900.
@@ -212,7 +213,9 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
         block_n, warps, per_sm = paged_waves
-        if elem_bytes == 2 and block_m <= 16 and page >= LARGE_PAGE:
+        if elem_bytes == 2 and block_m <= 16 and (page >= LARGE_PAGE or page & (page - 1)):
+            # (pages of other sizes too: the kernel reads their table per key, and only the
+            # read per page was measured with PAGED_WAVES)
             block_n, warps, per_sm = PAGED_WAVES_LARGE_PAGES
         return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
