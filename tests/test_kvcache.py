@@ -478,13 +478,14 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(False, 128, 128, 1, True) == (
         decode.BLOCK_N, decode.NUM_WARPS, decode.PROGRAMS_PER_SM, False)  # fp8: the defaults
     assert decode.launch_config(False, 128, 128, 4, True)[0] == decode.BLOCK_N  # fp32: default
-    # pages of LARGE_PAGE keys or more (or not a power of two) at <= 16 rows a program:
-    # 64-key blocks, 3 per SM
+    # one new token over pages of LARGE_PAGE keys or more with the keys split, or pages whose
+    # size is not a power of two, at <= 16 rows a program: 64-key blocks, 3 per SM
     big = decode.LARGE_PAGE
-    assert decode.launch_config(True, 128, 128, 2, True, page=big) == (
+    assert decode.launch_config(True, 128, 128, 2, True, page=big, split_one_token=True) == (
         *decode.PAGED_WAVES_LARGE_PAGES, True)
-    assert decode.launch_config(True, 128, 128, 2, True, page=big // 2) == (
-        *decode.PAGED_WAVES, True)
+    assert decode.launch_config(True, 128, 128, 2, True, page=big) == (*decode.PAGED_WAVES, True)
+    assert decode.launch_config(True, 128, 128, 2, True, page=big // 2,
+                                split_one_token=True) == (*decode.PAGED_WAVES, True)
     assert decode.launch_config(True, 128, 128, 2, True, page=12) == (  # (not a power of two)
         *decode.PAGED_WAVES_LARGE_PAGES, True)
     # 8 new tokens x a group of 4 = 32 rows a program: PAGED_WAVES at any page size (16-bit)

@@ -109,8 +109,14 @@ SHORT_KEYS = 1024
 # 8 warps lost everywhere (0.62-0.98 of the contiguous cache). With pages of 256 and 16 query
 # rows the 64-key launch stayed ahead (same run as below: b16 x 16k 0.915 against 0.967, b1 x
 # 128k 0.934 against 0.960; with 8 new tokens 128-key blocks, 0.993), so programs of <= 16
-# rows over pages of LARGE_PAGE keys or more, or of a size not a power of two, keep it
-# (PAGED_WAVES_LARGE_PAGES). Confirmed in
+# rows over pages of LARGE_PAGE keys or more kept it at first (PAGED_WAVES_LARGE_PAGES). Then
+# pages of 256 once more (..._paged-launch-p256-ab_872fe60.{txt,jsonl}, 64-key / 128-key):
+# 2 / 4 new tokens 0.944 / 0.980, 0.942 / 0.983; b128 x 512 0.949 / 0.968, b128 x 4k 0.958 /
+# 0.996, b64 x 4k 0.958 / 1.000, but b16 x 16k with one new token 0.972 / 0.918 again: so the
+# 64-key launch stays only for one new token over pages of LARGE_PAGE or more where the
+# (batch, kv head) pairs do not fill PAGED_WAVES' slots (the keys are split: b16 x 16k, b1 x
+# 128k; not understood why 2-4 new tokens do not lose there), and for pages whose size is not
+# a power of two. Confirmed in
 # a second process (..._paged-launch-ab_3468bf3.{txt,jsonl}, best of 3, these / 64-4-3):
 # pages of 16 b16 x 16k 0.974 / 0.959, b64 x 4k 0.982 / 0.947, b128 x 512 0.948 / 0.935, b4
 # x 64k 0.984 / 0.982, 2 / 4 new tokens 0.976 / 0.956, 0.974 / 0.956; 8 new tokens 0.900.
@@ -192,15 +198,17 @@ def pdl_on(device: torch.device) -> bool:
 
 def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu: bool,
                   block_m: int = 16, latent: bool = False, max_shared: int = SM90_SHARED,
-                  page: int = 0) -> tuple[int, int, int, bool]:
+                  page: int = 0, split_one_token: bool = False) -> tuple[int, int, int, bool]:
     """(BLOCK_N, warps, programs per SM, whole waves) of a decode call (see WIDE, WIDE_MULTI,
     PAGED_WAVES and PAGED_WAVES_LARGE_PAGES; whole waves: :func:`pick_splits` counts the
     programs per SM as the ones resident and fills whole waves of them). ``block_m``: the
     query rows of a program (the GQA group x new tokens, padded); paged fp8 programs of more
     than 16 rows hold more registers, so at most 2 of them run an SM. ``page``: a paged
-    cache's page size. Head dims above 256: WIDE_HEAD and its group
-    launches (``latent``: one latent cache, the key tile read as the value tile; fp32 with
-    16-key blocks below WIDE_HEAD_GROUP_SHARED bytes of ``max_shared``)."""
+    cache's page size; ``split_one_token``: one new token a sequence, and too few (batch, kv
+    head) pairs to fill PAGED_WAVES' slots without splitting the keys. Head dims above 256:
+    WIDE_HEAD and its group launches (``latent``: one latent cache, the key tile read as the
+    value tile; fp32 with 16-key blocks below WIDE_HEAD_GROUP_SHARED bytes of
+    ``max_shared``)."""
     narrow = on_gpu and elem_bytes <= 2 and max(d_pad, dv_pad) <= 128
     wide, paged_waves = (WIDE_FP8, PAGED_WAVES_FP8) if elem_bytes == 1 else (WIDE, PAGED_WAVES)
     if max(d_pad, dv_pad) > 256:  # (d_pad: both chunks)
@@ -213,9 +221,10 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
         return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
     if paged_waves and narrow and paged:
         block_n, warps, per_sm = paged_waves
-        if elem_bytes == 2 and block_m <= 16 and (page >= LARGE_PAGE or page & (page - 1)):
-            # (pages of other sizes too: the kernel reads their table per key, and only the
-            # read per page was measured with PAGED_WAVES)
+        if elem_bytes == 2 and block_m <= 16 and (
+                (page >= LARGE_PAGE and split_one_token) or page & (page - 1)):
+            # (pages whose size is not a power of two too: the kernel reads their table per
+            # key, and only the read per page was measured with PAGED_WAVES)
             block_n, warps, per_sm = PAGED_WAVES_LARGE_PAGES
         return block_n, warps, per_sm if block_m <= 16 else min(per_sm, 2), True
     return BLOCK_N, NUM_WARPS, PROGRAMS_PER_SM, False
@@ -776,12 +785,13 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     max_shared = kernel_limits(q.device.index)["max_shared_mem"] if q.is_cuda else SM90_SHARED
     most_rows = wide_head_rows(k_cache.element_size(), max_shared) if wide else 64
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
+    sms = kernel_limits(q.device.index)["sm_count"] if q.is_cuda else 4
     block_n, warps, per_sm, waves = launch_config(paged, d_pad + d_tail, dv_pad,
                                                   k_cache.element_size(), q.is_cuda,
                                                   block_m, v_in_k, max_shared,
-                                                  k_cache.shape[1] if paged else 0)  # fmt: skip
-    short = (block_n, warps, per_sm) == WIDE and short_cache(
-        max_seqlen_k, b * hk, kernel_limits(q.device.index)["sm_count"])  # (WIDE: a GPU)
+                                                  k_cache.shape[1] if paged else 0,
+                                                  sq == 1 and b * hk < PAGED_WAVES[2] * sms)
+    short = (block_n, warps, per_sm) == WIDE and short_cache(max_seqlen_k, b * hk, sms)
     if short:
         (block_n, warps, per_sm), waves = SHORT, True
     # (wide heads: a group of up to 128 query heads is several row blocks, each a program)
