@@ -116,10 +116,10 @@ SHORT_KEYS = 1024
 # 64-key launch stays only for one new token over pages of LARGE_PAGE or more where the
 # (batch, kv head) pairs do not fill PAGED_WAVES' slots (the keys are split: b16 x 16k, b1 x
 # 128k; not understood why 2-4 new tokens do not lose there), and for pages whose size is not
-# a power of two. Confirmed in
-# a second process (..._paged-launch-ab_3468bf3.{txt,jsonl}, best of 3, these / 64-4-3):
-# pages of 16 b16 x 16k 0.974 / 0.959, b64 x 4k 0.982 / 0.947, b128 x 512 0.948 / 0.935, b4
-# x 64k 0.984 / 0.982, 2 / 4 new tokens 0.976 / 0.956, 0.974 / 0.956; 8 new tokens 0.900.
+# a power of two. The pages-of-16 rows confirmed in a second process
+# (..._paged-launch-ab_3468bf3.{txt,jsonl}, best of 3, these / 64-4-3): pages of 16 b16 x
+# 16k 0.974 / 0.959, b64 x 4k 0.982 / 0.947, b128 x 512 0.948 / 0.935, b4 x 64k 0.984 /
+# 0.982, 2 / 4 new tokens 0.976 / 0.956, 0.974 / 0.956; 8 new tokens 0.900.
 PAGED_WAVES = (128, 4, 2)
 PAGED_WAVES_LARGE_PAGES = (64, 4, 3)
 LARGE_PAGE = 128
