@@ -329,9 +329,7 @@ def remember_checked(key, problem: Problem) -> None:
         return
     if len(_CHECKED) >= _CHECKED_KEPT:
         _CHECKED.clear()
-    if problem.sinks is not None or problem.alibi_slopes is not None:
-        problem = dataclasses.replace(problem, sinks=None, alibi_slopes=None)
-    _CHECKED[key] = problem
+    _CHECKED[key] = problem.without_own_tensors()
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:

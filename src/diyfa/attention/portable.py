@@ -41,8 +41,6 @@ Limits (enforced by checks.py)
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -1042,11 +1040,9 @@ def replay_key(kind: str, q: torch.Tensor, problem: Problem, *extra) -> tuple | 
         return None
     if p.sinks is None and p.alibi_slopes is None:
         return (kind, p, tuning.autotune_enabled(), *extra)
-    # (a Problem holding a tensor compares by it: the key holds a tensor-free copy)
     own = tuple(None if t is None else (t.dtype, t.shape, t.stride())
                 for t in (p.sinks, p.alibi_slopes))  # fmt: skip
-    bare = dataclasses.replace(p, sinks=None, alibi_slopes=None)
-    return (kind, bare, tuning.autotune_enabled(), own, *extra)
+    return (kind, p.without_own_tensors(), tuning.autotune_enabled(), own, *extra)
 
 
 def own_roles(roles: dict, problem: Problem) -> dict:

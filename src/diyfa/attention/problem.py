@@ -11,7 +11,7 @@ compute capability that is queried from the driver once per device and cached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -107,6 +107,13 @@ class Problem:
     def causal_offset(self) -> int:
         """Query i sees key j iff j <= i + causal_offset (when causal)."""
         return self.seqlen_k - self.seqlen_q if self.align == "bottom_right" else 0
+
+    def without_own_tensors(self) -> Problem:
+        """This problem without the call's own tensors (sinks, ALiBi slopes): what a cache
+        keyed by signature keeps (a Problem holding a tensor compares by it)."""
+        if self.sinks is None and self.alibi_slopes is None:
+            return self
+        return replace(self, sinks=None, alibi_slopes=None)
 
 
 def bhsd_shape(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
