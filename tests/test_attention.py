@@ -400,7 +400,8 @@ def test_gpu_deterministic_backward_large():
     for _ in range(3):
         for t in (q, k, v):
             t.grad = None
-        diyfa.flash_attention(q, k, v, causal=True).backward(torch.ones_like(q))
+        diyfa.flash_attention(q, k, v, causal=True, deterministic=True).backward(
+            torch.ones_like(q))
         grads.append([t.grad.clone() for t in (q, k, v)])
     for run in grads[1:]:
         for a, b in zip(grads[0], run, strict=True):
@@ -425,7 +426,9 @@ def test_gpu_memory_is_linear_in_seqlen(mode):
     expected = out.numel() * 2 + b * h * s * 4  # output + LSE
     if mode == "fwd_bwd":
         out.backward(do)
-        expected += 3 * q.numel() * 2 + b * h * s * 4  # dq, dk, dv + delta
+        # dq, dk, dv + delta, and the fp32 dQ accumulator of the backwards that add into dQ
+        # atomically (the Hopper one by default): linear in seqlen too
+        expected += 3 * q.numel() * 2 + b * h * s * 4 + q.numel() * 4
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - expected
     assert extra < 8 * 2**20, f"{extra / 2**20:.1f} MiB beyond inputs/outputs"
@@ -437,6 +440,11 @@ def test_gpu_strided_views_no_copy_large():
     b, s, h, d = 2, 2048, 16, 128
     qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
     q, k, v = (qkv[:, :, i].detach().requires_grad_() for i in range(3))
+    # A first call compiles, and its backward's compile on the prefetch worker allocates that
+    # backward's buffers (prefetch.py): outside the measurement, which is of the forward's own
+    diyfa.flash_attention(q, k, v, layout="bshd", causal=True).sum().backward()
+    for t in (q, k, v):
+        t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
