@@ -537,6 +537,7 @@ from diyfa.attention import decode
 
 for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
     tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32, "STATUS": torch.int32,
+               "COUNTERS": torch.int32,
                "O_PART": torch.float32, "LSE_PART": torch.float32, "LSE": torch.float32,
                "SLOPES": torch.float32, "K_DESCALE": torch.float32, "V_DESCALE": torch.float32}
     if fp8:
@@ -547,7 +548,7 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
                 SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024,
                 ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, DIRECT=False, PDL=True,
-                PDL_WAIT=True, PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, WRITE_V=True)
+                PDL_WAIT=True, PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, WRITE_V=True, MERGE=True)
     for fn in (decode._decode_split, decode._combine, decode._cache_status, decode._append):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
@@ -591,7 +592,7 @@ from diyfa.attention import decode
 def values(fn, **args):
     # realistic specialisation: unit strides for the head dim, the rest multiples of 16
     return {p.name: args.get(p.name, torch.empty(16, dtype=torch.int32 if p.name in (
-        "BLOCK_TABLE", "CACHE_SEQLENS") else torch.bfloat16)) if p.name.isupper() else (
+        "BLOCK_TABLE", "CACHE_SEQLENS", "COUNTERS") else torch.bfloat16)) if p.name.isupper() else (
         1 if p.name.startswith("stride") and p.name.endswith("d") else 1024) for p in fn.params}
 
 def first(ptx, *needles):
@@ -599,10 +600,15 @@ def first(ptx, *needles):
     return min((i for i, line in enumerate(lines) if any(n in line for n in needles)),
                default=None)
 
+def last(ptx, *needles):
+    lines = ptx.splitlines()
+    return max((i for i, line in enumerate(lines) if any(n in line for n in needles)),
+               default=None)
+
 base = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
             HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", WINDOW=False, SOFTCAP=False,
             ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=128, DIRECT=False, PDL=True,
-            PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False)
+            PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, MERGE=False, SINKS=False)
 for paged in (False, True):
     ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
                            PAGED=paged, PDL_WAIT=True), num_warps=8, num_stages=3).asm["ptx"]
@@ -612,6 +618,13 @@ for paged in (False, True):
     ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
                            PAGED=paged, PDL_WAIT=False), num_warps=8, num_stages=3).asm["ptx"]
     assert "griddepcontrol.wait" not in ptx
+    # merging in the split kernel: it waits for the check (which zeroes the counters) after
+    # its last cache copy and before it counts
+    ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **dict(
+        base, MERGE=True), PAGED=paged, PDL_WAIT=False), num_warps=8, num_stages=3).asm["ptx"]
+    wait, copy, count = (first(ptx, "griddepcontrol.wait"), last(ptx, "cp.async.cg", "cp.async.ca"),
+                         first(ptx, "atom.global.gpu.acq_rel.add"))
+    assert None not in (wait, copy, count) and copy < wait < count, (paged, wait, copy, count)
 ptx = compile_for_sm90(decode._combine, values(decode._combine, NUM_SPLITS=4, HEAD_DIM=128,
                        HEAD_DIM_PAD=128, SINKS=False, PDL=True), num_warps=4,
                        num_stages=3).asm["ptx"]
@@ -663,11 +676,12 @@ from diyfa.attention import decode
 
 H100_SHARED = 232448  # bytes a block may opt into on H100 / H200
 stages = decode.split_stages(256, 256, 4, H100_SHARED)
-tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32}
+tensors = {"BLOCK_TABLE": torch.int32, "CACHE_SEQLENS": torch.int32, "COUNTERS": torch.int32}
 args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=147, HEAD_DIM_PAD=256, HEAD_DIM_V=147,
             HEAD_DIM_V_PAD=256, CAUSAL=True, PAGED=False, PRECISION="ieee", WINDOW=False,
             SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64, DIRECT=False,
-            PDL=False, PDL_WAIT=False, PAGE=0, HEAD_DIM_TAIL=0, V_IN_K=False)
+            PDL=False, PDL_WAIT=False, PAGE=0, HEAD_DIM_TAIL=0, V_IN_K=False, MERGE=True,
+            SINKS=False)
 values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.float32))
           if p.name.isupper() else 17) for p in decode._decode_split.params}
 kernel = compile_for_sm90(decode._decode_split, values, num_warps=4, num_stages=stages)
@@ -723,9 +737,11 @@ for cache, latent, paged, rows in (("bf16", True, False, 16), ("bf16", True, Fal
                 PRECISION="ieee" if size == 4 else "tf32", WINDOW=False,
                 SOFTCAP=False, ALIBI=False, FP8=fp8, BLOCK_M=rows,
                 BLOCK_N=block_n, DIRECT=False, PDL=True, PDL_WAIT=True, PAGE=64 if paged else 0,
-                HEAD_DIM_TAIL=tail, V_IN_K=latent)
+                HEAD_DIM_TAIL=tail, V_IN_K=latent, MERGE=False,
+                SINKS=False)  # (value heads of 512: the combine kernel merges)
     values = {p.name: args.get(p.name, torch.empty(16, dtype=data.get(p.name, torch.int32 if
-              p.name in ("BLOCK_TABLE", "CACHE_SEQLENS") else torch.float32 if p.name in (
+              p.name in ("BLOCK_TABLE", "CACHE_SEQLENS", "COUNTERS") else torch.float32 if p.name
+              in (
               "O_PART", "LSE_PART", "LSE", "K_DESCALE", "V_DESCALE") else torch.bfloat16)))
               if p.name.isupper() else (1 if p.name.startswith("stride") and p.name.endswith("d")
               else 1024) for p in decode._decode_split.params}
@@ -762,9 +778,11 @@ for cache, latent, paged in (("bf16", True, False), ("bf16", False, False), ("bf
                 HEAD_DIM_V_PAD=512, CAUSAL=True, PAGED=paged,
                 PRECISION="ieee" if size == 4 else "tf32", WINDOW=False, SOFTCAP=False,
                 ALIBI=False, FP8=False, BLOCK_M=rows, BLOCK_N=block_n, DIRECT=False, PDL=False,
-                PDL_WAIT=False, PAGE=64 if paged else 0, HEAD_DIM_TAIL=tail, V_IN_K=latent)
+                PDL_WAIT=False, PAGE=64 if paged else 0, HEAD_DIM_TAIL=tail, V_IN_K=latent,
+                MERGE=False, SINKS=False)
     values = {p.name: args.get(p.name, torch.empty(16, dtype=data.get(p.name, torch.int32 if
-              p.name in ("BLOCK_TABLE", "CACHE_SEQLENS") else torch.float32 if p.name in (
+              p.name in ("BLOCK_TABLE", "CACHE_SEQLENS", "COUNTERS") else torch.float32 if p.name
+              in (
               "O_PART", "LSE_PART", "LSE", "K_DESCALE", "V_DESCALE") else torch.bfloat16)))
               if p.name.isupper() else (1 if p.name.startswith("stride") and p.name.endswith("d")
               else 1024) for p in decode._decode_split.params}
@@ -1238,10 +1256,12 @@ def test_call_signature_keys_only_what_it_can():
 
 
 def test_one_split_writes_the_output_without_the_combine(monkeypatch):
-    """One split and no sinks: the split kernel stores the output and LSE itself (DIRECT) and
-    no combine runs; its result equals the two-split one (split + combine) to rounding, and
-    with sinks the combine runs even for one split (it adds the sink to the denominator).
-    (CPU: the interpreter's launches are counted; the GPU path's are the same launches.)"""
+    """One split and no sinks: the split kernel stores the output and LSE itself (DIRECT).
+    More splits, or sinks: the last split program of a block of rows merges them (MERGE), no
+    combine kernel runs, and the counters it counts on are the zeros the device check wrote
+    (every new tensor is filled with 7s here); with MERGE off the combine kernel runs. All
+    agree to rounding. (CPU: the interpreter's launches are counted; the GPU path's are the
+    same launches.)"""
     from diyfa.attention import decode
 
     if DEVICE != "cpu":
@@ -1249,24 +1269,38 @@ def test_one_split_writes_the_output_without_the_combine(monkeypatch):
 
     q, k_cache, v_cache, _, _, seqlens, *_ = _setup(torch.float32, 2, 0)
     combined = []
-    real = decode._combine
+    real, real_empty = decode._combine, torch.empty
 
     class Counting:  # decode._combine[grid](...) in the interpreter, counted
         def __getitem__(self, grid):
             combined.append(grid)
             return real[grid]
 
+    def run(splits, sinks=None):
+        return diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                  num_splits=splits, sinks=sinks,
+                                                  return_lse=True)  # fmt: skip
+
     monkeypatch.setattr(decode, "_combine", Counting())
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(7))
+    sinks = torch.randn(q.shape[2], device=q.device)
     with torch.no_grad():
-        one, lse1 = diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                       num_splits=1, return_lse=True)
+        one, lse1 = run(1)
         assert combined == []
-        two, lse2 = diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                       num_splits=2, return_lse=True)
+        for splits in (2, 3):
+            out, lse = run(splits)
+            assert combined == []
+            torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse, lse1, rtol=1e-5, atol=1e-5)
+        merged = run(1, sinks), run(3, sinks)
+        assert combined == []
+        monkeypatch.setattr(decode, "MERGE", False)
+        out, lse = run(2)
         assert len(combined) == 1
-        torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(lse1, lse2, rtol=1e-5, atol=1e-5)
-        sinks = torch.zeros(q.shape[2], device=q.device)
-        diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                           num_splits=1, sinks=sinks)  # fmt: skip
+        torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, lse1, rtol=1e-5, atol=1e-5)
+        combine = run(1, sinks)
         assert len(combined) == 2
+    for got in merged:
+        torch.testing.assert_close(got[0], combine[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], combine[1], rtol=1e-5, atol=1e-5)

@@ -664,16 +664,18 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
 
 
 def check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new: int,
-                          max_seqlen_k: int | None, launched: list | None = None) -> int:
+                          max_seqlen_k: int | None, launched: list | None = None,
+                          counters: int = 0) -> tuple[int, torch.Tensor]:
     """The device half of a KV-cache call's checks, after every host check
     (:func:`check_kvcache_inputs`) and before anything is written: each sequence's length
     after the append of ``s_new`` tokens against the cache, and the pages it uses against
     the pool, by one small kernel (``decode.cache_status``). Returns the longest length, or
-    its bound. Without ``max_seqlen_k`` the verdicts are read back (one synchronisation) and
-    a fault is a ValueError. With it, or during a CUDA-graph capture (where the bound is the
-    cache's capacity), nothing is read back: a fault stops the stream ahead of the append
-    and the kernels (the kernel's device-side assert on a GPU, a RuntimeError on the CPU).
-    ``launched``: a list that gets the kernel's launch, for a Replay."""
+    its bound, and the kernel's status tensor (with ``counters`` zeros per sequence after the
+    batch's entries: the split kernel's counters). Without ``max_seqlen_k`` the verdicts are
+    read back (one synchronisation) and a fault is a ValueError. With it, or during a CUDA-graph
+    capture (where the bound is the cache's capacity), nothing is read back: a fault stops the
+    stream ahead of the append and the kernels (the kernel's device-side assert on a GPU, a
+    RuntimeError on the CPU). ``launched``: a list that gets the kernel's launch, for a Replay."""
     from diyfa.attention.decode import cache_status
 
     rows = k_cache.shape[1]
@@ -682,10 +684,11 @@ def check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new: int,
         max_seqlen_k = capacity  # nothing can be read back during a capture
     limit = capacity if max_seqlen_k is None else max_seqlen_k
     status = cache_status(cache_seqlens, block_table, s_new, limit, k_cache.shape[0], rows,
-                          asserted=max_seqlen_k is not None, launched=launched)  # fmt: skip
+                          asserted=max_seqlen_k is not None, launched=launched,
+                          counters=counters)  # fmt: skip
     if max_seqlen_k is not None:
-        return max_seqlen_k
-    codes = status.tolist()
+        return max_seqlen_k, status
+    codes = status[:cache_seqlens.shape[0]].tolist()
     for i, n in enumerate(codes):
         if n == -1:
             raise ValueError(f"cache_seqlens[{i}] = {int(cache_seqlens[i])} plus {s_new} new "
@@ -696,4 +699,4 @@ def check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new: int,
             outside = pages[(pages < 0) | (pages >= pool)]
             raise ValueError(f"block_table[{i}] points outside the pool of {pool} pages: "
                              f"{outside[:4].tolist()}")  # fmt: skip
-    return max(codes, default=0)
+    return max(codes, default=0), status

@@ -10,7 +10,8 @@ Work split
     group's ``kv_group * seqlen_q`` rows form one tile, so each K/V byte is read once per
     group, not once per query head. The keys of a sequence are cut into ``num_splits``
     equal ranges of whole blocks; each program writes its partial output and base-2 LSE
-    (fp32) to a workspace and ``_combine`` merges the splits:
+    (fp32) to a workspace, and the last program of a block of rows to finish merges the
+    splits (``MERGE``; ``_combine``, a kernel of its own, before):
     lse = log2(sum_s 2^lse_s), out = sum_s 2^(lse_s - lse) * out_s.
 
 Caches
@@ -26,7 +27,7 @@ seqlen_q). A row that sees no key gives zeros and LSE -inf.
 Variants, as in the portable kernels (compile-time flags): a sliding window (the split's key
 range starts at the window's first key, so a decode step reads only the window), softcap,
 ALiBi (per row: the rows of a tile span the group's heads), and attention sinks, which join
-the denominator once, in ``_combine``.
+the denominator once, in the merge.
 
 Numerics are the portable kernel's: fp32 accumulation, base-2 softmax with the scale
 folded in, P rounded to the input dtype before P @ V (fp32 inputs: IEEE dots).
@@ -139,6 +140,18 @@ PAGED_WAVES_FP8 = (128, 4, 3)
 # asserts on, is never read out of bounds), the combine for the splits. It hides the check
 # (~1 us) and a kernel boundary per launch. ``DIYFA_DECODE_PDL=0`` turns it off.
 PDL = os.environ.get("DIYFA_DECODE_PDL", "1") != "0"
+# The splits' merge in the split kernel (MERGE): each program writes its partial output and
+# LSE, then counts itself done on its block of rows' counter (an atomic add, the stores
+# released with it); the one that counts last merges every split's partials (read from L2)
+# and writes the output. No combine kernel: its launch, its wait for the whole split grid and
+# its ~4k programs (8 new tokens of b16 x 32 heads) go. The counters (one per (batch x kv
+# head, row block)) are zeroed by the device check's kernel, which every call runs first.
+# False: the separate combine kernel (``_combine``), for the A/B. Value heads wider than 256
+# (MLA's 512) and output tiles of more than MERGE_TILE values keep the combine kernel: the
+# merge's sum and the split's tile it loads spilled (ptxas, sm90a: 768 bytes at 64 rows x
+# 512, 28 at 16 x 512 with two caches).
+MERGE = True
+MERGE_TILE = 64 * 128
 # Head dims above 256 (MLA's decode form: 576 / 512, one latent kv head shared by 16-128
 # query heads). Programs of <= 16 query rows (16 heads a GPU at 8-way tensor parallelism):
 # 32-key blocks (a 576-wide key tile is 36 KB in bf16), 4 warps, two programs per SM, three
@@ -188,6 +201,13 @@ def head_chunks(d: int) -> tuple[int, int]:
         return max(16, next_power_of_2(d)), 0
     main = 1 << (d.bit_length() - 1)
     return main, (max(16, next_power_of_2(d - main)) if d > main else 0)
+
+
+def counters_per_sequence(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """How many of the split kernel's counters (:data:`MERGE`) a sequence needs at most: one
+    per (kv head, row block), row blocks of at least 16 of the group's query rows."""
+    kv_heads = k_cache.shape[2]
+    return kv_heads * cdiv(q.shape[2] // kv_heads * q.shape[1], 16)
 
 
 def pdl_on(device: torch.device) -> bool:
@@ -253,7 +273,8 @@ def split_stages(d_pad: int, dv_pad: int, elem_bytes: int, max_shared: int,
 
 
 @triton.jit
-def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
+def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE, COUNTERS,
+                  SINK_LOGITS,
                   stride_qb, stride_qs, stride_qh, stride_qd,
                   stride_ob, stride_os, stride_oh, stride_od,
                   stride_kb, stride_ks, stride_kh, stride_kd,
@@ -268,18 +289,21 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                   PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PAGE: tl.constexpr,
-                  HEAD_DIM_TAIL: tl.constexpr = 0, V_IN_K: tl.constexpr = False):
-    """Program (batch x kv head, split, row block): the query rows of the kv head's group
-    against the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q,
-    query r % seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no
-    sinks): the rows' output and LSE go to O and LSE themselves, what :func:`_combine` would
-    make of a single split (bitwise), and no combine runs. PDL: launched while the kernel
-    before it runs (see :data:`PDL`); PDL_WAIT: that kernel wrote the cache (the append), so
-    the keys are read only once it is done. Lengths are clamped to ``max_len`` (the bound)
-    and pages to the pool [0, ``pool``): a no-op for checked inputs, and no read out of
-    bounds for bad ones while the device check, which asserts on them, runs alongside.
-    PAGE: the page size where it is a power of two (a block then reads one table entry per
-    page it covers, not one per key, and divides by shifts), else 0.
+                  HEAD_DIM_TAIL: tl.constexpr = 0, V_IN_K: tl.constexpr = False,
+                  MERGE: tl.constexpr = False, SINKS: tl.constexpr = False):
+    """Program (batch x kv head, split, row block): the query rows of the kv head's group against
+    the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q, query r %
+    seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no sinks): the rows'
+    output and LSE go to O and LSE themselves, what :func:`_combine` would make of a single split
+    (bitwise), and no combine runs. MERGE (else a combine kernel follows): the last program of a
+    block of rows' splits to finish merges them (:func:`_merge_splits`, with the head's sink logit
+    when SINKS), counting on COUNTERS[batch + (batch x kv head) * row blocks + row block], which the
+    device check zeroed. PDL: launched while the kernel before it runs (see :data:`PDL`); PDL_WAIT:
+    that kernel wrote the cache (the append), so the keys are read only once it is done. Lengths are
+    clamped to ``max_len`` (the bound) and pages to the pool [0, ``pool``): a no-op for checked
+    inputs, and no read out of bounds for bad ones while the device check, which asserts on them,
+    runs alongside. PAGE: the page size where it is a power of two (a block then reads one table
+    entry per page it covers, not one per key, and divides by shifts), else 0.
 
     Head dims above 256 (MLA's decode form, 576 / 512: :func:`head_chunks`): q's and k's
     columns are two power-of-two chunks, [0, HEAD_DIM_PAD) and HEAD_DIM_TAIL more after
@@ -423,18 +447,74 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     if FP8:
         acc = acc * v_descale
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
-    # Workspace rows: ((split * batch + b) * heads + head) * seqlen_q + query.
+    # The rows' index in LSE (batch, heads, seqlen_q); split s's workspace rows follow
+    # s * rows_per_split on.
     heads = kv_heads * kv_group
-    ws_row = ((split * batch + off_b) * heads + head) * seqlen_q + qpos
-    if DIRECT:  # (split 0: ws_row is the LSE's row)
-        tl.store(LSE + ws_row, lse2, mask=row_ok)
-        tl.store(O + off_b * stride_ob + qpos[:, None] * stride_os + head[:, None] * stride_oh
-                 + offs_dv[None, :] * stride_od, acc.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & dv_ok[None, :])  # fmt: skip
+    row = (off_b * heads + head) * seqlen_q + qpos
+    if DIRECT:
+        _store_rows(O, LSE, acc, lse2, row, off_b, qpos, head, row_ok, offs_dv, dv_ok,
+                    stride_ob, stride_os, stride_oh, stride_od)  # fmt: skip
     else:
+        rows_per_split = batch * heads * seqlen_q
+        ws_row = split * rows_per_split + row
         tl.store(LSE_PART + ws_row, lse2, mask=row_ok)
         tl.store(O_PART + ws_row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], acc,
-                 mask=row_ok[:, None])
+                 mask=row_ok[:, None])  # fmt: skip
+        if MERGE:  # the last of these rows' splits to finish merges them
+            if PDL and not PDL_WAIT:
+                gdc_wait()  # (the device check zeroes the counters)
+            tl.debug_barrier()  # every thread's stores are the CTA's before the count
+            slot = off_bhk * tl.num_programs(2) + tl.program_id(2)
+            done = tl.atomic_add(COUNTERS + batch + slot, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(1) - 1:
+                out, lse = _merge_splits(O_PART, LSE_PART, SINK_LOGITS, row, head, row_ok,
+                                         offs_dv, rows_per_split, tl.num_programs(1),
+                                         HEAD_DIM_V_PAD, SINKS)  # fmt: skip
+                _store_rows(O, LSE, out, lse, row, off_b, qpos, head, row_ok, offs_dv, dv_ok,
+                            stride_ob, stride_os, stride_oh, stride_od)  # fmt: skip
+
+
+@triton.jit
+def _store_rows(O, LSE, out, lse2, row, off_b, qpos, head, row_ok, offs_dv, dv_ok,
+                stride_ob, stride_os, stride_oh, stride_od):
+    """A block of rows' final output (in O's dtype) and base-2 LSE."""
+    tl.store(LSE + row, lse2, mask=row_ok)
+    tl.store(O + off_b * stride_ob + qpos[:, None] * stride_os + head[:, None] * stride_oh
+             + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _merge_splits(O_PART, LSE_PART, SINK_LOGITS, row, head, row_ok, offs_dv, rows_per_split,
+                  num_splits, HEAD_DIM_V_PAD: tl.constexpr, SINKS: tl.constexpr):
+    """(out, lse2) of a block of rows from every split's partial output and LSE in the
+    workspace: lse = log2(sum_s 2^lse_s + 2^sink), out = sum_s 2^(lse_s - lse) * out_s; the
+    head's sink logit (SINKS) joins the denominator once, with no value. Rows whose splits
+    all saw no key (and no sink): zeros, -inf. The loads bypass L1 (other SMs wrote them)."""
+    m = tl.full(row.shape, float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(LSE_PART + s * rows_per_split + row, mask=row_ok,
+                                  other=float("-inf"), cache_modifier=".cg"))  # fmt: skip
+    if SINKS:
+        sink2 = tl.load(SINK_LOGITS + head, mask=row_ok, other=0.0).to(tl.float32)
+        sink2 = sink2 * 1.4426950408889634  # (base 2)
+        m = tl.maximum(m, sink2)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros(row.shape, dtype=tl.float32)
+    out = tl.zeros([row.shape[0], HEAD_DIM_V_PAD], dtype=tl.float32)
+    for s in range(0, num_splits):
+        ws_row = s * rows_per_split + row
+        w = tl.math.exp2(tl.load(LSE_PART + ws_row, mask=row_ok, other=float("-inf"),
+                                 cache_modifier=".cg") - m_use)  # fmt: skip
+        o_s = tl.load(O_PART + ws_row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :],
+                      mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        total += w
+        out += o_s * w[:, None]
+    if SINKS:
+        total += tl.math.exp2(sink2 - m_use)
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    lse2 = tl.where(total == 0.0, float("-inf"), m_use + tl.math.log2(total_safe))
+    return out / total_safe[:, None], lse2
 
 
 @triton.jit
@@ -482,13 +562,14 @@ ASSERT_MESSAGE = tl.constexpr("flash_attention_with_kvcache: cache_seqlens + the
 
 @triton.jit(debug=True)  # its device_assert (ASSERT) is compiled in; nothing else here
 def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, max_blocks,
-                  page_size, pool, PAGED: tl.constexpr, BLOCK_P: tl.constexpr,
+                  page_size, pool, counters, PAGED: tl.constexpr, BLOCK_P: tl.constexpr,
                   ASSERT: tl.constexpr, PDL: tl.constexpr):
     """Program per sequence b: STATUS[b] = its cache length after the append, or -1 when
     that is outside [s_new, limit] (cache_seqlens[b] negative, or the cache too short), or -2
     when (PAGED) one of the pages it uses is outside the pool [0, pool). ASSERT: a fault
     also stops the stream with a device-side assert naming it (the unchecked path). PDL: the
-    next kernel (:data:`PDL`) may be launched at once."""
+    next kernel (:data:`PDL`) may be launched at once. ``counters``: the split kernel's
+    counters per sequence (:data:`MERGE`), after the batch's STATUS entries: zeroed here."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -504,22 +585,28 @@ def _cache_status(CACHE_SEQLENS, BLOCK_TABLE, STATUS, s_new, limit, stride_tb, m
             bad += ((page < 0) | (page >= pool)).to(tl.int32)
         status = tl.where((status >= 0) & (tl.sum(bad, 0) > 0), -2, status)
     tl.store(STATUS + b, status.to(tl.int32))  # -2, -1 or a length <= limit
+    mine = STATUS + tl.num_programs(0) + b.to(tl.int64) * counters
+    for c0 in range(0, counters, BLOCK_P):
+        offs = c0 + tl.arange(0, BLOCK_P)
+        tl.store(mine + offs, tl.zeros([BLOCK_P], dtype=tl.int32), mask=offs < counters)
     if ASSERT:
         tl.device_assert(status >= 0, ASSERT_MESSAGE)
 
 
 def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, s_new: int,
                  limit: int, pool: int, page_size: int, asserted: bool = False,
-                 launched: list | None = None) -> torch.Tensor:
+                 launched: list | None = None, counters: int = 0) -> torch.Tensor:
     """Each sequence's cache length after an append of ``s_new`` tokens, checked on the
     device (int32 (batch,); -1: outside [s_new, limit], -2: a used page outside the pool):
     one small kernel, so the checked path reads everything back at once and the unchecked
     one (``max_seqlen_k`` given) can assert without a synchronisation. ``asserted``: a fault
     stops the stream (on a GPU, the kernel's own device-side assert, with its message; on
     the CPU, ``torch._assert_async``, a RuntimeError). ``launched``: a list that gets the GPU
-    launch's (fn, kernel, grid, args), for a Replay."""
+    launch's (fn, kernel, grid, args), for a Replay. ``counters``: that many zeros per
+    sequence follow the batch's entries (the split kernel's counters,
+    :func:`counters_per_sequence`): the tensor is (batch * (1 + counters),) then."""
     b = cache_seqlens.shape[0]
-    status = torch.empty((b,), dtype=torch.int32, device=cache_seqlens.device)
+    status = torch.empty((b * (1 + counters),), dtype=torch.int32, device=cache_seqlens.device)
     if b == 0:
         return status
     paged = block_table is not None
@@ -527,12 +614,12 @@ def cache_status(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, 
                 STATUS=status, s_new=s_new, limit=limit,
                 stride_tb=block_table.stride(0) if paged else 0,
                 max_blocks=block_table.shape[1] if paged else 0, page_size=page_size,
-                pool=pool, PAGED=paged, BLOCK_P=1024,
+                pool=pool, counters=counters, PAGED=paged, BLOCK_P=1024,
                 ASSERT=asserted and cache_seqlens.is_cuda,
                 PDL=pdl_on(cache_seqlens.device))  # fmt: skip
     launch_recorded(_cache_status, (b,), args, cache_seqlens.is_cuda, launched)
     if asserted and not cache_seqlens.is_cuda:  # (the interpreter ignores a device_assert)
-        torch._assert_async(status.min() >= 0, ASSERT_MESSAGE.value)
+        torch._assert_async(status[:b].min() >= 0, ASSERT_MESSAGE.value)
     return status
 
 
@@ -703,9 +790,11 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     check_bias_tensors(alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     s_new = 0 if k is None else k.shape[1]
     launched = [] if sig is not None else None
-    # Every host check has passed: the lengths and pages on the device, last.
-    max_len = check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new,
-                                    max_seqlen_k, launched)  # fmt: skip
+    # Every host check has passed: the lengths and pages on the device, last (the status
+    # kernel also zeroes the split kernel's counters).
+    max_len, status = check_kvcache_lengths(q, k_cache, cache_seqlens, block_table, s_new,
+                                            max_seqlen_k, launched,
+                                            counters_per_sequence(q, k_cache))  # fmt: skip
     if s_new:
         append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale, v_descale,
                launched)  # fmt: skip
@@ -713,12 +802,11 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
                                   causal=causal, softmax_scale=scale, num_splits=num_splits,
                                   max_seqlen_k=max_len, window=(left, right), softcap=softcap,
                                   alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
-                                  v_descale=v_descale, seqlen_add=s_new,
+                                  v_descale=v_descale, seqlen_add=s_new, counters=status,
                                   launched=launched)  # fmt: skip
     split = [args for fn, _, _, args in launched or () if fn is _decode_split]
     if split and not compiling_only() and len(launched) == (
-            2 + (s_new > 0) + (not split[0]["DIRECT"])):  # fmt: skip
-        status = launched[0][3]["STATUS"]
+            2 + (s_new > 0) + (not split[0]["DIRECT"] and not split[0]["MERGE"])):  # fmt: skip
         o_part, lse_part = ((None, None) if split[0]["DIRECT"] else
                             (split[0]["O_PART"], split[0]["LSE_PART"]))  # fmt: skip
         work = (status, o_part, lse_part, out, lse2)
@@ -760,12 +848,14 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                       softmax_scale: float, num_splits: int, max_seqlen_k: int,
                       window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
                       k_descale=None, v_descale=None, seqlen_add: int = 0,
-                      launched: list | None = None):
+                      counters=None, launched: list | None = None):
     """(out, lse2) for checked inputs, the new keys already appended (each sequence's length
     is cache_seqlens[b] + ``seqlen_add``, the appended tokens): q (batch, seqlen_q,
     heads, d); out (batch, seqlen_q, heads, v_cache's head dim); lse2 base 2, (batch, heads,
     seqlen_q) fp32. ``max_seqlen_k`` bounds every cache length (the longest one, read back by
-    the checks, or the caller's bound): the splits cut [0, max_seqlen_k). ``window`` is the
+    the checks, or the caller's bound): the splits cut [0, max_seqlen_k). ``counters``: the
+    device check's status tensor, whose entries after the batch's are zeros for the split
+    kernel's counters (:data:`MERGE`; None: the separate combine). ``window`` is the
     checked (left, right) pair (right 0 when causal). ``launched``: a list that gets the
     GPU launches' (fn, kernel, grid, args), for a Replay (:func:`append_and_attend`)."""
     b, sq, h, d = q.shape
@@ -803,6 +893,10 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     # One split and no sinks: the split kernel writes the output itself (no workspace, no
     # combine: one launch and two allocations fewer, e.g. a decode step of 128 sequences).
     direct = splits == 1 and sinks is None
+    # Otherwise the last split program of a block of rows merges the splits (MERGE), or the
+    # combine kernel does.
+    merge = (MERGE and not direct and counters is not None and dv_pad <= 256
+             and block_m * dv_pad <= MERGE_TILE)  # fmt: skip
     if direct:
         o_part = lse_part = lse2  # (not read: the split kernel's workspace arguments)
     else:
@@ -816,6 +910,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     split_args = dict(
         Q=q, K=k_cache, V=v_cache, BLOCK_TABLE=table, CACHE_SEQLENS=cache_seqlens,
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
+        COUNTERS=counters if merge else lse_part,
+        SINK_LOGITS=sinks if merge and sinks is not None else lse_part,
         stride_qb=sq_[0], stride_qs=sq_[1], stride_qh=sq_[2], stride_qd=sq_[3],
         stride_ob=so[0], stride_os=so[1], stride_oh=so[2], stride_od=so[3],
         stride_kb=sk_[0], stride_ks=sk_[1], stride_kh=sk_[2], stride_kd=sk_[3],
@@ -837,7 +933,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
         PAGE=_pow2_page(k_cache.shape[1]) if paged else 0, HEAD_DIM_TAIL=d_tail,
-        V_IN_K=v_in_k,
+        V_IN_K=v_in_k, MERGE=merge, SINKS=merge and sinks is not None,
     )  # fmt: skip
     combine_args = dict(
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
@@ -853,7 +949,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                           max_shared, block_n, most) if q.is_cuda else 1  # fmt: skip
     launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
                     {"launch_pdl": pdl})  # fmt: skip
-    if not direct:
+    if not direct and not merge:
         launch_recorded(_combine, (rows,), combine_args, q.is_cuda, launched, 4, 3,
                         {"launch_pdl": pdl})  # fmt: skip
     return out, lse2
