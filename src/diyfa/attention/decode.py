@@ -146,11 +146,20 @@ PDL = os.environ.get("DIYFA_DECODE_PDL", "1") != "0"
 # and writes the output. No combine kernel: its launch, its wait for the whole split grid and
 # its ~4k programs (8 new tokens of b16 x 32 heads) go. The counters (one per (batch x kv
 # head, row block)) are zeroed by the device check's kernel, which every call runs first.
-# False: the separate combine kernel (``_combine``), for the A/B. Value heads wider than 256
-# (MLA's 512) and output tiles of more than MERGE_TILE values keep the combine kernel: the
-# merge's sum and the split's tile it loads spilled (ptxas, sm90a: 768 bytes at 64 rows x
-# 512, 28 at 16 x 512 with two caches).
+# Taken for contiguous caches cut into at most MERGE_SPLITS splits; the combine kernel
+# (``_combine``) elsewhere. H200, bf16 d128, 32/8 heads, one process, best of 3 rounds
+# (benchmarks/merge_ab.py, benchmarks/results/2026-11-25_h200_merge-ab_9155c2f.{txt,jsonl}),
+# GB/s merge / combine: 8 new tokens b16 x 16k (4 splits) 4,036 / 3,916 (1.031; with sinks
+# 1.031), one new token b4 x 64k (4) 1.001, b8 x 32k (2) 1.001; but b1 x 128k (16 splits)
+# 0.977, pages of 256 (48) 0.926: one program reads the splits in turn, where the combine
+# spreads them over the rows' programs; and paged caches at 32 query rows a program (2
+# splits) 0.962 / 0.993 over pages of 16 / 256 (the merge's registers: 96 bytes of spills),
+# 0.996-1.000 at 16 rows. Value heads wider than 256 (MLA's 512) and output tiles of more
+# than MERGE_TILE values keep the combine kernel too: the merge's sum and the split's tile it
+# loads spilled (ptxas, sm90a: 768 bytes at 64 rows x 512, 28 at 16 x 512 with two caches).
+# MERGE = False: always the combine kernel (the A/B's other side).
 MERGE = True
+MERGE_SPLITS = 4
 MERGE_TILE = 64 * 128
 # Head dims above 256 (MLA's decode form: 576 / 512, one latent kv head shared by 16-128
 # query heads). Programs of <= 16 query rows (16 heads a GPU at 8-way tensor parallelism):
@@ -895,7 +904,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     direct = splits == 1 and sinks is None
     # Otherwise the last split program of a block of rows merges the splits (MERGE), or the
     # combine kernel does.
-    merge = (MERGE and not direct and counters is not None and dv_pad <= 256
+    merge = (MERGE and not direct and counters is not None and not paged
+             and splits <= MERGE_SPLITS and dv_pad <= 256
              and block_m * dv_pad <= MERGE_TILE)  # fmt: skip
     if direct:
         o_part = lse_part = lse2  # (not read: the split kernel's workspace arguments)
