@@ -495,7 +495,7 @@ def test_pick_splits_fills_whole_waves(monkeypatch):
     assert decode.launch_config(True, 128, 128, 1, True, block_m=32)[2] == 2  # fp8
     # ... and contiguous ones take WIDE_MULTI's launch
     assert decode.launch_config(False, 128, 128, 2, True, block_m=32) == (
-        *decode.WIDE_MULTI, False)
+        *decode.WIDE_MULTI, True)
     assert decode.pick_splits(16, 8, 16384, dev, 64, 2, True) == 2  # 256 of 264 slots
     # where WIDE's launch applies (above: not paged, fp8, fp32 or 32 rows), short caches with
     # (batch, kv head) pairs for two waves of two programs per SM take SHORT's

@@ -80,8 +80,14 @@ WIDE = (128, 8, 1)
 # new tokens: 32 for 8 tokens of a group of 4). H200, bf16 d128, b16 32/8 16k, 8 new tokens
 # (decode_ab.py --multi --tokens 8, ..._decode-ab-multi_27997d6-wip.jsonl, GB/s against a
 # 4,224 copy): 3,952 against WIDE's 3,539 (128-4-3-2 3,822, 128-8-3-4 3,574); with 4 new
-# tokens (16 rows, WIDE's) the launches were within 3% of each other.
-WIDE_MULTI = (64, 4, 3)
+# tokens (16 rows, WIDE's) the launches were within 3% of each other. Two such programs fit
+# an SM, not three (shared memory: 77,824 bytes each at 3 stages), so since 2026-11-25 their
+# split count fills whole waves of two: with the merge in the split kernel (MERGE), H200,
+# one process, best of 3 (benchmarks/multi_launch_ab.py, benchmarks/results/
+# 2026-11-25_h200_decode-multi-launch-ab_45dfb99.{txt,jsonl}), GB/s 64-4-3 (not whole waves)
+# / this: b16 x 16k 4,042 / 4,109 (4 -> 2 splits), b64 x 4k 4,170 / 4,163, b4 x 64k 3,535 /
+# 4,019 (13 -> 8 splits; 128-key blocks at one per SM 4,068, but 3,963 at b64 x 4k).
+WIDE_MULTI = (64, 4, 2)
 # ... and short ones (SHORT_KEYS or fewer) with (batch, kv head) pairs for two waves of two
 # programs per SM: 64-key blocks, 4 warps, 4 stages, whole waves of 2 per SM. A WIDE
 # program of 4-8 blocks spends much of its life filling and draining its pipeline, alone on
@@ -247,7 +253,7 @@ def launch_config(paged: bool, d_pad: int, dv_pad: int, elem_bytes: int, on_gpu:
         return (*(WIDE_HEAD if block_m <= 16 else WIDE_HEAD_GROUP if latent
                   else WIDE_HEAD_GROUP_TWO), True)  # fmt: skip
     if wide and narrow and not paged:
-        return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, False)
+        return (*wide, True) if block_m <= 16 else (*WIDE_MULTI, True)
     if paged_waves and narrow and paged:
         block_n, warps, per_sm = paged_waves
         if elem_bytes == 2 and block_m <= 16 and (
