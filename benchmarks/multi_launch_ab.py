@@ -7,6 +7,8 @@ output is compared with the default's (max |diff|, printed above 0.01).
 
 Usage (device): python3 benchmarks/multi_launch_ab.py OUT.jsonl
   [--variants "64,4,2,1,3;128,4,1,1,3"] [--shapes "16,8,16384;4,8,65536"] [--rounds 3]
+  [--rows-above 16]  (the programs patched: more query rows than this; 0: every contiguous
+                      16-bit one, WIDE's and SHORT's too)
   (shapes: batch, new tokens, cached; 32 q heads / 8 kv heads, d128, bf16)
 """
 
@@ -36,17 +38,21 @@ def _parse(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(x) for x in item.split(",")) for item in text.split(";") if item]
 
 
-def _patched(variant):
-    """launch_config and split_stages giving ``variant`` to contiguous programs of > 16 rows."""
+def _patched(variant, rows_above: int):
+    """launch_config and split_stages giving ``variant`` to contiguous programs of more than
+    ``rows_above`` rows (and short_cache None: SHORT's launch not taken over it)."""
     block_n, warps, per_sm, waves, stages = variant
-    config, stages_of = decode.launch_config, decode.split_stages
+    saved = decode.launch_config, decode.split_stages, decode.short_cache
+    config = saved[0]
 
     def launch_config(paged, d_pad, dv_pad, elem_bytes, on_gpu, block_m=16, *args, **kw):
-        if not paged and block_m > 16:
+        if not paged and block_m > rows_above:
             return block_n, warps, per_sm, bool(waves)
         return config(paged, d_pad, dv_pad, elem_bytes, on_gpu, block_m, *args, **kw)
 
-    return launch_config, lambda *_, **__: stages, (config, stages_of)
+    decode.launch_config, decode.split_stages = launch_config, lambda *_, **__: stages
+    decode.short_cache = lambda *_: False
+    return saved
 
 
 def main() -> int:
@@ -57,6 +63,7 @@ def main() -> int:
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rows-above", type=int, default=16)
     a = ap.parse_args()
     env, copy = run_record()
     variants = ["default", *_parse(a.variants)]
@@ -74,7 +81,7 @@ def main() -> int:
                     name = var if isinstance(var, str) else "-".join(map(str, var))
                     saved = None
                     if var != "default":
-                        decode.launch_config, decode.split_stages, saved = _patched(var)
+                        saved = _patched(var, a.rows_above)
                     decode._PREPARED.clear()  # (launches kept from another variant)
                     try:
                         o = fn().float()
@@ -86,7 +93,7 @@ def main() -> int:
                         row[name] = max(row.get(name, 0), round(nbytes / (ms * 1e-3) / 1e9))
                     finally:
                         if saved is not None:
-                            decode.launch_config, decode.split_stages = saved
+                            decode.launch_config, decode.split_stages, decode.short_cache = saved
                         decode._PREPARED.clear()
             del q, k, v, seqlens
             torch.cuda.empty_cache()
