@@ -130,6 +130,12 @@ SHORT_KEYS = 1024
 PAGED_WAVES = (128, 4, 2)
 PAGED_WAVES_LARGE_PAGES = (64, 4, 3)
 LARGE_PAGE = 128
+# ... with two pipeline stages, not three, for programs of more than 16 query rows (8 new
+# tokens; 255 registers a thread): H200, one process, best of 3 (paged_launch_ab.py,
+# ..._paged-launch-t8-stages-ab_30c03ab.{txt,jsonl}), GB/s 3 / 2 / 4 stages: b16 x 16k pages
+# of 16 3,661 / 3,671 / 3,659, b64 x 4k 3,614 / 3,746 / 3,614, pages of 256 3,938 / 3,954 /
+# 3,956 (one program per SM: 0.52-0.85x of the contiguous cache).
+PAGED_MULTI_STAGES = 2
 # fp8 (e4m3) caches. H200 (benchmarks/fp8_decode.py --launches, one process each run,
 # ..._fp8-decode-launches_b045090.jsonl and ..._fp8-decode_6f68b6b.jsonl), fp8 tokens/s over
 # the bf16 cache's: contiguous 0.81-0.91 with 256-key blocks, 1.04-1.08 with WIDE's, 1.07-1.15
@@ -960,7 +966,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
-    most = SHORT_STAGES if short else WIDE_HEAD_STAGES if wide and block_m > 16 else 3
+    most = (SHORT_STAGES if short else WIDE_HEAD_STAGES if wide and block_m > 16
+            else PAGED_MULTI_STAGES if (paged and block_m > 16 and k_cache.element_size() == 2
+                                        and (block_n, warps) == PAGED_WAVES[:2]) else 3)
     stages = split_stages(d_pad + d_tail, 0 if v_in_k else dv_pad, k_cache.element_size(),
                           max_shared, block_n, most) if q.is_cuda else 1  # fmt: skip
     launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
