@@ -548,8 +548,7 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
                 SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024,
                 ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, DIRECT=False, PDL=True,
-                PDL_WAIT=True, PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, WRITE_V=True, MERGE=True,
-                STREAM=False)
+                PDL_WAIT=True, PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, WRITE_V=True, MERGE=True)
     for fn in (decode._decode_split, decode._combine, decode._cache_status, decode._append):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
@@ -567,9 +566,6 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
             p.name, torch.bfloat16)) if p.name.isupper() else 17)
                   for p in decode._decode_split.params}
         compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=3)
-        if not paged:  # the stream programs (decode.STREAM) of the same launch
-            values["STREAM"] = True
-            compile_for_sm90(decode._decode_split, values, num_warps=warps, num_stages=3)
     if fp8:  # (SHORT: 16-bit caches only)
         continue
     # SHORT's launch: 64-key blocks, 4 stages, within an H100 / H200 block's shared memory
@@ -612,7 +608,7 @@ def last(ptx, *needles):
 base = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
             HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", WINDOW=False, SOFTCAP=False,
             ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=128, DIRECT=False, PDL=True,
-            PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, MERGE=False, SINKS=False, STREAM=False)
+            PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, MERGE=False, SINKS=False)
 for paged in (False, True):
     ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
                            PAGED=paged, PDL_WAIT=True), num_warps=8, num_stages=3).asm["ptx"]
@@ -685,7 +681,7 @@ args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=147, HEAD_DIM_PAD=256, HEAD_D
             HEAD_DIM_V_PAD=256, CAUSAL=True, PAGED=False, PRECISION="ieee", WINDOW=False,
             SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64, DIRECT=False,
             PDL=False, PDL_WAIT=False, PAGE=0, HEAD_DIM_TAIL=0, V_IN_K=False, MERGE=True,
-            SINKS=False, STREAM=False)
+            SINKS=False)
 values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.float32))
           if p.name.isupper() else 17) for p in decode._decode_split.params}
 kernel = compile_for_sm90(decode._decode_split, values, num_warps=4, num_stages=stages)
@@ -741,7 +737,7 @@ for cache, latent, paged, rows in (("bf16", True, False, 16), ("bf16", True, Fal
                 PRECISION="ieee" if size == 4 else "tf32", WINDOW=False,
                 SOFTCAP=False, ALIBI=False, FP8=fp8, BLOCK_M=rows,
                 BLOCK_N=block_n, DIRECT=False, PDL=True, PDL_WAIT=True, PAGE=64 if paged else 0,
-                HEAD_DIM_TAIL=tail, V_IN_K=latent, MERGE=False, STREAM=False,
+                HEAD_DIM_TAIL=tail, V_IN_K=latent, MERGE=False,
                 SINKS=False)  # (value heads of 512: the combine kernel merges)
     values = {p.name: args.get(p.name, torch.empty(16, dtype=data.get(p.name, torch.int32 if
               p.name in ("BLOCK_TABLE", "CACHE_SEQLENS", "COUNTERS") else torch.float32 if p.name
@@ -783,7 +779,7 @@ for cache, latent, paged in (("bf16", True, False), ("bf16", False, False), ("bf
                 PRECISION="ieee" if size == 4 else "tf32", WINDOW=False, SOFTCAP=False,
                 ALIBI=False, FP8=False, BLOCK_M=rows, BLOCK_N=block_n, DIRECT=False, PDL=False,
                 PDL_WAIT=False, PAGE=64 if paged else 0, HEAD_DIM_TAIL=tail, V_IN_K=latent,
-                MERGE=False, SINKS=False, STREAM=False)
+                MERGE=False, SINKS=False)
     values = {p.name: args.get(p.name, torch.empty(16, dtype=data.get(p.name, torch.int32 if
               p.name in ("BLOCK_TABLE", "CACHE_SEQLENS", "COUNTERS") else torch.float32 if p.name
               in (
@@ -1308,55 +1304,3 @@ def test_one_split_writes_the_output_without_the_combine(monkeypatch):
     for got in merged:
         torch.testing.assert_close(got[0], combine[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], combine[1], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-@pytest.mark.parametrize("sq, s_new, causal", [(1, 1, True), (4, 0, True), (3, 3, False)],
-                         ids=["decode", "spec4", "append3-full"])  # fmt: skip
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_stream_programs_cut_the_pairs_keys_evenly(monkeypatch, dtype, sq, s_new, causal,
-                                                   sinks):  # fmt: skip
-    """decode.STREAM ("always": wherever the merge can run): the keys of every (batch, kv
-    head) pair, pair after pair, cut evenly over one wave of programs (the interpreter's 4
-    SMs x 2), each pair cut between programs merged by the last of them; against float64 by
-    the 2x rule and against the split launch to rounding, one (P, 1, 1) launch, no combine,
-    every new tensor filled with 7s (the counters must be the check's zeros)."""
-    from diyfa.attention import decode
-
-    if DEVICE != "cpu":
-        pytest.skip("counts the interpreter's launches")
-    (q, k_cache, v_cache, k_new, v_new, seqlens, _, _, _, after_k,
-     after_v) = _setup(dtype, sq, s_new)  # fmt: skip
-    head_sinks = torch.randn(q.shape[2], device=q.device) if sinks else None
-    grids, real_split, real_empty = [], decode._decode_split, torch.empty
-
-    class Counting:  # decode._decode_split[grid](...) in the interpreter, grids kept
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real_split[grid]
-
-    def run():
-        kc, vc = k_cache.clone(), v_cache.clone()
-        with torch.no_grad():
-            return diyfa.flash_attention_with_kvcache(
-                q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=causal,
-                sinks=head_sinks, return_lse=True)  # fmt: skip
-
-    monkeypatch.setattr(decode, "_decode_split", Counting())
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(7))
-    monkeypatch.setattr(decode, "STREAM", "always")
-    out, lse = run()
-    pairs, blocks = len(LENS) * k_cache.shape[2], -(-(max(LENS) + s_new) // decode.BLOCK_N)
-    assert grids == [(min(2 * 4, pairs * blocks), 1, 1)], grids
-    monkeypatch.setattr(decode, "STREAM", False)
-    split_out, split_lse = run()
-    assert grids[1][0] == pairs
-    torch.testing.assert_close(out, split_out, rtol=2e-2 if dtype != torch.float32 else 1e-5,
-                               atol=2e-2 if dtype != torch.float32 else 1e-5)  # fmt: skip
-    torch.testing.assert_close(lse, split_lse, rtol=1e-5, atol=1e-5)
-    if sinks:
-        return  # (the reference has no sinks; test_kvcache_variants checks them)
-    lengths = [n + s_new for n in LENS]
-    ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, causal,
-                     torch.float64)  # fmt: skip
-    _check("out", out, _reference(q, after_k, after_v, lengths, causal, dtype), ref, 2, dtype)

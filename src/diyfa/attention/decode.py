@@ -173,16 +173,6 @@ PDL = os.environ.get("DIYFA_DECODE_PDL", "1") != "0"
 MERGE = True
 MERGE_SPLITS = 4
 MERGE_TILE = 64 * 128
-# Stream programs (STREAM): the keys of every (batch, kv head) pair, pair after pair, cut
-# evenly over whole waves of programs (per_sm x SMs programs; fewer blocks: one each); a pair
-# whose keys fall to several programs is merged by the last of them (as MERGE). A split
-# launch leaves SMs idle where its programs do not fill whole waves (b16 x 16k: 128 pairs,
-# one program each, on 132 SMs). Scratch measure (H200, 16 q / 4 kv heads at 16k, one
-# program a pair, one process, best of 3): 120 / 124 / 128 / 132 pairs 4,036 / 4,070 /
-# 4,183 / 4,249 GB/s (copy 4,251). Taken on contiguous 16-bit caches where the launch is
-# WIDE's or WIDE_MULTI's (not SHORT's) and num_splits is left to the call; "always":
-# wherever the merge can run (the CPU tests).
-STREAM = True
 # Head dims above 256 (MLA's decode form: 576 / 512, one latent kv head shared by 16-128
 # query heads). Programs of <= 16 query rows (16 heads a GPU at 8-way tensor parallelism):
 # 32-key blocks (a 576-wide key tile is 36 KB in bf16), 4 warps, two programs per SM, three
@@ -321,8 +311,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                   PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PAGE: tl.constexpr,
                   HEAD_DIM_TAIL: tl.constexpr = 0, V_IN_K: tl.constexpr = False,
-                  MERGE: tl.constexpr = False, SINKS: tl.constexpr = False,
-                  stream_blocks=0, STREAM: tl.constexpr = False):
+                  MERGE: tl.constexpr = False, SINKS: tl.constexpr = False):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group against
     the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q, query r %
     seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no sinks): the rows'
@@ -344,86 +333,16 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     cache): the key tile is used as the value tile, so each cache byte is read once."""
     if PDL:
         gdc_launch_dependents()  # the combine may be launched (it waits for this grid)
-    if STREAM:
-        # Program j takes blocks [j * T // P, (j + 1) * T // P) of the T = pairs x
-        # stream_blocks blocks of keys, pair after pair (P <= T: each takes one or more); a
-        # pair cut between programs is merged by the last of them (:func:`_stream_first`).
-        pid = tl.program_id(0).to(tl.int64)
-        programs = tl.num_programs(0)
-        total = (batch * kv_heads).to(tl.int64) * stream_blocks
-        cur = pid * total // programs
-        end = (pid + 1) * total // programs
-        while cur < end:
-            pair = cur // stream_blocks
-            pair_end = (pair + 1) * stream_blocks
-            seg_end = tl.minimum(end, pair_end)
-            first = _stream_first(pair * stream_blocks, total, programs)
-            count = _stream_first(pair_end - 1, total, programs) - first + 1
-            lo = (cur - pair * stream_blocks) * BLOCK_N
-            hi = (seg_end - pair * stream_blocks) * BLOCK_N
-            _split_rows(pair, pid - first, count, lo, hi, Q, K, V, BLOCK_TABLE, CACHE_SEQLENS,
-                        O_PART, LSE_PART, O, LSE, COUNTERS, SINK_LOGITS, stride_qb, stride_qs,
-                        stride_qh, stride_qd, stride_ob, stride_os, stride_oh, stride_od, stride_kb,
-                        stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                        stride_tb, page_size, pool, max_len, kv_heads, kv_group, seqlen_q,
-                        split_len, qk_scale, batch, seqlen_add, window_left, window_right,
-                        tanh_scale, SLOPES, stride_slopes_b, K_DESCALE, V_DESCALE, stride_descale_b,
-                        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, PAGED,
-                        PRECISION, WINDOW, SOFTCAP, ALIBI, FP8, BLOCK_M, BLOCK_N, DIRECT, PDL,
-                        PDL_WAIT, PAGE, HEAD_DIM_TAIL, V_IN_K, MERGE, SINKS, STREAM)  # fmt: skip
-            cur = seg_end
-    else:
-        split = tl.program_id(1)
-        lo = split * split_len
-        _split_rows(tl.program_id(0), split, tl.num_programs(1), lo, lo + split_len, Q, K, V,
-                    BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE, COUNTERS, SINK_LOGITS,
-                    stride_qb, stride_qs, stride_qh, stride_qd, stride_ob, stride_os, stride_oh,
-                    stride_od, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
-                    stride_vh, stride_vd, stride_tb, page_size, pool, max_len, kv_heads, kv_group,
-                    seqlen_q, split_len, qk_scale, batch, seqlen_add, window_left, window_right,
-                    tanh_scale, SLOPES, stride_slopes_b, K_DESCALE, V_DESCALE, stride_descale_b,
-                    HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, CAUSAL, PAGED, PRECISION,
-                    WINDOW, SOFTCAP, ALIBI, FP8, BLOCK_M, BLOCK_N, DIRECT, PDL, PDL_WAIT, PAGE,
-                    HEAD_DIM_TAIL, V_IN_K, MERGE, SINKS, STREAM)  # fmt: skip
-
-
-@triton.jit
-def _stream_first(block, total, programs):
-    """The stream program whose blocks hold ``block``: the last j with j * total // programs
-    <= block."""
-    return ((block + 1) * programs + total - 1) // total - 1
-
-
-@triton.jit
-def _split_rows(off_bhk, split, num_splits, lo, hi,
-                Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE, COUNTERS,
-                SINK_LOGITS,
-                stride_qb, stride_qs, stride_qh, stride_qd,
-                stride_ob, stride_os, stride_oh, stride_od,
-                stride_kb, stride_ks, stride_kh, stride_kd,
-                stride_vb, stride_vs, stride_vh, stride_vd,
-                stride_tb, page_size, pool, max_len,
-                kv_heads, kv_group, seqlen_q, split_len, qk_scale, batch, seqlen_add,
-                window_left, window_right, tanh_scale, SLOPES, stride_slopes_b,
-                K_DESCALE, V_DESCALE, stride_descale_b,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                HEAD_DIM_V_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                PAGED: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PAGE: tl.constexpr,
-                HEAD_DIM_TAIL: tl.constexpr, V_IN_K: tl.constexpr,
-                MERGE: tl.constexpr, SINKS: tl.constexpr, STREAM: tl.constexpr):
-    """One program's work on one (batch x kv head) pair's keys [lo, hi) (clipped to its
-    length, causality and window) for one block of rows: split ``split`` of ``num_splits``
-    (see :func:`_decode_split`)."""
+    off_bhk = tl.program_id(0)
+    split = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
     seqlen_k = tl.minimum(tl.load(CACHE_SEQLENS + off_b) + seqlen_add, max_len)  # appended too
     alibi_offset = seqlen_k - seqlen_q  # bottom-right
     causal_offset = alibi_offset + window_right  # key j <= i + causal_offset (CAUSAL)
     left_offset = alibi_offset - window_left  # key j >= i + left_offset (WINDOW)
-    hi = tl.minimum(hi, seqlen_k)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seqlen_k)
     if CAUSAL:
         hi = tl.minimum(hi, tl.maximum(seqlen_q + causal_offset, 0))
     if WINDOW:  # query 0 sees nothing left of left_offset: skip those blocks
@@ -553,11 +472,7 @@ def _split_rows(off_bhk, split, num_splits, lo, hi,
     # s * rows_per_split on.
     heads = kv_heads * kv_group
     row = (off_b * heads + head) * seqlen_q + qpos
-    if STREAM and not SINKS:  # a stream program that holds all of the pair's keys
-        single = num_splits == 1
-    else:
-        single = DIRECT
-    if single:
+    if DIRECT:
         _store_rows(O, LSE, acc, lse2, row, off_b, qpos, head, row_ok, offs_dv, dv_ok,
                     stride_ob, stride_os, stride_oh, stride_od)  # fmt: skip
     else:
@@ -572,9 +487,9 @@ def _split_rows(off_bhk, split, num_splits, lo, hi,
             tl.debug_barrier()  # every thread's stores are the CTA's before the count
             slot = off_bhk * tl.num_programs(2) + tl.program_id(2)
             done = tl.atomic_add(COUNTERS + batch + slot, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
+            if done == tl.num_programs(1) - 1:
                 out, lse = _merge_splits(O_PART, LSE_PART, SINK_LOGITS, row, head, row_ok,
-                                         offs_dv, rows_per_split, num_splits,
+                                         offs_dv, rows_per_split, tl.num_programs(1),
                                          HEAD_DIM_V_PAD, SINKS)  # fmt: skip
                 _store_rows(O, LSE, out, lse, row, off_b, qpos, head, row_ok, offs_dv, dv_ok,
                             stride_ob, stride_os, stride_oh, stride_od)  # fmt: skip
@@ -1001,18 +916,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     direct = splits == 1 and sinks is None
     # Otherwise the last split program of a block of rows merges the splits (MERGE), or the
     # combine kernel does.
-    mergeable = counters is not None and dv_pad <= 256 and block_m * dv_pad <= MERGE_TILE
-    merge = MERGE and not direct and mergeable and not paged and splits <= MERGE_SPLITS
-    # Or the keys of all pairs as one stream cut evenly over whole waves (STREAM).
-    blocks = cdiv(max_seqlen_k, block_n)
-    stream = (mergeable and not paged and not num_splits and blocks > 0
-              and cdiv(group * sq, block_m) == 1
-              and (STREAM == "always" or STREAM and not short
-                   and (block_n, warps, per_sm) in (WIDE, WIDE_MULTI)))  # fmt: skip
-    if stream:
-        programs = min(per_sm * sms, b * hk * blocks)
-        # (a pair's keys fall to at most this many programs)
-        splits, direct, merge = cdiv(programs, b * hk) + 2, False, True
+    merge = (MERGE and not direct and counters is not None and not paged
+             and splits <= MERGE_SPLITS and dv_pad <= 256
+             and block_m * dv_pad <= MERGE_TILE)  # fmt: skip
     if direct:
         o_part = lse_part = lse2  # (not read: the split kernel's workspace arguments)
     else:
@@ -1050,7 +956,6 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
         PAGE=_pow2_page(k_cache.shape[1]) if paged else 0, HEAD_DIM_TAIL=d_tail,
         V_IN_K=v_in_k, MERGE=merge, SINKS=merge and sinks is not None,
-        stream_blocks=blocks if stream else 0, STREAM=stream,
     )  # fmt: skip
     combine_args = dict(
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
@@ -1059,7 +964,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits), HEAD_DIM=dv,
         HEAD_DIM_PAD=dv_pad, SINKS=sinks is not None, PDL=pdl,
     )  # fmt: skip
-    split_grid = (programs, 1, 1) if stream else (b * hk, splits, cdiv(group * sq, block_m))
+    split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
     most = (SHORT_STAGES if short else WIDE_HEAD_STAGES if wide and block_m > 16
             else PAGED_MULTI_STAGES if (paged and block_m > 16 and k_cache.element_size() == 2
