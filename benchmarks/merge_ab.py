@@ -1,13 +1,11 @@
-"""Decode switch A/B, in one process on a CUDA GPU: the last split program merges
-(``decode.MERGE``) against the combine kernel, or (``--flag PAGED_ROWS_X``) paged programs
-of > 16 rows cut into row blocks of 16 side by side against one program. GB/s = (K and V
+"""Decode's split merge A/B: the last split program merges (``decode.MERGE``) against the
+combine kernel, contiguous and paged caches, in one process on a CUDA GPU. GB/s = (K and V
 bytes read + q + out) / time (``triton.testing.do_bench`` medians, the best of the rounds,
-the two taken in turn, "on" and "off"); their outputs are compared (max |diff|).
+the two taken in turn); the outputs of the two are compared first (max |diff|).
 
 Usage (device): python3 benchmarks/merge_ab.py OUT.jsonl
   [--shapes "16,8,16384,0;4,1,65536,16"]  (batch, new tokens, cached, page size (0:
-                                           contiguous)[, kv heads (8)]; 32 q heads, d128, bf16)
-  [--flag MERGE]  (the decode module's switch turned on / off: MERGE or PAGED_ROWS_X)
+                                           contiguous); 32 q heads / 8 kv heads, d128, bf16)
   [--sinks]  (with attention sinks: every call merges, one split too)
   [--rounds 3]
 """
@@ -41,48 +39,43 @@ def main() -> int:
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--sinks", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--flag", default="MERGE", choices=("MERGE", "PAGED_ROWS_X"))
     a = ap.parse_args()
-    on = getattr(decode, a.flag)
     env, copy = run_record()
     rows = []
     with open(a.out, "w") as f:
         f.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")
         for item in a.shapes.split(";"):
-            b, t, n, page, *rest = (int(x) for x in item.split(","))
-            hk = rest[0] if rest else 8
-            q, k, v, seqlens, table = inputs(b, 32, hk, n, page or None, tokens=t)
+            b, t, n, page = (int(x) for x in item.split(","))
+            q, k, v, seqlens, table = inputs(b, 32, 8, n, page or None, tokens=t)
             sinks = torch.randn(32, device="cuda") if a.sinks else None
             fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,
                                    cache_seqlens=seqlens, block_table=table, max_seqlen_k=n,
                                    sinks=sinks)  # fmt: skip
-            nbytes = 2 * b * n * hk * 128 * 2 + 2 * b * t * 32 * 128 * 2
-            row = {"b": b, "tokens": t, "n": n, "page": page, "kv_heads": hk, "sinks": a.sinks,
-                   "flag": a.flag}
+            nbytes = 2 * b * n * 8 * 128 * 2 + 2 * b * t * 32 * 128 * 2
+            row = {"b": b, "tokens": t, "n": n, "page": page, "sinks": a.sinks}
             outs = {}
             for _ in range(a.rounds):
-                for flag in (on, False):
-                    setattr(decode, a.flag, flag)
+                for merge in (True, False):
+                    decode.MERGE = merge
                     decode._PREPARED.clear()  # (launches kept from the other variant)
-                    name = "on" if flag else "off"
+                    name = "merge" if merge else "combine"
                     outs[name] = fn().float()
                     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                     row[name] = max(row.get(name, 0), round(nbytes / (ms * 1e-3) / 1e9))
-            setattr(decode, a.flag, on)
+            decode.MERGE = True
             decode._PREPARED.clear()
-            row["diff"] = (outs["on"] - outs["off"]).abs().max().item()
-            row["ratio"] = round(row["on"] / row["off"], 3)
+            row["diff"] = (outs["merge"] - outs["combine"]).abs().max().item()
+            row["ratio"] = round(row["merge"] / row["combine"], 3)
             del q, k, v, seqlens, table
             torch.cuda.empty_cache()
             f.write(json.dumps({"record": "measurement", **env, **row}) + "\n")
             f.flush()
             print(row, flush=True)
             rows.append(row)
-    print(f"\ndecode {a.flag} A/B, GB/s (copy {copy:.0f}), on / off (ratio), max |diff|")
+    print(f"\ndecode merge A/B, GB/s (copy {copy:.0f}), merge / combine (ratio), max |diff|")
     for r in rows:
-        print(f"b{r['b']} t{r['tokens']} n{r['n']} p{r['page']} hk{r['kv_heads']}"
-              f"{' sinks' if r['sinks'] else ''}"
-              f": {r['on']} / {r['off']} ({r['ratio']:.3f})  diff {r['diff']:.2e}")
+        print(f"b{r['b']} t{r['tokens']} n{r['n']} p{r['page']}{' sinks' if r['sinks'] else ''}"
+              f": {r['merge']} / {r['combine']} ({r['ratio']:.3f})  diff {r['diff']:.2e}")
     return 0
 
 

@@ -548,8 +548,7 @@ for fp8 in (False, True):  # a bf16 cache, and an e4m3 one with its descales
                 PAGED=True, PRECISION="tf32", WINDOW=True, SOFTCAP=True, ALIBI=True,
                 SINKS=True, FP8=fp8, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, BLOCK_P=1024,
                 ASSERT=True, BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, DIRECT=False, PDL=True,
-                PDL_WAIT=True, PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, WRITE_V=True, MERGE=True,
-                ROWS_X=1)
+                PDL_WAIT=True, PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, WRITE_V=True, MERGE=True)
     for fn in (decode._decode_split, decode._combine, decode._cache_status, decode._append):
         values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(
             p.name, torch.bfloat16)) if p.name.isupper() else 17) for p in fn.params}
@@ -609,8 +608,7 @@ def last(ptx, *needles):
 base = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
             HEAD_DIM_V_PAD=128, CAUSAL=True, PRECISION="tf32", WINDOW=False, SOFTCAP=False,
             ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=128, DIRECT=False, PDL=True,
-            PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, MERGE=False, SINKS=False,
-            ROWS_X=1)
+            PAGE=16, HEAD_DIM_TAIL=0, V_IN_K=False, MERGE=False, SINKS=False)
 for paged in (False, True):
     ptx = compile_for_sm90(decode._decode_split, values(decode._decode_split, **base,
                            PAGED=paged, PDL_WAIT=True), num_warps=8, num_stages=3).asm["ptx"]
@@ -683,7 +681,7 @@ args = dict(qk_scale=0.5, tanh_scale=0.1, HEAD_DIM=147, HEAD_DIM_PAD=256, HEAD_D
             HEAD_DIM_V_PAD=256, CAUSAL=True, PAGED=False, PRECISION="ieee", WINDOW=False,
             SOFTCAP=False, ALIBI=False, FP8=False, BLOCK_M=16, BLOCK_N=64, DIRECT=False,
             PDL=False, PDL_WAIT=False, PAGE=0, HEAD_DIM_TAIL=0, V_IN_K=False, MERGE=True,
-            SINKS=False, ROWS_X=1)
+            SINKS=False)
 values = {p.name: args.get(p.name, torch.empty(16, dtype=tensors.get(p.name, torch.float32))
           if p.name.isupper() else 17) for p in decode._decode_split.params}
 kernel = compile_for_sm90(decode._decode_split, values, num_warps=4, num_stages=stages)
@@ -740,7 +738,7 @@ for cache, latent, paged, rows in (("bf16", True, False, 16), ("bf16", True, Fal
                 SOFTCAP=False, ALIBI=False, FP8=fp8, BLOCK_M=rows,
                 BLOCK_N=block_n, DIRECT=False, PDL=True, PDL_WAIT=True, PAGE=64 if paged else 0,
                 HEAD_DIM_TAIL=tail, V_IN_K=latent, MERGE=False,
-                SINKS=False, ROWS_X=1)  # (value heads of 512: the combine kernel merges)
+                SINKS=False)  # (value heads of 512: the combine kernel merges)
     values = {p.name: args.get(p.name, torch.empty(16, dtype=data.get(p.name, torch.int32 if
               p.name in ("BLOCK_TABLE", "CACHE_SEQLENS", "COUNTERS") else torch.float32 if p.name
               in (
@@ -781,7 +779,7 @@ for cache, latent, paged in (("bf16", True, False), ("bf16", False, False), ("bf
                 PRECISION="ieee" if size == 4 else "tf32", WINDOW=False, SOFTCAP=False,
                 ALIBI=False, FP8=False, BLOCK_M=rows, BLOCK_N=block_n, DIRECT=False, PDL=False,
                 PDL_WAIT=False, PAGE=64 if paged else 0, HEAD_DIM_TAIL=tail, V_IN_K=latent,
-                MERGE=False, SINKS=False, ROWS_X=1)
+                MERGE=False, SINKS=False)
     values = {p.name: args.get(p.name, torch.empty(16, dtype=data.get(p.name, torch.int32 if
               p.name in ("BLOCK_TABLE", "CACHE_SEQLENS", "COUNTERS") else torch.float32 if p.name
               in (
@@ -1306,45 +1304,3 @@ def test_one_split_writes_the_output_without_the_combine(monkeypatch):
     for got in merged:
         torch.testing.assert_close(got[0], combine[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], combine[1], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("sq, s_new", [(8, 8), (5, 0)], ids=["append8", "q5"])
-@pytest.mark.parametrize("splits", [3, 0], ids=["3splits", "auto"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_paged_rows_side_by_side(monkeypatch, dtype, splits, sq, s_new):
-    """decode.PAGED_ROWS_X: a paged 16-bit cache's programs of more than 16 query rows (8 or 5
-    new tokens x a group of 4) run as row blocks of 16 next to each other in the grid's first
-    dimension; against float64 by the 2x rule and against one program of all rows."""
-    from diyfa.attention import decode
-
-    if DEVICE != "cpu":
-        pytest.skip("counts the interpreter's launches")
-    (q, _, _, k_new, v_new, seqlens, table, k_pages, v_pages, after_k,
-     after_v) = _setup(dtype, sq, s_new)  # fmt: skip
-    grids, real = [], decode._decode_split
-
-    class Counting:  # decode._decode_split[grid](...) in the interpreter, grids kept
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    def run():
-        kp, vp = k_pages.clone(), v_pages.clone()
-        with torch.no_grad():
-            return diyfa.flash_attention_with_kvcache(
-                q, kp, vp, k_new, v_new, cache_seqlens=seqlens, block_table=table,
-                num_splits=splits, return_lse=True)  # fmt: skip
-
-    monkeypatch.setattr(decode, "_decode_split", Counting())
-    out, lse = run()
-    pairs = len(LENS) * k_pages.shape[2]
-    assert grids[0][0] == 2 * pairs and grids[0][2] == 1, grids  # (4 x sq rows: 2 blocks)
-    monkeypatch.setattr(decode, "PAGED_ROWS_X", False)
-    one, one_lse = run()
-    assert grids[1][0] == pairs
-    torch.testing.assert_close(out, one)  # (to rounding: "auto" may pick other splits)
-    torch.testing.assert_close(lse, one_lse, rtol=1e-5, atol=1e-5)
-    lengths = [n + s_new for n in LENS]
-    ref = _reference(q.double(), after_k.double(), after_v.double(), lengths, True,
-                     torch.float64)  # fmt: skip
-    _check("out", out, _reference(q, after_k, after_v, lengths, True, dtype), ref, 2, dtype)

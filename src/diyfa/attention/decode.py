@@ -136,10 +136,6 @@ LARGE_PAGE = 128
 # of 16 3,661 / 3,671 / 3,659, b64 x 4k 3,614 / 3,746 / 3,614, pages of 256 3,938 / 3,954 /
 # 3,956 (one program per SM: 0.52-0.85x of the contiguous cache).
 PAGED_MULTI_STAGES = 2
-# ... or such programs cut into row blocks of 16 (PAGED_ROWS_X), the blocks of one (batch x
-# kv head, split) next to each other in the grid's first dimension, so they run at once and
-# the second read of each K/V block is an L2 hit: under test.
-PAGED_ROWS_X = True
 # fp8 (e4m3) caches. H200 (benchmarks/fp8_decode.py --launches, one process each run,
 # ..._fp8-decode-launches_b045090.jsonl and ..._fp8-decode_6f68b6b.jsonl), fp8 tokens/s over
 # the bf16 cache's: contiguous 0.81-0.91 with 256-key blocks, 1.04-1.08 with WIDE's, 1.07-1.15
@@ -315,8 +311,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                   PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PAGE: tl.constexpr,
                   HEAD_DIM_TAIL: tl.constexpr = 0, V_IN_K: tl.constexpr = False,
-                  MERGE: tl.constexpr = False, SINKS: tl.constexpr = False,
-                  ROWS_X: tl.constexpr = 1):
+                  MERGE: tl.constexpr = False, SINKS: tl.constexpr = False):
     """Program (batch x kv head, split, row block): the query rows of the kv head's group against
     the split's keys. Rows are (head in group, query) pairs, r -> head r // seqlen_q, query r %
     seqlen_q; one decode step's rows usually fit one block. DIRECT (one split, no sinks): the rows'
@@ -338,8 +333,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     cache): the key tile is used as the value tile, so each cache byte is read once."""
     if PDL:
         gdc_launch_dependents()  # the combine may be launched (it waits for this grid)
-    off_bhk = tl.program_id(0) // ROWS_X  # (ROWS_X row blocks side by side in the grid)
-    row_block = tl.program_id(0) % ROWS_X + tl.program_id(2)
+    off_bhk = tl.program_id(0)
     split = tl.program_id(1)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
@@ -354,7 +348,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
     if WINDOW:  # query 0 sees nothing left of left_offset: skip those blocks
         lo = tl.maximum(lo, tl.maximum(left_offset, 0) // BLOCK_N * BLOCK_N)
 
-    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     head = off_hk * kv_group + rows // seqlen_q
     qpos = rows % seqlen_q
     row_ok = rows < kv_group * seqlen_q
@@ -491,7 +485,7 @@ def _decode_split(Q, K, V, BLOCK_TABLE, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
             if PDL and not PDL_WAIT:
                 gdc_wait()  # (the device check zeroes the counters)
             tl.debug_barrier()  # every thread's stores are the CTA's before the count
-            slot = off_bhk * (tl.num_programs(2) * ROWS_X) + row_block
+            slot = off_bhk * tl.num_programs(2) + tl.program_id(2)
             done = tl.atomic_add(COUNTERS + batch + slot, 1, sem="acq_rel", scope="gpu")
             if done == tl.num_programs(1) - 1:
                 out, lse = _merge_splits(O_PART, LSE_PART, SINK_LOGITS, row, head, row_ok,
@@ -902,11 +896,6 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     max_shared = kernel_limits(q.device.index)["max_shared_mem"] if q.is_cuda else SM90_SHARED
     most_rows = wide_head_rows(k_cache.element_size(), max_shared) if wide else 64
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
-    # Paged 16-bit caches: programs of 16 rows, their row blocks side by side (PAGED_ROWS_X)
-    rows_x = 1
-    if (PAGED_ROWS_X and block_table is not None and block_m > 16
-            and k_cache.element_size() == 2 and max(d_pad + d_tail, dv_pad) <= 128):
-        block_m, rows_x = 16, cdiv(group * sq, 16)
     sms = kernel_limits(q.device.index)["sm_count"] if q.is_cuda else 4
     block_n, warps, per_sm, waves = launch_config(paged, d_pad + d_tail, dv_pad,
                                                   k_cache.element_size(), q.is_cuda,
@@ -917,7 +906,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     if short:
         (block_n, warps, per_sm), waves = SHORT, True
     # (wide heads: a group of up to 128 query heads is several row blocks, each a program)
-    row_blocks = cdiv(group * sq, block_m) if wide else rows_x
+    row_blocks = cdiv(group * sq, block_m) if wide else 1
     splits = num_splits or pick_splits(b * row_blocks, hk, max_seqlen_k, q.device, block_n,
                                        per_sm, waves)  # fmt: skip
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
@@ -966,7 +955,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         SOFTCAP=softcap > 0, ALIBI=alibi, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
         PAGE=_pow2_page(k_cache.shape[1]) if paged else 0, HEAD_DIM_TAIL=d_tail,
-        V_IN_K=v_in_k, MERGE=merge, SINKS=merge and sinks is not None, ROWS_X=rows_x,
+        V_IN_K=v_in_k, MERGE=merge, SINKS=merge and sinks is not None,
     )  # fmt: skip
     combine_args = dict(
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
@@ -975,7 +964,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits), HEAD_DIM=dv,
         HEAD_DIM_PAD=dv_pad, SINKS=sinks is not None, PDL=pdl,
     )  # fmt: skip
-    split_grid = (b * hk * rows_x, splits, cdiv(group * sq, block_m * rows_x))
+    split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
     most = (SHORT_STAGES if short else WIDE_HEAD_STAGES if wide and block_m > 16
             else PAGED_MULTI_STAGES if (paged and block_m > 16 and k_cache.element_size() == 2
