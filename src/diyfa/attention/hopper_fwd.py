@@ -330,39 +330,6 @@ def _tanh(x):
                                      is_pure=True, pack=1)
 
 
-# 2^x of two scores at a time (x <= 0 or -inf): the first by the MUFU's ex2, the second on
-# the FMA pipe (x = n + f, n = round(x) by the 1.5 x 2^23 rounding trick, f in [-0.5, 0.5];
-# 2^f by a degree-3 polynomial, relative error 7.5e-5 in fp32, below P's rounding to 16 bits;
-# n added to the result's exponent bits; x < -126, -inf included, gives 0). Where softcap's
-# tanh doubles the MUFU's work per score (tanh and exp2), this takes a quarter of it off.
-_EXP2_PAIR_ASM = gl.constexpr("""{
-.reg .f32 c, t, n, f, q;
-.reg .b32 e, r;
-.reg .pred z;
-ex2.approx.ftz.f32 $0, $2;
-max.f32 c, $3, 0fC2FC0000;
-add.rn.f32 t, c, 0f4B400000;
-sub.rn.f32 n, t, 0f4B400000;
-sub.rn.f32 f, c, n;
-fma.rn.f32 q, f, 0f3D61FB53, 0f3E786EE6;
-fma.rn.f32 q, q, f, 0f3F31798D;
-fma.rn.f32 q, q, f, 0f3F7FFB4A;
-mov.b32 e, t;
-shl.b32 e, e, 23;
-mov.b32 r, q;
-add.s32 r, r, e;
-setp.lt.f32 z, $3, 0fC2FC0000;
-selp.b32 $1, 0, r, z;
-}""")
-
-
-@gluon.jit
-def _exp2_pair(x):
-    """2^x, every second value on the FMA pipe instead of the MUFU (:data:`_EXP2_PAIR_ASM`)."""
-    return gl.inline_asm_elementwise(_EXP2_PAIR_ASM, "=f,=f,f,f", [x], dtype=gl.float32,
-                                     is_pure=True, pack=2)
-
-
 @gluon.jit
 def _tile2d(bufs, i):
     """Stage ``i`` of a ring of (1, 1, rows, dim) TMA blocks, as a (rows, dim) operand."""
@@ -676,7 +643,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
     if SOFTCAP == 2:
-        p = _exp2_pair(s * qk_scale - m_i[:, None])
+        p = gl.exp2(s * qk_scale - m_i[:, None])
         return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + row_term - P_SHIFT)
@@ -692,8 +659,6 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         p = gl.exp2(s * qk_scale - (m_use - row_term)[:, None])
     elif ALIBI:
         p = gl.exp2(s - (m_use - row_term)[:, None])
-    elif SOFTCAP:  # (half the exponentials off the MUFU, which also computes the tanh)
-        p = _exp2_pair(s * qk_scale - m_use[:, None])
     else:
         p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
