@@ -559,9 +559,13 @@ def values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
             and k_cache.dim() == v_cache.dim() == 4):  # fmt: skip
         return False  # (the checks will say what is wrong)
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(k_cache, FakeTensor) or isinstance(v_cache, FakeTensor):
+        return False  # fake tensors (a trace) have no addresses: the real call checks
     try:
         same = v_cache.data_ptr() == k_cache.data_ptr()
-    except RuntimeError:  # fake tensors (a trace) have no addresses: the real call checks
+    except RuntimeError:  # (other tensors without storage)
         return False
     # (strides of the axes of size 1 say nothing: MLA's one kv head, one new token)
     return (same and v_cache.shape[3] <= k_cache.shape[3] and v_cache.stride(3) == k_cache.stride(3)

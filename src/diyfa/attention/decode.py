@@ -10,9 +10,9 @@ Work split
     group's ``kv_group * seqlen_q`` rows form one tile, so each K/V byte is read once per
     group, not once per query head. The keys of a sequence are cut into ``num_splits``
     equal ranges of whole blocks; each program writes its partial output and base-2 LSE
-    (fp32) to a workspace, and the last program of a block of rows to finish merges the
-    splits (``MERGE``; ``_combine``, a kernel of its own, before):
-    lse = log2(sum_s 2^lse_s), out = sum_s 2^(lse_s - lse) * out_s.
+    (fp32) to a workspace, and the splits are merged, by the last program of a block of rows
+    to finish (``MERGE``: contiguous caches in at most ``MERGE_SPLITS`` splits) or by the
+    ``_combine`` kernel: lse = log2(sum_s 2^lse_s), out = sum_s 2^(lse_s - lse) * out_s.
 
 Caches
     Contiguous: (batch, max_len, kv_heads, d). Paged: (num_blocks, page_size, kv_heads, d)
