@@ -69,6 +69,24 @@ def inputs(b, h, hk, n, page, d=128, dtype=torch.bfloat16, tokens=1):
     return q, k, torch.randn_like(k), seqlens, table
 
 
+def decode_bytes(q: torch.Tensor, cached: int, kv_heads: int) -> int:
+    """What a decode call moves: its K and V cache rows (``cached`` tokens of ``kv_heads``
+    heads per sequence, q's head dim and dtype) plus q and the output."""
+    b, _, _, d = q.shape
+    return 2 * b * cached * kv_heads * d * q.element_size() + 2 * q.numel() * q.element_size()
+
+
+def gbps(nbytes: int, ms: float) -> int:
+    """GB/s of ``nbytes`` moved in ``ms`` milliseconds, rounded."""
+    return round(nbytes / (ms * 1e-3) / 1e9)
+
+
+def parse_items(text: str) -> list[tuple[int, ...]]:
+    """"16,8,16384;4,8,65536" -> [(16, 8, 16384), (4, 8, 65536)] (the scripts' --shapes,
+    --variants)."""
+    return [tuple(int(x) for x in item.split(",")) for item in text.split(";") if item]
+
+
 def run_record() -> tuple[dict, float]:
     """The run's environment (GPU, torch, triton) and the measured copy bandwidth (GB/s),
     printed, for the decode scripts' first JSON line."""
@@ -112,7 +130,7 @@ def main() -> int:
         shapes = MULTI_SHAPES if a.multi else PAGED_SHAPES if a.paged else SHAPES
         for b, h, hk, n, page in shapes:
             q, k, v, seqlens, tbl = inputs(b, h, hk, n, page, tokens=a.tokens)
-            nbytes = 2 * b * n * hk * 128 * 2 + 2 * q.numel() * 2
+            nbytes = decode_bytes(q, n, hk)
             row = {"b": b, "h": h, "hk": hk, "n": n, "page": page, "tokens": a.tokens}
             ref = None
             for var in [v for _ in range(a.rounds) for v in variants]:
@@ -127,8 +145,7 @@ def main() -> int:
                         ref = o if ref is None else ref
                         diff = (o.float() - ref.float()).abs().max().item()
                         ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    gbps = round(nbytes / (ms * 1e-3) / 1e9)
-                    row[name] = max(gbps, row.get(name, 0))  # (the best of the rounds)
+                    row[name] = max(gbps(nbytes, ms), row.get(name, 0))  # (the best round)
                     if diff > 0.02:
                         row[name + "_diff"] = diff
                 except Exception as e:  # noqa: BLE001 - a variant that fails is a note

@@ -21,7 +21,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
-from decode_ab import inputs  # noqa: E402 (this folder, on sys.path as the script's)
+from decode_ab import decode_bytes, gbps, inputs  # noqa: E402 (this folder, on sys.path as the script's)
 
 import diyfa  # noqa: E402
 from diyfa.attention import decode  # noqa: E402
@@ -36,7 +36,7 @@ def main(path: str) -> None:
     with open(path, "w") as out:
         for b, n in SHAPES:
             q, k, v, lens, _ = inputs(b, 32, 8, n, None)
-            nbytes = 2 * b * n * 8 * 128 * 2 + 2 * q.numel() * 2
+            nbytes = decode_bytes(q, n, 8)
             kt, vt = k.transpose(1, 2), v.transpose(1, 2)
 
             def cudnn(q=q, kt=kt, vt=vt):
@@ -50,7 +50,7 @@ def main(path: str) -> None:
             row = {"b": b, "n": n, "cudnn": 0, "short": 0, "wide": 0}
             for _ in range(2):
                 ms = do_bench(cudnn, warmup=25, rep=100, return_mode="median")
-                row["cudnn"] = max(row["cudnn"], round(nbytes / (ms * 1e-3) / 1e9))
+                row["cudnn"] = max(row["cudnn"], gbps(nbytes, ms))
                 for name in ("short", "wide"):
                     decode.short_cache = rule if name == "short" else (lambda *a, **kw: False)
                     decode._PREPARED.clear()  # (a kept launch would be replayed)
@@ -61,7 +61,7 @@ def main(path: str) -> None:
                     finally:
                         decode.short_cache = rule
                         decode._PREPARED.clear()
-                    row[name] = max(row[name], round(nbytes / (ms * 1e-3) / 1e9))
+                    row[name] = max(row[name], gbps(nbytes, ms))
             row["takes_short"] = rule(n, b * 8, 132)
             print(row, flush=True)
             out.write(json.dumps(row) + "\n")

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from decode_ab import inputs, run_record  # noqa: E402
+from decode_ab import decode_bytes, gbps, inputs, run_record  # noqa: E402
 
 import diyfa  # noqa: E402
 from diyfa.attention import decode  # noqa: E402
@@ -51,7 +51,7 @@ def main() -> int:
             fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,
                                    cache_seqlens=seqlens, block_table=table, max_seqlen_k=n,
                                    sinks=sinks)  # fmt: skip
-            nbytes = 2 * b * n * 8 * 128 * 2 + 2 * b * t * 32 * 128 * 2
+            nbytes = decode_bytes(q, n, 8)
             row = {"b": b, "tokens": t, "n": n, "page": page, "sinks": a.sinks}
             outs = {}
             for _ in range(a.rounds):
@@ -61,7 +61,7 @@ def main() -> int:
                     name = "merge" if merge else "combine"
                     outs[name] = fn().float()
                     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    row[name] = max(row.get(name, 0), round(nbytes / (ms * 1e-3) / 1e9))
+                    row[name] = max(row.get(name, 0), gbps(nbytes, ms))
             decode.MERGE = True
             decode._PREPARED.clear()
             row["diff"] = (outs["merge"] - outs["combine"]).abs().max().item()

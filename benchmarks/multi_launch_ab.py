@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from decode_ab import inputs, run_record  # noqa: E402
+from decode_ab import decode_bytes, gbps, inputs, parse_items, run_record  # noqa: E402
 
 import diyfa  # noqa: E402
 from diyfa.attention import decode  # noqa: E402
@@ -32,10 +32,6 @@ from diyfa.attention import decode  # noqa: E402
 VARIANTS = ("64,4,2,1,3;64,4,3,1,2;64,4,4,1,2;128,4,1,1,3;64,8,2,1,3;32,4,4,1,3;64,4,3,0,2;"
             "64,4,3,0,3")
 SHAPES = "16,8,16384;64,8,4096;4,8,65536;16,4,16384"
-
-
-def _parse(text: str) -> list[tuple[int, ...]]:
-    return [tuple(int(x) for x in item.split(",")) for item in text.split(";") if item]
 
 
 def _patched(variant, rows_above: int):
@@ -66,15 +62,15 @@ def main() -> int:
     ap.add_argument("--rows-above", type=int, default=16)
     a = ap.parse_args()
     env, copy = run_record()
-    variants = ["default", *_parse(a.variants)]
+    variants = ["default", *parse_items(a.variants)]
     rows = []
     with open(a.out, "w") as f:
         f.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")
-        for b, t, n in _parse(a.shapes):
+        for b, t, n in parse_items(a.shapes):
             q, k, v, seqlens, _ = inputs(b, 32, 8, n, None, tokens=t)
             fn = functools.partial(diyfa.flash_attention_with_kvcache, q, k, v,
                                    cache_seqlens=seqlens, max_seqlen_k=n)  # fmt: skip
-            nbytes = 2 * b * n * 8 * 128 * 2 + 2 * b * t * 32 * 128 * 2
+            nbytes = decode_bytes(q, n, 8)
             row, ref = {"b": b, "tokens": t, "n": n}, None
             for _ in range(a.rounds):
                 for var in variants:
@@ -90,7 +86,7 @@ def main() -> int:
                         if diff > 0.01:
                             row[name + "_diff"] = diff
                         ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                        row[name] = max(row.get(name, 0), round(nbytes / (ms * 1e-3) / 1e9))
+                        row[name] = max(row.get(name, 0), gbps(nbytes, ms))
                     finally:
                         if saved is not None:
                             decode.launch_config, decode.split_stages, decode.short_cache = saved

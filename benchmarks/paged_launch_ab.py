@@ -25,17 +25,13 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from decode_ab import inputs, run_record  # noqa: E402
+from decode_ab import decode_bytes, gbps, inputs, parse_items, run_record  # noqa: E402
 
 import diyfa  # noqa: E402
 from diyfa.attention import decode  # noqa: E402
 
 SHAPES = "16,8,16384,16;16,8,16384,256;16,1,16384,16;64,1,4096,16;128,1,512,16;4,1,65536,16"
 VARIANTS = "64,4,3,3;128,8,2,3;128,4,2,3"
-
-
-def _parse(text: str) -> list[tuple[int, ...]]:
-    return [tuple(int(x) for x in item.split(",")) for item in text.split(";") if item]
 
 
 def _time(fn) -> float:
@@ -52,15 +48,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     env, copy = run_record()
-    variants = ["contig", "default", *_parse(a.variants)]
+    variants = ["contig", "default", *parse_items(a.variants)]
     saved = (decode.PAGED_WAVES, decode.PAGED_WAVES_LARGE_PAGES, decode.split_stages,
              decode._pow2_page)
     rows = []
     with open(a.out, "w") as f:
         f.write(json.dumps({"record": "run", **env, "copy_gbps": round(copy)}) + "\n")
-        for b, t, n, page in _parse(a.shapes):
+        for b, t, n, page in parse_items(a.shapes):
             row = {"b": b, "tokens": t, "n": n, "page": page}
-            nbytes = 2 * b * n * 8 * 128 * 2 + 2 * b * t * 32 * 128 * 2
             data = {False: inputs(b, 32, 8, n, None, tokens=t),
                     True: inputs(b, 32, 8, n, page, tokens=t)}  # fmt: skip
             ref = None
@@ -84,8 +79,8 @@ def main() -> int:
                             diff = (o.float() - ref.float()).abs().max().item()
                             if diff > 0.02:
                                 row[name + "_diff"] = diff
-                        gbps = round(nbytes / (_time(fn) * 1e-3) / 1e9)
-                        row[name] = max(row.get(name, 0), gbps)
+                        row[name] = max(row.get(name, 0),
+                                        gbps(decode_bytes(q, n, 8), _time(fn)))
                     finally:
                         (decode.PAGED_WAVES, decode.PAGED_WAVES_LARGE_PAGES,
                          decode.split_stages, decode._pow2_page) = saved
