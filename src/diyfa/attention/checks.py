@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # (loaded by torch itself)
 
 from diyfa.attention.problem import (
     ALIGNS,
@@ -559,8 +560,6 @@ def values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
             and k_cache.dim() == v_cache.dim() == 4):  # fmt: skip
         return False  # (the checks will say what is wrong)
-    from torch._subclasses.fake_tensor import FakeTensor
-
     if isinstance(k_cache, FakeTensor) or isinstance(v_cache, FakeTensor):
         return False  # fake tensors (a trace) have no addresses: the real call checks
     try:
