@@ -1,6 +1,7 @@
 """One Gluon backward under Nsight Compute: where its warps stall (issue 12).
 
-Runs ``flash_attention`` forward + backward three times on b1 h16 8192 d128 bf16 through
+Runs ``flash_attention`` forward + backward three times on b1 h16 8192 d128 bf16 (``--shape``,
+``--head-dim``) through
 ``backend="hopper"`` (atomic dQ, or the deterministic path with ``--deterministic``); ncu
 profiles the third ``_attn_bwd_hopper`` launch. Run it under ncu, e.g. (device):
 
@@ -35,6 +36,7 @@ def main() -> int:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--mix", choices=("packed", "equal"), default=None)
+    ap.add_argument("--shape", default="1x16x8192", help="batch x heads x seqlen (not --mix)")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     if a.mix:
@@ -62,7 +64,8 @@ def main() -> int:
             out.backward(torch.ones_like(out))
         torch.cuda.synchronize()
         return 0
-    q, k, v = (torch.randn(1, 16, 8192, a.head_dim, device="cuda", dtype=torch.bfloat16,
+    b, h, n = (int(x) for x in a.shape.split("x"))
+    q, k, v = (torch.randn(b, h, n, a.head_dim, device="cuda", dtype=torch.bfloat16,
                            generator=g).requires_grad_() for _ in range(3))  # fmt: skip
     for _ in range(3):
         out = diyfa.flash_attention(q, k, v, causal=a.causal, backend="hopper",

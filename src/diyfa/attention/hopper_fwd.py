@@ -109,6 +109,18 @@ class Config(NamedTuple):
     # (ORDER_CHAIN; only where programs take their tiles round robin: hopper_args)
 
 
+# The consumers wait for a tile's O store (and hand its Q buffer back) once the next tile's
+# first block is under way (ORDER_DEFER_STORE; two Q buffers), not before they start it. H200,
+# bf16, one process, 3 interleaved rounds (benchmarks/fwd_flag_ab.py --flag DEFER_O_STORE,
+# benchmarks/results/2026-11-25_h200_fwd-defer-store-ab_206687b-wip.{txt,jsonl}), median ms
+# with / without: d128 1 x 16 x 8192 (1023, 0) window 0.1370 / 0.1405, causal 0.4575 /
+# 0.4633; 16 x 16 x 1024 0.2420 / 0.2473, causal 0.1624 / 0.1657; 4 x 16 x 4096 0.8528 /
+# 0.8603; 16k 3.385 / 3.508; the varlen mix 3.541 / 3.586, causal 1.901 / 1.929; d64 (two
+# consumers) 16 x 32 x 1024 0.3276 / 0.3311, 4 x 32 x 4096 causal level, the window level;
+# but three consumers (d64 packed sequences, 192-row tiles) 4.914 / 4.855, causal 2.748 /
+# 2.713: two consumers only.
+DEFER_O_STORE = True
+
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
 HOPPER_CONFIGS = {
     64: Config(2, 128, 4, 1, 240, 24, 0, q_bufs=2, dynamic=1, chain=1),
@@ -531,6 +543,11 @@ ORDER_PINGPONG = gl.constexpr(2)
 ORDER_PIN_GLOBAL = gl.constexpr(4)
 ORDER_LAZY = gl.constexpr(8)
 ORDER_CHAIN = gl.constexpr(16)  # Config.chain
+# DEFER_O_STORE: a tile's O leaves through its Q buffer by a TMA store; the consumer waits for
+# that store to have read the buffer (and hands the buffer back to the loader) only once the
+# next tile's first block is under way, not before it starts the next tile. Two Q buffers per
+# consumer only: with one, the next tile's Q would wait for the buffer.
+ORDER_DEFER_STORE = gl.constexpr(32)
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -888,10 +905,11 @@ def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_
               seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh, v_descale,
               dropout_keep, row_layout: gl.constexpr, orow_layout: gl.constexpr,
               o_layout: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
-              DROPOUT: gl.constexpr):
+              DROPOUT: gl.constexpr, DEFER: gl.constexpr = False):
     """O / l through this consumer's Q buffer (every S of the tile is done) by TMA, which
     clips rows past seqlen_q and columns past the head dim; LSE (base 2) per row. The caller
-    then lets the loader bring a later tile's Q into the buffer."""
+    then lets the loader bring a later tile's Q into the buffer; with DEFER it first waits for
+    the store itself (:func:`_release_q`), later."""
     SUB_M: gl.constexpr = q_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
     HEAD_DIM_V: gl.constexpr = acc.shape[1]
@@ -915,7 +933,8 @@ def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [0, off_h, q_start + row0, 0],
                                             q_bufs.index(qb))  # fmt: skip
-            tma.store_wait(0)
+            if not DEFER:
+                tma.store_wait(0)
         else:
             rows = row0 + gl.arange(0, SUB_M, layout=orow_layout)
             cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
@@ -947,7 +966,18 @@ def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_
             o_smem.reshape([SUB_M, HEAD_DIM_V]).store((acc / l_o[:, None]).to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_smem)
+        if not DEFER:
+            tma.store_wait(0)
+
+
+@gluon.jit
+def _release_q(q_empty, pend):
+    """DEFER_O_STORE: once the TMA store of the tile before has read Q buffer ``pend`` (its
+    O), the buffer goes back to the loader; -1: none pending. Returns -1."""
+    if pend >= 0:
         tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(pend))
+    return -1
 
 
 @gluon.jit
@@ -1071,6 +1101,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # (chained tiles need the next tile's Q while this tile's is still in use; the static
     # round robin only: hopper_args)
     CHAIN: gl.constexpr = (ORDER & ORDER_CHAIN) != 0 and Q_BUFS == 2 and not DYNAMIC
+    # (DEFER_O_STORE: the Q buffer whose O store may still be reading it, -1 for none; not
+    # fp8, whose O leaves by a masked store from the registers)
+    DEFER: gl.constexpr = (ORDER & ORDER_DEFER_STORE) != 0 and Q_BUFS == 2 and not FP8
+    pend = -1
     # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P carried
     # into the next iteration comes out, at three consumers (160 registers), as 16-bit
     # registers whose halves ptxas swaps before the product (32 PRMT per block); a 32-bit P
@@ -1154,6 +1188,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     DROPOUT, ORDER, P_SHIFT, LAZY, QK_IMPRECISE, QK_HALVES)
                 if not LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
+            if DEFER:  # the tile before's O store has had this tile's first block to run
+                pend = _release_q(q_empty, pend)
             for j in range(lo + 1, n):
                 # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait for S_j only.
                 g = it + j - lo
@@ -1296,11 +1332,16 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             it += blocks
         lap += 1
 
+        if DEFER:  # (a tile without blocks)
+            pend = _release_q(q_empty, pend)
         _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
                   offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
                   v_descale, dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8,
-                  DROPOUT)
-        mbarrier.arrive(q_empty.index(qb))
+                  DROPOUT, DEFER)
+        if DEFER:
+            pend = qb
+        else:
+            mbarrier.arrive(q_empty.index(qb))
         if CHAIN:  # the next tile's state
             t = t_next
             qb = qb2
@@ -1329,6 +1370,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             t = _get_tile(tile_ids.index(lap % Q_BUFS))
         else:
             t += gl.num_programs(0)
+    if DEFER:  # the last tile's O store
+        _release_q(q_empty, pend)
 
 
 @gluon.jit
@@ -1588,7 +1631,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 total_q=0, head_dim=o4.shape[3], VARLEN=False,
                 ORDER=(ORDER_PIN.value * (cfg.pin == 1) + ORDER_PIN_GLOBAL.value * (cfg.pin == 2)
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
-                       + ORDER_LAZY.value * bool(cfg.lazy)),
+                       + ORDER_LAZY.value * bool(cfg.lazy)
+                       + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip

@@ -1,0 +1,131 @@
+"""A/B of one ``hopper_fwd`` module flag (e.g. ``DEFER_O_STORE``), in one process on an sm90 GPU.
+
+Each case runs through the public entry points (``diyfa.flash_attention`` /
+``flash_attention_varlen``, ``backend="hopper"``, bf16) with the flag at each value in turn
+(the kept launches forgotten at every switch, ``_launcher.forget_replays``): the outputs are
+compared first (max |diff|), then timed (``triton.testing.do_bench`` medians, rounds
+interleaved, the best round kept). TFLOPS: exact FLOPs for windows (the window's pairs), the
+published convention otherwise (causal halved; packed sequences per sequence).
+
+Cases (``--cases``, ``;``-separated): ``BxHxSxD[c]`` (the ``c``: causal), ``BxHxSxDwL`` (causal
+with a (L, 0) window), ``varlenD`` (the varlen suite's mix, 64k tokens: d128 16 / 4 heads, d64
+32 / 32; ``varlenDc`` causal).
+
+Usage (device): python3 benchmarks/fwd_flag_ab.py --flag DEFER_O_STORE [--values 1,0]
+    [--cases "1x16x8192x128w1023;varlen64"] [--rounds 3] [--out $OUT/fwd_flag_ab.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
+
+import diyfa  # noqa: E402
+from diyfa._launcher import forget_replays  # noqa: E402
+from diyfa.attention import hopper_fwd  # noqa: E402
+from diyfa.bench.results import environment  # noqa: E402
+from diyfa.bench.suites import varlen_mix  # noqa: E402
+from diyfa.flops import attention_flops  # noqa: E402
+
+CASES = ("1x16x8192x128w1023;1x16x8192x128c;1x16x8192x64w1023;32x16x512x128;32x16x512x128c;"
+         "16x16x1024x128;16x16x1024x128c;16x32x1024x64;4x16x4096x128;4x32x4096x64c;"
+         "1x16x16384x128;varlen128;varlen128c;varlen64;varlen64c")
+
+
+def case(spec: str):
+    """(label, function, FLOPs) of one case."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if spec.startswith("varlen"):
+        causal = spec.endswith("c")
+        d = int(spec[6:].rstrip("c"))
+        h, hk = (16, 4) if d == 128 else (32, 32)
+        lengths, cu, total, longest = varlen_mix()
+        q, k, v = (torch.randn(total, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for n in (h, hk, hk))  # fmt: skip
+        flops = sum(attention_flops(1, h, n, n, d, causal=causal, convention="published")
+                    for n in lengths)  # fmt: skip
+        return spec, functools.partial(diyfa.flash_attention_varlen, q, k, v, cu, cu, longest,
+                                       longest, causal=causal, backend="hopper"), flops
+    window = None
+    causal = spec.endswith("c")
+    if "w" in spec:
+        spec_shape, left = spec.split("w")
+        window, causal = (int(left), 0), True
+    else:
+        spec_shape = spec.rstrip("c")
+    b, h, s, d = (int(x) for x in spec_shape.split("x"))
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))  # fmt: skip
+    flops = attention_flops(b, h, s, s, d, causal=causal, window=window,
+                            convention="exact" if window else "published")  # fmt: skip
+    extra = {} if window is None else {"window_size": window}
+    return spec, functools.partial(diyfa.flash_attention, q, k, v, causal=causal,
+                                   layout="bshd", backend="hopper", **extra), flops
+
+
+def main() -> int:
+    from triton.testing import do_bench
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flag", required=True, help="a hopper_fwd module attribute")
+    ap.add_argument("--values", default="1,0", help="integers, the first is the reference")
+    ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=60)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                  "fwd_flag_ab.jsonl"))  # fmt: skip
+    a = ap.parse_args()
+    before = getattr(hopper_fwd, a.flag)
+    kind = type(before)
+    values = [kind(int(x)) for x in a.values.split(",")]
+
+    def use(value):
+        setattr(hopper_fwd, a.flag, value)
+        forget_replays()
+
+    env = environment()
+    rows = []
+    with open(a.out, "w") as f:
+        f.write(json.dumps({"record": "run", **env, "flag": a.flag}) + "\n")
+        for spec in a.cases.split(";"):
+            label, fn, flops = case(spec)
+            outs = []
+            for value in values:
+                use(value)
+                outs.append(fn())
+            diff = max((o.float() - outs[0].float()).abs().max().item() for o in outs)
+            times = {value: [] for value in values}
+            for _ in range(a.rounds):
+                for value in values:
+                    use(value)
+                    times[value].append(do_bench(fn, rep=a.rep, return_mode="median"))
+            row = {"record": "measurement", "case": label, "max_diff": diff,
+                   **{f"{a.flag}={int(v)}": round(flops / min(t) / 1e9, 1)
+                      for v, t in times.items()},
+                   **{f"{a.flag}={int(v)}_ms_median": round(statistics.median(t), 4)
+                      for v, t in times.items()}}  # fmt: skip
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(json.dumps(row), flush=True)
+    use(before)
+    names = [f"{a.flag}={int(v)}" for v in values]
+    print(f"\n{a.flag} A/B, TFLOPS (best of {a.rounds}; {env['gpu']}, triton {env['triton']})")
+    print("case | " + " | ".join(names) + " | ratio to the first")
+    for r in rows:
+        cells = " | ".join(f"{r[n]:.1f}" for n in names)
+        ratios = " ".join(f"{r[n] / r[names[0]]:.3f}" for n in names[1:])
+        print(f"{r['case']} | {cells} | {ratios}  (diff {r['max_diff']:.2g})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
