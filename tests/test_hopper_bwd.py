@@ -391,7 +391,13 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     # order (hopper_bwd.DQ_FA3_ORDER)
     assert args["DQ_ATOMIC"] == (0 if deterministic else 3)
     assert args["kv_group"] == 4 and args["seqlen_q"] == sq and args["seqlen_k"] == sk
-    assert args["causal_offset"] == sk - sq and args["sm_scale"] == 0.25
+    # (non-causal: the fast mode runs the causal build with its band past every key,
+    # hopper_bwd.NONCAUSAL_AS_CAUSAL at padded head dim 128; the deterministic path its own)
+    if deterministic:
+        assert args["CAUSAL"] is False and args["causal_offset"] == sk - sq
+    else:
+        assert args["CAUSAL"] is True and args["causal_offset"] == -(-sk // 128) * 128
+    assert args["sm_scale"] == 0.25
     qd, kd, dod, dkd = args["q_desc"], args["k_desc"], args["do_desc"], args["dk_desc"]
     assert list(qd.shape) == [b, h, sq, d] and list(qd.block_shape) == [1, 1, block_m, 128]
     assert list(kd.shape) == [b, hk, sk, d] and list(kd.block_shape) == [1, 1, 64, 128]
@@ -409,6 +415,35 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     assert args["VARLEN"] is False
     # the atomic dQ's workspace rows permuted (hopper_bwd.dq_rows_permuted; _finish undoes it)
     assert args["DQ_ROWS"] is (not deterministic)
+
+
+def test_noncausal_d128_runs_the_causal_build():
+    """NONCAUSAL_AS_CAUSAL: bwd_args gives a plain non-causal call at padded head dim 128 with
+    the atomic dQ the causal build and a band past its last key (so no key is masked and no
+    query block skipped: the band's offset is at least every padded key index), and leaves
+    everything else as it was: causal calls, d64, the deterministic path, the variants, and
+    every call with the flag off (packed sequences too: the rule asks ``packed is None``;
+    not timed with it)."""
+    def args_for(d=128, causal=False, atomic=True, variants=None, sk=300):
+        q = torch.empty(2, 8, 200, d, dtype=torch.bfloat16)
+        kv = torch.empty(2, 2, sk, d, dtype=torch.bfloat16)
+        stats = torch.empty(2, 8, 200)
+        acc = torch.empty(2, 8, 256, 128 if d > 64 else 64)
+        _, args, _ = hopper_bwd.bwd_args(q, kv, kv, q, kv, kv, stats, stats, acc, sk - 200,
+                                         0.1, causal, atomic, variants=variants)  # fmt: skip
+        return args["CAUSAL"], args["causal_offset"]
+
+    assert args_for() == (True, 384) and args_for(d=96, sk=4097) == (True, 4224)
+    # the key blocks' last padded index stays inside the band: (-(-sk // 128)) * 128 - 1
+    assert args_for(causal=True) == (True, 100)
+    assert args_for(d=64) == (False, 100) and args_for(atomic=False) == (False, 100)
+    assert args_for(variants=dict(SOFTCAP=True, tanh_scale=0.1)) == (False, 100)
+    before = hopper_bwd.NONCAUSAL_AS_CAUSAL
+    try:
+        hopper_bwd.NONCAUSAL_AS_CAUSAL = False
+        assert args_for() == (False, 100)
+    finally:
+        hopper_bwd.NONCAUSAL_AS_CAUSAL = before
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -245,6 +245,19 @@ DQ_ROWS_PERMUTED = True
 WIDE_DQ_ATOMIC = False
 
 
+# Plain calls without the causal band at padded head dim 128 (atomic dQ) run the causal build
+# with its band past the last key: nothing is masked or skipped, and ptxas's build of the
+# causal kernel runs its steps faster (ncu, b1 h16 16k d128: ~3,560 SM cycles a step against
+# ~3,910 for the non-causal build; docs/attention.md, "Why non-causal d128 trails"). H200,
+# bf16, one process, 3 interleaved rounds (benchmarks/hopper_flag_ab.py --kind bwd --flag
+# NONCAUSAL_AS_CAUSAL, benchmarks/results/2026-11-25_h200_bwd-noncausal-as-causal-ab_b40a9bf
+# -wip.{txt,jsonl}), backward TFLOPS without / with: 1 x 16 x 16k d128 557.2 / 586.7, 2 x 8192
+# 540.0 / 566.8, 4 x 4096 524.0 / 548.5, 8 x 2048 494.1 / 508.1; d64 (128-row steps, a
+# different build) 1 x 32 x 16k 506.4 / 492.6, 4 x 4096 472.3 / 462.7: d128 only. (Causal
+# calls, untouched: 4.853 / 4.820 ms.)
+NONCAUSAL_AS_CAUSAL = True
+
+
 def dq_rows_permuted(dq_atomic: bool, packed: bool) -> bool:
     """Whether the kernel writes the atomic dQ workspace with its rows permuted (_finish)."""
     return DQ_ROWS_PERMUTED and dq_atomic and not packed
@@ -1146,6 +1159,10 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     if packed is not None:
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     dpad = head_dim_pad(d)
+    if (NONCAUSAL_AS_CAUSAL and dpad == 128 and dq_atomic and not causal and not variants
+            and packed is None):
+        # (the causal build with its band past every key: nothing masked, nothing skipped)
+        causal, causal_offset = True, cdiv(sk, BLOCK_N) * BLOCK_N
     block_m, stages, c_regs, l_regs, *rest = config or BWD_CONFIGS[dpad]
     # atomic dQ: 2 = every step a column half per consumer (DQ_SPLIT at d128, DQ_SPLIT_D64
     # at d64: halves of 32 columns), 3 = that in FlashAttention-3's order (DQ_FA3_ORDER),

@@ -111,7 +111,7 @@ class Config(NamedTuple):
 
 # The consumers wait for a tile's O store (and hand its Q buffer back) once the next tile's
 # first block is under way (ORDER_DEFER_STORE; two Q buffers), not before they start it. H200,
-# bf16, one process, 3 interleaved rounds (benchmarks/fwd_flag_ab.py --flag DEFER_O_STORE,
+# bf16, one process, 3 interleaved rounds (benchmarks/hopper_flag_ab.py --flag DEFER_O_STORE,
 # benchmarks/results/2026-11-25_h200_fwd-defer-store-ab_206687b-wip.{txt,jsonl}), median ms
 # with / without: d128 1 x 16 x 8192 (1023, 0) window 0.1370 / 0.1405, causal 0.4575 /
 # 0.4633; 16 x 16 x 1024 0.2420 / 0.2473, causal 0.1624 / 0.1657; 4 x 16 x 4096 0.8528 /

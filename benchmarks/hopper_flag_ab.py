@@ -1,18 +1,22 @@
-"""A/B of one ``hopper_fwd`` module flag (e.g. ``DEFER_O_STORE``), in one process on an sm90 GPU.
+"""A/B of one module flag of the Hopper forward or backward, in one process on an sm90 GPU.
 
-Each case runs through the public entry points (``diyfa.flash_attention`` /
-``flash_attention_varlen``, ``backend="hopper"``, bf16) with the flag at each value in turn
-(the kept launches forgotten at every switch, ``_launcher.forget_replays``): the outputs are
-compared first (max |diff|), then timed (``triton.testing.do_bench`` medians, rounds
-interleaved, the best round kept). TFLOPS: exact FLOPs for windows (the window's pairs), the
-published convention otherwise (causal halved; packed sequences per sequence).
+``--kind fwd`` flips a ``hopper_fwd`` attribute (e.g. ``DEFER_O_STORE``), ``--kind bwd`` a
+``hopper_bwd`` one. Each case runs through the public entry points (``diyfa.flash_attention``
+/ ``flash_attention_varlen``, ``backend="hopper"``, bf16; the backward as
+``torch.autograd.grad`` of one forward's output, atomic dQ) with the flag at each value in
+turn (the kept launches forgotten at every switch, ``_launcher.forget_replays``): the outputs
+(the backward: dQ, dK, dV) are compared first (max |diff|), then timed
+(``triton.testing.do_bench`` medians, rounds interleaved, the best round kept). TFLOPS: exact
+FLOPs for windows (the window's pairs), the published convention otherwise (causal halved;
+packed sequences per sequence; the backward 2.5x the forward).
 
 Cases (``--cases``, ``;``-separated): ``BxHxSxD[c]`` (the ``c``: causal), ``BxHxSxDwL`` (causal
 with a (L, 0) window), ``varlenD`` (the varlen suite's mix, 64k tokens: d128 16 / 4 heads, d64
 32 / 32; ``varlenDc`` causal).
 
-Usage (device): python3 benchmarks/fwd_flag_ab.py --flag DEFER_O_STORE [--values 1,0]
-    [--cases "1x16x8192x128w1023;varlen64"] [--rounds 3] [--out $OUT/fwd_flag_ab.jsonl]
+Usage (device): python3 benchmarks/hopper_flag_ab.py --flag DEFER_O_STORE [--values 1,0]
+    [--kind bwd] [--cases "1x16x8192x128w1023;varlen64"] [--rounds 3]
+    [--out $OUT/hopper_flag_ab.jsonl]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
 from diyfa._launcher import forget_replays  # noqa: E402
-from diyfa.attention import hopper_fwd  # noqa: E402
+from diyfa.attention import hopper_bwd, hopper_fwd  # noqa: E402
 from diyfa.bench.results import environment  # noqa: E402
 from diyfa.bench.suites import varlen_mix  # noqa: E402
 from diyfa.flops import attention_flops  # noqa: E402
@@ -40,8 +44,16 @@ CASES = ("1x16x8192x128w1023;1x16x8192x128c;1x16x8192x64w1023;32x16x512x128;32x1
          "1x16x16384x128;varlen128;varlen128c;varlen64;varlen64c")
 
 
-def case(spec: str):
-    """(label, function, FLOPs) of one case."""
+def backward(fn, q, k, v):
+    """The backward of ``fn``'s output as a function (one forward, its graph kept)."""
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    grad = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+
+def case(spec: str, kind: str = "fwd"):
+    """(label, function, FLOPs) of one case; ``kind`` "bwd": its backward."""
     g = torch.Generator(device="cuda").manual_seed(0)
     if spec.startswith("varlen"):
         causal = spec.endswith("c")
@@ -50,10 +62,13 @@ def case(spec: str):
         lengths, cu, total, longest = varlen_mix()
         q, k, v = (torch.randn(total, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
                    for n in (h, hk, hk))  # fmt: skip
-        flops = sum(attention_flops(1, h, n, n, d, causal=causal, convention="published")
-                    for n in lengths)  # fmt: skip
-        return spec, functools.partial(diyfa.flash_attention_varlen, q, k, v, cu, cu, longest,
-                                       longest, causal=causal, backend="hopper"), flops
+        flops = sum(attention_flops(1, h, n, n, d, causal=causal, convention="published",
+                                    mode=kind) for n in lengths)  # fmt: skip
+        fn = functools.partial(diyfa.flash_attention_varlen, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                               max_seqlen_q=longest, max_seqlen_k=longest, causal=causal,
+                               backend="hopper")  # fmt: skip
+        return spec, (backward(fn, q, k, v) if kind == "bwd" else
+                      functools.partial(fn, q, k, v)), flops  # fmt: skip
     window = None
     causal = spec.endswith("c")
     if "w" in spec:
@@ -64,44 +79,51 @@ def case(spec: str):
     b, h, s, d = (int(x) for x in spec_shape.split("x"))
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
                for _ in range(3))  # fmt: skip
-    flops = attention_flops(b, h, s, s, d, causal=causal, window=window,
+    flops = attention_flops(b, h, s, s, d, causal=causal, window=window, mode=kind,
                             convention="exact" if window else "published")  # fmt: skip
     extra = {} if window is None else {"window_size": window}
-    return spec, functools.partial(diyfa.flash_attention, q, k, v, causal=causal,
-                                   layout="bshd", backend="hopper", **extra), flops
+    fn = functools.partial(diyfa.flash_attention, causal=causal, layout="bshd",
+                           backend="hopper", **extra)  # fmt: skip
+    return spec, (backward(fn, q, k, v) if kind == "bwd" else
+                  functools.partial(fn, q, k, v)), flops  # fmt: skip
 
 
 def main() -> int:
     from triton.testing import do_bench
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flag", required=True, help="a hopper_fwd module attribute")
+    ap.add_argument("--kind", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--flag", required=True, help="a hopper_fwd (hopper_bwd) module attribute")
     ap.add_argument("--values", default="1,0", help="integers, the first is the reference")
     ap.add_argument("--cases", default=CASES)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                  "fwd_flag_ab.jsonl"))  # fmt: skip
+                                                  "hopper_flag_ab.jsonl"))  # fmt: skip
     a = ap.parse_args()
-    before = getattr(hopper_fwd, a.flag)
+    module = hopper_fwd if a.kind == "fwd" else hopper_bwd
+    before = getattr(module, a.flag)
     kind = type(before)
     values = [kind(int(x)) for x in a.values.split(",")]
 
     def use(value):
-        setattr(hopper_fwd, a.flag, value)
+        setattr(module, a.flag, value)
         forget_replays()
 
     env = environment()
     rows = []
     with open(a.out, "w") as f:
-        f.write(json.dumps({"record": "run", **env, "flag": a.flag}) + "\n")
+        f.write(json.dumps({"record": "run", **env, "kind": a.kind, "flag": a.flag}) + "\n")
         for spec in a.cases.split(";"):
-            label, fn, flops = case(spec)
+            label, fn, flops = case(spec, a.kind)
             outs = []
             for value in values:
                 use(value)
                 outs.append(fn())
-            diff = max((o.float() - outs[0].float()).abs().max().item() for o in outs)
+            diff = max((x.float() - y.float()).abs().max().item() for o in outs
+                       for x, y in zip(o if a.kind == "bwd" else [o],
+                                       outs[0] if a.kind == "bwd" else [outs[0]],
+                                       strict=True))  # fmt: skip
             times = {value: [] for value in values}
             for _ in range(a.rounds):
                 for value in values:
@@ -118,7 +140,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     use(before)
     names = [f"{a.flag}={int(v)}" for v in values]
-    print(f"\n{a.flag} A/B, TFLOPS (best of {a.rounds}; {env['gpu']}, triton {env['triton']})")
+    print(f"\n{a.kind} {a.flag} A/B, TFLOPS (best of {a.rounds}; {env['gpu']}, "
+          f"triton {env['triton']})")
     print("case | " + " | ".join(names) + " | ratio to the first")
     for r in rows:
         cells = " | ".join(f"{r[n]:.1f}" for n in names)
