@@ -28,6 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from oldnew_ab import event_ms  # noqa: E402
 
 import diyfa  # noqa: E402
 
@@ -40,12 +43,7 @@ def timed_phase(name: str, fn, seconds: float) -> tuple:
     torch.cuda.synchronize()
     start, times = time.time(), []
     while time.time() - start < seconds:
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
+        times += event_ms(fn, 1)
     return name, start, time.time(), statistics.median(times), len(times)
 
 
