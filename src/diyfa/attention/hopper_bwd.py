@@ -85,6 +85,10 @@ of spills, ``tests/test_hopper_bwd.py``) and run on an H200
 (``tests/test_variants.py::test_gpu_hopper_backward_variants``, both dQ modes, passed
 2026-11-23); "auto" takes it for all four (:func:`auto_mode`).
 
+Plain non-causal calls at head dims 72..128 with the atomic dQ run the kernel's causal
+build with the band past their last key (``NONCAUSAL_AS_CAUSAL``: nothing masked or
+skipped; that build's steps measured faster).
+
 Scope (:func:`supports`): what the Hopper forward takes (sm90, fp16/bf16, TMA's alignment
 rules, positive scale), head dims 64..256 that are multiples of 8 (computed as 64, 128 or
 256), no value head dim other than q's below d129. Above 128 the two fp32 accumulators of this

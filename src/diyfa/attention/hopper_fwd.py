@@ -22,7 +22,9 @@ Why a second forward kernel
       of tiles, causal and windowed ones take the next tile from an atomic counter (the
       loader hands its number to the consumers through a shared-memory slot), and two Q
       buffers per consumer let the next tile's Q load while this one runs
-      (docs/attention.md, "Scheduling").
+      (docs/attention.md, "Scheduling"). A tile's O leaves through its Q buffer by a TMA
+      store, which the consumer waits for only once the next tile's first block is under
+      way (``DEFER_O_STORE``, two consumers).
 
 Numerics are the portable kernel's (module docstring there): fp32 accumulation, base-2
 softmax with the scale folded in, P rounded to the input dtype before P @ V, base-2 LSE
