@@ -12,6 +12,7 @@ Usage (device): python3 benchmarks/bwd_gap.py [--shapes "1x16x16384x128;1x16x163
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -19,6 +20,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from hopper_flag_ab import backward  # noqa: E402
 
 import diyfa  # noqa: E402
 
@@ -33,13 +37,8 @@ def main() -> int:
     for spec in a.shapes.split(";"):
         causal = spec.endswith("c")
         shape = tuple(int(x) for x in spec.rstrip("c").split("x"))
-        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))  # fmt: skip
-        out = diyfa.flash_attention(q, k, v, causal=causal)
-        grad = torch.randn_like(out)
-
-        def call(out=out, grad=grad, q=q, k=k, v=v):
-            return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        call = backward(functools.partial(diyfa.flash_attention, causal=causal), q, k, v)
 
         for _ in range(3):
             call()

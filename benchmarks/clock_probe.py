@@ -18,6 +18,7 @@ Usage (device): python3 benchmarks/clock_probe.py [--seconds 6]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -30,6 +31,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
+import hopper_flag_ab  # noqa: E402
 from oldnew_ab import event_ms  # noqa: E402
 
 import diyfa  # noqa: E402
@@ -55,12 +57,8 @@ def inputs(b: int, h: int, s: int, d: int, gen, bshd: bool = False) -> list[torc
 
 def calls(attn, q, k, v, causal: bool, backward: bool):
     """The forward, or the backward of one forward's output, as a function."""
-    if not backward:
-        return lambda: attn(q, k, v, causal=causal)
-    res = attn(q, k, v, causal=causal)
-    out = res[0] if isinstance(res, tuple) else res
-    grad = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    fn = functools.partial(attn, causal=causal)
+    return hopper_flag_ab.backward(fn, q, k, v) if backward else functools.partial(fn, q, k, v)
 
 
 def samples(path: str) -> list[tuple]:

@@ -45,9 +45,11 @@ CASES = ("1x16x8192x128w1023;1x16x8192x128c;1x16x8192x64w1023;32x16x512x128;32x1
 
 
 def backward(fn, q, k, v):
-    """The backward of ``fn``'s output as a function (one forward, its graph kept)."""
+    """The backward of ``fn``'s output as a function (one forward, its graph kept; of a
+    tuple's first tensor, as FlashAttention-4 returns (out, lse))."""
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
+    out = out[0] if isinstance(out, tuple) else out
     grad = torch.randn_like(out)
     return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
 
