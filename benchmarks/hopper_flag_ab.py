@@ -6,8 +6,9 @@
 ``torch.autograd.grad`` of one forward's output, atomic dQ) with the flag at each value in
 turn (the kept launches forgotten at every switch, ``_launcher.forget_replays``): the outputs
 (the backward: dQ, dK, dV) are compared first (max |diff|), then timed
-(``triton.testing.do_bench`` medians, rounds interleaved, the best round kept). TFLOPS: exact
-FLOPs for windows (the window's pairs), the published convention otherwise (causal halved;
+(``triton.testing.do_bench`` medians, rounds interleaved: TFLOPS of the best round, and the
+median of the rounds' medians in ms, which the H200's power-capped clock moves less). TFLOPS:
+exact FLOPs for windows (the window's pairs), the published convention otherwise (causal halved;
 packed sequences per sequence; the backward 2.5x the forward).
 
 Cases (``--cases``, ``;``-separated): ``BxHxSxD[c]`` (the ``c``: causal), ``BxHxSxDwL`` (causal
@@ -96,7 +97,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kind", choices=("fwd", "bwd"), default="fwd")
     ap.add_argument("--flag", required=True, help="a hopper_fwd (hopper_bwd) module attribute")
-    ap.add_argument("--values", default="1,0", help="integers, the first is the reference")
+    ap.add_argument("--values", default="1,0",
+                    help="integers (numbers for a float attribute), the first the reference")
     ap.add_argument("--cases", default=CASES)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=60)
@@ -106,7 +108,7 @@ def main() -> int:
     module = hopper_fwd if a.kind == "fwd" else hopper_bwd
     before = getattr(module, a.flag)
     kind = type(before)
-    values = [kind(int(x)) for x in a.values.split(",")]
+    values = [kind(float(x) if kind is float else int(x)) for x in a.values.split(",")]
 
     def use(value):
         setattr(module, a.flag, value)
@@ -132,23 +134,25 @@ def main() -> int:
                     use(value)
                     times[value].append(do_bench(fn, rep=a.rep, return_mode="median"))
             row = {"record": "measurement", "case": label, "max_diff": diff,
-                   **{f"{a.flag}={int(v)}": round(flops / min(t) / 1e9, 1)
+                   **{f"{a.flag}={v:g}": round(flops / min(t) / 1e9, 1)
                       for v, t in times.items()},
-                   **{f"{a.flag}={int(v)}_ms_median": round(statistics.median(t), 4)
+                   **{f"{a.flag}={v:g}_ms_median": round(statistics.median(t), 4)
                       for v, t in times.items()}}  # fmt: skip
             rows.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(json.dumps(row), flush=True)
     use(before)
-    names = [f"{a.flag}={int(v)}" for v in values]
+    names = [f"{a.flag}={v:g}" for v in values]
     print(f"\n{a.kind} {a.flag} A/B, TFLOPS (best of {a.rounds}; {env['gpu']}, "
           f"triton {env['triton']})")
     print("case | " + " | ".join(names) + " | ratio to the first")
     for r in rows:
         cells = " | ".join(f"{r[n]:.1f}" for n in names)
         ratios = " ".join(f"{r[n] / r[names[0]]:.3f}" for n in names[1:])
-        print(f"{r['case']} | {cells} | {ratios}  (diff {r['max_diff']:.2g})")
+        medians = " / ".join(f"{r[n + '_ms_median']:.4g}" for n in names)
+        print(f"{r['case']} | {cells} | {ratios}  (median ms {medians}; diff "
+              f"{r['max_diff']:.2g})")
     return 0
 
 
