@@ -966,9 +966,16 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
-    most = (SHORT_STAGES if short else WIDE_HEAD_STAGES if wide and block_m > 16
-            else PAGED_MULTI_STAGES if (paged and block_m > 16 and k_cache.element_size() == 2
-                                        and (block_n, warps) == PAGED_WAVES[:2]) else 3)
+    # (the pipeline's most stages, as shared memory allows: split_stages)
+    if short:
+        most = SHORT_STAGES
+    elif wide and block_m > 16:
+        most = WIDE_HEAD_STAGES
+    elif (paged and block_m > 16 and k_cache.element_size() == 2
+          and (block_n, warps) == PAGED_WAVES[:2]):  # (PAGED_WAVES' programs > 16 rows)
+        most = PAGED_MULTI_STAGES
+    else:
+        most = 3
     stages = split_stages(d_pad + d_tail, 0 if v_in_k else dv_pad, k_cache.element_size(),
                           max_shared, block_n, most) if q.is_cuda else 1  # fmt: skip
     launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
