@@ -350,7 +350,7 @@ def test_deterministic_option_reaches_the_problem():
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 def test_host_path_builds_the_launch(deterministic, monkeypatch):
     """What hopper_backward hands the kernel, captured at the launch (CPU tensors; nothing
-    runs on a GPU): one program per 128 keys of each (batch, kv head); Q/dO blocks of BLOCK_M
+    runs on a GPU): one program per 128 keys of each (batch, kv head), row by row; Q/dO blocks of BLOCK_M
     rows and K/V/dK/dV blocks of 64 over the (batch, heads, seqlen, dim) views of a bshd
     call; a zeroed fp32 dQ workspace padded to whole query blocks and the padded head dim
     (fast mode) or the portable dQ kernel's delta (deterministic); a stride-0 dO (the
@@ -385,7 +385,7 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     block_m = hopper_bwd.BWD_CONFIGS[128][0]
     args = seen["args"]
     assert seen["fn"] is hopper_bwd._attn_bwd_hopper and seen["num_warps"] == 4
-    assert seen["grid"] == (-(-sk // 128), b * hk)
+    assert seen["grid"] == (-(-sk // 128) * b * hk,) and args["section"] == 1  # (no band)
     # 0: the portable dQ kernel first; 3: the atomic dQ with a column half per consumer
     # every step (head dims padding to 128: hopper_bwd.DQ_SPLIT) in FlashAttention-3's
     # order (hopper_bwd.DQ_FA3_ORDER)
@@ -446,6 +446,29 @@ def test_noncausal_d128_runs_the_causal_build():
         hopper_bwd.NONCAUSAL_AS_CAUSAL = before
 
 
+def test_causal_grid_runs_in_sections():
+    """The grid's order (hopper_bwd.ORDER_L2_BYTES): a causal call's (batch, kv head) rows in
+    sections whose Q, dO and atomic dQ workspace fit in that much L2, a power of 2 of rows;
+    calls without the band row by row (section 1); the grid 1-D, a program per key block."""
+    def args_for(causal=True, atomic=True, b=2, h=16, hk=4, s=4096, d=128):
+        q = torch.empty(b, h, s, d, dtype=torch.bfloat16)
+        kv = torch.empty(b, hk, s, d, dtype=torch.bfloat16)
+        stats = torch.empty(b, h, s)
+        acc = torch.empty(b, h, s, d)
+        grid, args, _ = hopper_bwd.bwd_args(q, kv, kv, q, kv, kv, stats, stats, acc, 0, 0.1,
+                                            causal, atomic)  # fmt: skip
+        return grid, args["section"]
+
+    # 4 query heads a row x 4096 rows x (Q + dO 512 bytes + dQ workspace 512): 16 MiB a row
+    assert args_for() == ((32 * 8,), 2)
+    assert args_for(atomic=False) == ((32 * 8,), 4)  # 8 MiB: 5 fit, rounded down to 4
+    assert args_for(s=512) == ((4 * 8,), 8)  # all 8 rows (16 would fit)
+    assert args_for(b=1, hk=1, h=64, s=16384) == ((128,), 1)  # one row is past 40 MiB
+    assert args_for(causal=False) == ((32 * 8,), 1) and args_for(d=64, causal=False)[1] == 1
+    assert hopper_bwd.section_rows(1000, 1, True) == 1000
+    assert hopper_bwd.section_rows(1000, 2**20, False) == 1
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_d64_plain_attention_takes_128_row_steps(causal, monkeypatch):
     """hopper_bwd.default_config: plain attention at d64 (causal or not, GQA, sinks, packed
@@ -472,7 +495,7 @@ def test_d64_plain_attention_takes_128_row_steps(causal, monkeypatch):
                                           atomic_dq=True)  # fmt: skip
     args = seen["args"]
     assert hopper_bwd.default_config(problem) == hopper_bwd.BWD_CONFIG_D64_ROWS128
-    assert args["DQ_ATOMIC"] == 4 and seen["grid"] == (-(-sk // 128), b * hk)
+    assert args["DQ_ATOMIC"] == 4 and seen["grid"] == (-(-sk // 128) * b * hk,)
     assert list(args["q_desc"].block_shape) == [1, 1, 128, 64]
     assert list(args["do_desc"].block_shape) == [1, 1, 128, 64]
     dqd = args["dq_desc"]
@@ -670,6 +693,25 @@ def test_gpu_hopper_bwd_sum_gradient_and_packed_views(monkeypatch):
     diyfa.flash_attention(*ref, layout="bshd", backend="portable").sum().backward()
     for ours, theirs in zip((q2, k2, v2), ref, strict=True):
         assert (ours.grad.float() - theirs.grad.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_gpu_hopper_bwd_causal_grid_in_sections(d, deterministic, monkeypatch):
+    """Sections of 2 of 5 (batch, kv head) rows (the last holds one; ORDER_L2_BYTES sizes
+    them, forced here), GQA, causal bottom-right with more keys than queries: every key
+    block of every row runs once, so every gradient matches."""
+    from diyfa._launcher import ReplayCache
+
+    _hopper_only(monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "_REPLAYS", ReplayCache())  # every call launches
+    sections = []
+    monkeypatch.setattr(hopper_bwd, "section_rows",
+                        lambda rows, row_bytes, causal: sections.append(rows) or 2)
+    _run_and_check(*_inputs(5, 4, 1, 333, 517, d, torch.bfloat16, device="cuda"), True,
+                   backend="hopper", deterministic=deterministic)  # fmt: skip
+    assert sections and set(sections) == {5}
 
 
 @pytest.mark.gpu

@@ -475,7 +475,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
-                TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                TILES, section, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                 WINDOW: gl.constexpr, VARLEN: gl.constexpr):
     """(first key, tensor batch index, sequence, kv head, first query block, query blocks per
     head, first query row, first key row, seqlen_q, seqlen_k, causal offset) of this
@@ -492,8 +492,17 @@ def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset,
         n0 = gl.load(TILES + 2 * item + 1) * BLOCK_N
         off_hk = gl.program_id(1)
     else:
-        n0 = gl.program_id(0) * BLOCK_N
-        off_bhk = gl.program_id(1)
+        # Program p of the 1-D grid: the (batch, kv head) rows in sections of ``section``,
+        # each section key block by key block (section 1: row by row, key blocks in order)
+        num_n = gl.cdiv(seqlen_k, BLOCK_N)
+        rows = gl.num_programs(0) // num_n
+        per = section * num_n
+        first = gl.program_id(0) // per * section
+        within = gl.program_id(0) - first * num_n
+        size = gl.minimum(section, rows - first)
+        blk = within // size
+        n0 = blk * BLOCK_N
+        off_bhk = first + within - blk * size
         kv_heads = heads // kv_group
         off_b = off_bhk // kv_heads
         off_hk = off_bhk % kv_heads
@@ -535,7 +544,7 @@ def _stats_async(LSE, DELTA, lse_smem, delta_smem, bar, rows, seqlen_rows, tb, h
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
                 k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready,
                 ready, empty, heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset,
-                left_offset, CU_Q, CU_K, TILES, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                left_offset, CU_Q, CU_K, TILES, section, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                 VARLEN: gl.constexpr):
     """The loader warp: this program's K and V (each consumer's 64-key half), then Q, dO,
     LSE and delta of every (query head of the group, query block) step through the ring."""
@@ -545,7 +554,7 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     n0, tb, _b, off_hk, m_lo, num_m, q_start, k_start, seqlen_rows, _sk, _co = _kv_program(
         heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
-        BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN)
+        section, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN)
     offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
     mbarrier.expect(kv_ready.index(0),
                     CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
@@ -767,7 +776,7 @@ def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr)
 def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads,
                   kv_group,
-                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -798,7 +807,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
 
     n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
-                    TILES, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN))
+                    TILES, section, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN))
     key0 = n0 + C * SUB_N
     offs_k = key0 + gl.arange(0, SUB_N, layout=key_layout)
     # Steps that need a mask: past the last key (this consumer's keys run off the end),
@@ -970,7 +979,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
 def _bwd_consumer0(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                    v_bufs,
                    ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                    alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -980,7 +989,7 @@ def _bwd_consumer0(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
     _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL,
@@ -991,7 +1000,7 @@ def _bwd_consumer0(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
 def _bwd_consumer1(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                    v_bufs,
                    ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                    alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -1001,7 +1010,7 @@ def _bwd_consumer1(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
     _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs,
                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
-                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL,
@@ -1010,7 +1019,8 @@ def _bwd_consumer1(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
 
 @gluon.jit
 def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, dq_desc,
-                     heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                     heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section,
+                     DK, DV,
                      stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                      qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                      alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -1073,7 +1083,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
         (_bwd_consumer0, (dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs,
                           k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready,
                           done, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
-                          TILES, DK, DV,
+                          TILES, section, DK, DV,
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                           alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -1081,7 +1091,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
         (_bwd_consumer1, (dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs,
                           k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready,
                           done, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
-                          TILES, DK, DV,
+                          TILES, section, DK, DV,
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                           alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -1089,7 +1099,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
                        v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, heads, kv_group,
                        seqlen_q, seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K,
-                       TILES, CAUSAL, WINDOW, VARLEN)),
+                       TILES, section, CAUSAL, WINDOW, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -1163,6 +1173,9 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     if packed is not None:
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     dpad = head_dim_pad(d)
+    row_bytes = h // k4.shape[1] * sq * (2 * d * q4.element_size() + (4 * dpad if dq_atomic
+                                                                       else 0))  # fmt: skip
+    band = causal  # (the grid's order: place_work)
     if (NONCAUSAL_AS_CAUSAL and dpad == 128 and dq_atomic and not causal and not variants
             and packed is None):
         # (the causal build with its band past every key: nothing masked, nothing skipped)
@@ -1195,23 +1208,46 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 dropout_keep=1.0)  # fmt: skip
     # (the atomic dQ's rows in the workspace permuted within groups of 8: _dq_piece, _finish)
     args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
-    grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], causal,
-                      lse2.device)  # fmt: skip
+    grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1],
+                      band if packed is None else causal, lse2.device, row_bytes)  # fmt: skip
     return grid, args, 4
+
+
+# The order of a causal call's programs: its (batch, kv head) rows in sections whose Q, dO
+# and atomic dQ workspace fit in ORDER_L2_BYTES of L2 (the row count rounded down to a power
+# of 2), each section key block by key block, so that its heaviest programs (the first key
+# blocks, visited by every query block below the band) start before its light ones and the
+# grid ends on light programs (FlashAttention-3's backward orders its causal tiles so,
+# longest first). 0: row by row, each row's key blocks in order (the grid's order before);
+# ORDER_NONCAUSAL: the same sections for calls without the band.
+ORDER_L2_BYTES = 40 * 2**20
+ORDER_NONCAUSAL = False
+
+
+def section_rows(rows: int, row_bytes: int, causal: bool) -> int:
+    """How many (batch, kv head) rows of ``row_bytes`` each (Q, dO and the atomic dQ
+    workspace of the query heads of one kv head) a section of the grid holds (ORDER_L2_BYTES;
+    1 without the band unless ORDER_NONCAUSAL)."""
+    if not ORDER_L2_BYTES or not (causal or ORDER_NONCAUSAL):
+        return 1
+    fit = max(1, ORDER_L2_BYTES // max(1, row_bytes))
+    return max(1, min(rows, 1 << (fit.bit_length() - 1)))
 
 
 def place_work(args: dict, variants: dict | None, packed: dict | None, block_n: int,
                block_m: int, seqlen_k: int, batch: int, kv_heads: int, causal: bool,
-               device) -> tuple:
+               device, row_bytes: int = 0) -> tuple:
     """Both backward kernels' arguments' last part, into ``args``: the variants' flags (the
-    sinks' dropped: the LSE holds them) and packed sequences' (their work list, ``kv_table``,
-    as TILES); returns the grid: (key blocks of ``block_n``, batch x kv heads), or (work
-    items, kv heads) for packed sequences."""
+    sinks' dropped: the LSE holds them), the grid's section (``section_rows``, for rows of
+    ``row_bytes`` of Q, dO and dQ workspace each) and packed sequences' (their work list,
+    ``kv_table``, as TILES); returns the grid: (key blocks of ``block_n`` x batch x kv
+    heads,), or (work items, kv heads) for packed sequences."""
     if variants:
         args.update({k: v for k, v in variants.items() if k not in ("SINKS", "SINK_LOGITS")})
     if packed is None:
-        return cdiv(seqlen_k, block_n), batch * kv_heads
-    args.update(packed["args"])
+        args.update(section=section_rows(batch * kv_heads, row_bytes, causal))
+        return (cdiv(seqlen_k, block_n) * batch * kv_heads,)
+    args.update(packed["args"], section=1)
     table, items = kv_table(*packed["cu_host"], block_n, block_m, causal, device)
     args.update(TILES=table)
     return items, kv_heads

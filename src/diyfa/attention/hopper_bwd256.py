@@ -89,7 +89,7 @@ DQ_PIECE = 64  # columns of one dQ piece (one fp32 staging tile, one TMA reduce-
 def _loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs, v_bufs,
             lse_bufs, delta_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty, heads,
             kv_group, seqlen_q, seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K,
-            TILES, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
+            TILES, section, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
     """The loader warp: K and V once, then per step Q (with its rows' LSE and delta) into
     the Q ring and dO into its stage(s)."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
@@ -98,7 +98,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs
     DO_STAGES: gl.constexpr = do_bufs.type.shape[0]
     n0, tb, _b, off_hk, m_lo, num_m, q_start, k_start, seqlen_rows, _sk, _co = _kv_program(
         heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
-        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, VARLEN)
+        section, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, VARLEN)
     offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [tb, off_hk, k_start + n0, 0], kv_ready.index(0),
@@ -177,7 +177,8 @@ def _store_half(dk, dv, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, DK, DV
 @gluon.jit
 def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section,
+              DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
               causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
               alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -210,7 +211,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
 
     n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
-                    TILES, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, VARLEN))
+                    TILES, section, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, VARLEN))
     offs_k = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
     key_tail = n0 + BLOCK_N > seqlen_k
     k_smem = _tile2d(k_bufs, 0)
@@ -324,7 +325,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, 
 @gluon.jit
 def _consumer0(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
                pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section,
+               DK,
                DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
                causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -333,7 +335,8 @@ def _consumer0(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs,
                VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr):
     _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section,
+              DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
               causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
               alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL, DQ_ATOMIC,
@@ -343,7 +346,8 @@ def _consumer0(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs,
 @gluon.jit
 def _consumer1(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
                pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+               pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section,
+               DK,
                DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
                causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
                alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -352,7 +356,8 @@ def _consumer1(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs,
                VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr):
     _consumer(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs, k_bufs, v_bufs,
               pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK,
+              pds_ready, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section,
+              DK,
               DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
               causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
               alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL, DQ_ATOMIC,
@@ -361,7 +366,7 @@ def _consumer1(dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs, do_bufs,
 
 @gluon.jit
 def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, dq_desc,
-                   heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV,
+                   heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, head_dim_v,
                    causal_offset, qk_scale, sm_scale, left_offset, tanh_scale, SLOPES,
                    stride_slopes_b, alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
@@ -414,7 +419,7 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
         (_consumer0, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs,
                       do_bufs, k_bufs, v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready,
                       q_empty, do_ready, do_empty, pds_ready, heads, kv_group, seqlen_q,
-                      seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV, stride_dks, stride_dkh,
+                      seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV, stride_dks, stride_dkh,
                       stride_dvs, stride_dvh, head_dim, head_dim_v, causal_offset, qk_scale,
                       sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                       dropout_seed, dropout_thresh, dropout_keep,
@@ -422,7 +427,7 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
         (_consumer1, (dk_desc, dv_desc, dq_desc, lse_bufs, delta_bufs, q_bufs,
                       do_bufs, k_bufs, v_bufs, pt_bufs, ds_bufs, dq_bufs, kv_ready, q_ready,
                       q_empty, do_ready, do_empty, pds_ready, heads, kv_group, seqlen_q,
-                      seqlen_k, total_q, CU_Q, CU_K, TILES, DK, DV, stride_dks, stride_dkh,
+                      seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV, stride_dks, stride_dkh,
                       stride_dvs, stride_dvh, head_dim, head_dim_v, causal_offset, qk_scale,
                       sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                       dropout_seed, dropout_thresh, dropout_keep,
@@ -430,7 +435,7 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
         (_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
                    v_bufs, lse_bufs, delta_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
                    heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset, left_offset,
-                   CU_Q, CU_K, TILES, CAUSAL, WINDOW, VARLEN)),
+                   CU_Q, CU_K, TILES, section, CAUSAL, WINDOW, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -468,8 +473,10 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int
                 DO_STAGES=do_stages, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 VARLEN=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip
+    row_bytes = h // k4.shape[1] * sq * ((d + v4.shape[3]) * q4.element_size()
+                                         + (4 * 256 if dq_atomic else 0))  # fmt: skip
     grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], causal,
-                      lse2.device)  # fmt: skip
+                      lse2.device, row_bytes)  # fmt: skip
     return grid, args, 4
 
 
