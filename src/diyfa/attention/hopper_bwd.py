@@ -260,12 +260,6 @@ WIDE_DQ_ATOMIC = False
 # different build) 1 x 32 x 16k 506.4 / 492.6, 4 x 4096 472.3 / 462.7: d128 only. (Causal
 # calls, untouched: 4.853 / 4.820 ms.)
 NONCAUSAL_AS_CAUSAL = True
-# The split atomic dQ at padded head dim 128 (modes 2, 3) with one fp32 staging tile per
-# consumer instead of two (each step's reduce-add waited for before the next step's piece is
-# staged) and the 32 KB that frees given to a third stage of Q and dO (the loads then start
-# two steps ahead instead of one). (d64's 128-row steps would need 496 bytes more than the
-# 227 KB a block may have.)
-DEEP_RING = False
 
 
 def dq_rows_permuted(dq_atomic: bool, packed: bool) -> bool:
@@ -573,14 +567,12 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
     # division by num_m per step, as in the consumers).
     off_h = off_hk * kv_group
     mi = 0
-    s = 0  # the ring's stage and phase (_ring_stage)
-    phase = 0
     for it in range(kv_group * num_m):
         row0 = (m_lo + mi) * BLOCK_M
-        s, phase = _ring_stage(it, s, phase, STAGES)
+        s = it % STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first
         # lap's waits on "empty" pass at once.
-        mbarrier.wait(empty.index(s), phase ^ 1)
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         _stats_async(LSE, DELTA, lse_bufs.index(s), delta_bufs.index(s), ready.index(s),
                      row0 + offs, seqlen_rows, tb, heads, off_h, seqlen_q, total_q, q_start,
                      VARLEN)  # fmt: skip
@@ -589,32 +581,10 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
                                         q_bufs.index(s))  # fmt: skip
         tma.async_copy_global_to_shared(do_desc, [tb, off_h, q_start + row0, 0],
                                         ready.index(s), do_bufs.index(s))  # fmt: skip
-        s, phase = _next_stage(s, phase, STAGES)
         mi += 1
         if mi == num_m:
             mi = 0
             off_h += 1
-
-
-@gluon.jit
-def _ring_stage(it, s, phase, STAGES: gl.constexpr):
-    """Step ``it``'s (stage, phase) in the ring: ``it % STAGES`` and ``(it // STAGES) & 1``
-    when STAGES is a power of 2, else the (s, phase) carried from the step before
-    (:func:`_next_stage`; ptxas's division by 3 cost 80-100 bytes more of spills)."""
-    if (STAGES & (STAGES - 1)) == 0:
-        s = it % STAGES
-        phase = (it // STAGES) & 1
-    return s, phase
-
-
-@gluon.jit
-def _next_stage(s, phase, STAGES: gl.constexpr):
-    """The (stage, phase) after (``s``, ``phase``) in a ring of STAGES."""
-    s += 1
-    if s == STAGES:
-        s = 0
-        phase ^= 1
-    return s, phase
 
 
 @gluon.jit
@@ -792,14 +762,14 @@ def _p16(pt, drop_scale, dtype: gl.constexpr, a_layout: gl.constexpr, DROPOUT: g
 @gluon.jit
 def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr):
     """The split dQ's (DQ_ATOMIC 2, 3 and 4) wait at step ``it``: for the step's whole dS^T
-    (both consumers' halves), and for the reduce-add that last used this consumer's fp32
-    tile ``it % DQ_BUFS`` (DQ_BUFS steps back) to have read it; returns that tile's index in
-    ``dq_bufs``."""
-    BUFS: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS  # (the kernel's DQ_BUFS)
+    (both consumers' halves), and for the reduce-add of two steps back to have read this
+    consumer's fp32 tile ``it % 2``; returns that tile's index in ``dq_bufs``."""
+    SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
+    gl.static_assert(SPLIT == CONSUMERS, "a column half per consumer")
     mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-    tma.store_wait(BUFS - 1)
+    tma.store_wait(1)
     gl.thread_barrier()
-    return C * BUFS + it % BUFS  # its tiles in turn
+    return C * SPLIT + it % 2  # its two tiles in turn
 
 
 @gluon.jit
@@ -853,8 +823,6 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
     # division by num_m per step sat on the softmax's path: ncu, 2026-11-24).
     off_h = off_hk * kv_group
     mi = 0
-    s = 0  # the ring's stage and phase (_ring_stage)
-    phase = 0
     if DROPOUT:  # the forward's mask, drawn again: this consumer's keys' groups
         drop_keys = (_key_group(offs_k) << 1) | (offs_k & 1)
         drop_scale = 1.0 / dropout_keep
@@ -865,8 +833,8 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
 
-        s, phase = _ring_stage(it, s, phase, STAGES)
-        mbarrier.wait(ready.index(s), phase)
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         # The block's row statistics came with Q and dO (the loader's cp.async). Rows past
         # seqlen_q come zero-filled, as do their Q and dO (TMA): P^T = 1 there but dO = 0
         # and delta = dP^T = 0, so they add nothing to dV, dK or dQ. A row that saw no key in
@@ -989,7 +957,6 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                 for h in gl.static_range(SPLIT):
                     _dq_piece(ds_all, k_bufs, dq_bufs, C * SPLIT + h, h, dq_desc, tb, off_h,
                               q_start + row0, h_layout, DQ_ROWS)  # fmt: skip
-        s, phase = _next_stage(s, phase, STAGES)
         mi += 1
         if mi == num_m:
             mi = 0
@@ -1061,7 +1028,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr,
-                     DROPOUT: gl.constexpr = False, DQ_BUFS: gl.constexpr = 2):
+                     DROPOUT: gl.constexpr = False):
     """Grid (cdiv(seqlen_k, 128), batch * kv_heads) (packed sequences: below), launched with
     num_warps=4 (consumer 0); the partitions add 4 warps (consumer 1) and 1 loader warp.
     Descriptors are 4-D over (batch, heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M,
@@ -1088,10 +1055,10 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * SUB_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * SUB_N, BLOCK_M], ds_layout)
     # The atomic mode's fp32 dQ tiles on their way to the workspace: per consumer, the
-    # column halves its turn computes (whole blocks of the workspace's descriptor); the
-    # split modes (2, 3, 4): DQ_BUFS per consumer, its piece of consecutive steps in turn.
-    DQ_TILES: gl.constexpr = (2 * DQ_BUFS if DQ_ATOMIC >= 2 else
-                              2 * (HEAD_DIM // dq_desc.block_type.shape[3])) if DQ_ATOMIC else 1
+    # column halves its turn computes (whole blocks of the workspace's descriptor).
+    # (DQ_ATOMIC 4: two per consumer, its row part of two steps in turn)
+    DQ_TILES: gl.constexpr = (2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC != 4
+                              else 4) if DQ_ATOMIC else 1
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,
                                         dq_desc.layout)  # fmt: skip
     # Each stage's LSE and delta (BLOCK_M fp32 each), loaded with its Q and dO.
@@ -1221,9 +1188,6 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     if split and not rest and DQ_FA3_ORDER:
         split = 2
     dq_mode = 1 + int(split) if dq_atomic else 0
-    dq_bufs = 2
-    if DEEP_RING and dq_mode >= 2 and stages == 2 and dpad == 128:
-        stages, dq_bufs = 3, 1
     # (dQ mode 4, a config's fifth field 3: the split by rows, blocks of BLOCK_M / 2 rows)
     args = dict(q_desc=_desc(q4, block_m, dpad), do_desc=_desc(do4, block_m, dpad),
                 k_desc=_desc(k4, SUB_N, dpad), v_desc=_desc(v4, SUB_N, dpad),
@@ -1241,7 +1205,7 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, left_offset=0, tanh_scale=1.0,
                 SLOPES=lse2, stride_slopes_b=0, alibi_offset=0, WINDOW=False, SOFTCAP=False,
                 ALIBI=False, DQ_ROWS=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
-                dropout_keep=1.0, DQ_BUFS=dq_bufs)  # fmt: skip
+                dropout_keep=1.0)  # fmt: skip
     # (the atomic dQ's rows in the workspace permuted within groups of 8: _dq_piece, _finish)
     args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
     grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1],
