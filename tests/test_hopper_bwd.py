@@ -349,13 +349,12 @@ def test_deterministic_option_reaches_the_problem():
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 def test_host_path_builds_the_launch(deterministic, monkeypatch):
-    """What hopper_backward hands the kernel, captured at the launch (CPU tensors; nothing
-    runs on a GPU): one program per 128 keys of each (batch, kv head), row by row; Q/dO blocks of BLOCK_M
-    rows and K/V/dK/dV blocks of 64 over the (batch, heads, seqlen, dim) views of a bshd
-    call; a zeroed fp32 dQ workspace padded to whole query blocks and the padded head dim
-    (fast mode) or the portable dQ kernel's delta (deterministic); a stride-0 dO (the
-    gradient of ``out.sum()``) copied to a TMA-ready tensor. The fast mode's dQ is the
-    workspace times the softmax scale."""
+    """What hopper_backward hands the kernel, captured at the launch (CPU tensors; nothing runs on a
+    GPU): one program per 128 keys of each (batch, kv head), row by row; Q/dO blocks of BLOCK_M rows
+    and K/V/dK/dV blocks of 64 over the (batch, heads, seqlen, dim) views of a bshd call; a zeroed
+    fp32 dQ workspace padded to whole query blocks and the padded head dim (fast mode) or the
+    portable dQ kernel's delta (deterministic); a stride-0 dO (the gradient of ``out.sum()``) copied
+    to a TMA-ready tensor. The fast mode's dQ is the workspace times the softmax scale."""
     b, h, hk, sq, sk, d = 2, 8, 2, 200, 300, 96
     q = torch.randn(b, sq, h, d, dtype=torch.bfloat16)
     k = torch.randn(b, sk, hk, d, dtype=torch.bfloat16)

@@ -485,7 +485,9 @@ def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset,
     only blocks that hold keys, the heaviest first), its kv head ``program_id(1)``. Query
     blocks that see none of its keys are skipped: causal (or a right window: query i sees
     key j only if j <= i + causal_offset), those wholly above the band; with a left window
-    (j >= i + left_offset), those wholly below it."""
+    (j >= i + left_offset), those wholly below it. Otherwise program p of the 1-D grid:
+    (batch, kv head) rows in sections of ``section`` rows, each section key block by key
+    block (``place_work``)."""
     if VARLEN:
         item = gl.program_id(0)
         off_b = gl.load(TILES + 2 * item)
@@ -1029,8 +1031,9 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr,
                      DROPOUT: gl.constexpr = False):
-    """Grid (cdiv(seqlen_k, 128), batch * kv_heads) (packed sequences: below), launched with
-    num_warps=4 (consumer 0); the partitions add 4 warps (consumer 1) and 1 loader warp.
+    """Grid (cdiv(seqlen_k, 128) * batch * kv_heads,) in ``section``'s order (``_kv_program``;
+    packed sequences: below), launched with num_warps=4 (consumer 0); the partitions add 4
+    warps (consumer 1) and 1 loader warp.
     Descriptors are 4-D over (batch, heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M,
     padded dim), K, V, dK, dV blocks (1, 1, 64, padded dim). LSE (base 2) and DELTA are
     (batch, heads, seqlen_q) fp32; DQ the fp32 workspace (batch, heads, seqlen_q, padded

@@ -375,12 +375,12 @@ def _attn_bwd_d256(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA
                    LOADER_REGS: gl.constexpr, DQ_ROWS: gl.constexpr, DO_STAGES: gl.constexpr,
                    WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                    VARLEN: gl.constexpr, DROPOUT: gl.constexpr = False):
-    """Grid (cdiv(seqlen_k, 64), batch * kv_heads), num_warps=4 (consumer 0) plus 4 warps
-    (consumer 1) and 1 loader warp. Descriptors are 4-D over (batch, heads, seqlen, dim):
-    Q and dO blocks (1, 1, BLOCK_M, 256), K and V (1, 1, 64, 256), dK and dV (1, 1, 64,
-    128: a consumer's half); LSE (base 2) and DELTA (batch, heads, seqlen_q) fp32; the
-    atomic dQ's fp32 workspace (batch, heads, rows, 256) in blocks (1, 1, BLOCK_M, 64).
-    Packed sequences (VARLEN), the variants (WINDOW, SOFTCAP, ALIBI) and their arguments as
+    """Grid (cdiv(seqlen_k, 64) * batch * kv_heads,) (``hopper_bwd.place_work``), num_warps=4
+    (consumer 0) plus 4 warps (consumer 1) and 1 loader warp. Descriptors are 4-D over (batch,
+    heads, seqlen, dim): Q and dO blocks (1, 1, BLOCK_M, 256), K and V (1, 1, 64, 256), dK and dV
+    (1, 1, 64, 128: a consumer's half); LSE (base 2) and DELTA (batch, heads, seqlen_q) fp32; the
+    atomic dQ's fp32 workspace (batch, heads, rows, 256) in blocks (1, 1, BLOCK_M, 64). Packed
+    sequences (VARLEN), the variants (WINDOW, SOFTCAP, ALIBI) and their arguments as
     ``hopper_bwd._attn_bwd_hopper`` takes them (the grid then (work items, kv heads) over
     ``kv_table``'s 64-key blocks)."""
     dtype: gl.constexpr = q_desc.dtype
