@@ -13,7 +13,8 @@ What the kernel does
     and -3's dK/dV-stationary loop: K, V, dK and dV stay on chip while the program walks the
     query blocks of every query head of its GQA group (dK/dV summed over the group in
     registers, no extra pass), skipping the query blocks that see none of its keys (above
-    the causal band, or below a left window).
+    the causal band, or below a left window). A causal call's programs go out heaviest
+    first, in sections of (batch, kv head) rows that fit in L2 (``ORDER_L2_BYTES``).
 
     - one *loader* warp: K and V once (two 64-key halves each), then Q and dO of each query
       block by TMA through a ring of ``STAGES`` buffers, with the block's LSE and delta by
