@@ -1179,7 +1179,7 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     dpad = head_dim_pad(d)
     row_bytes = h // k4.shape[1] * sq * (2 * d * q4.element_size() + (4 * dpad if dq_atomic
                                                                        else 0))  # fmt: skip
-    band = causal  # (the grid's order: place_work)
+    band = causal  # (the call's own band, for the grid's order and packed work lists)
     if (NONCAUSAL_AS_CAUSAL and dpad == 128 and dq_atomic and not causal and not variants
             and packed is None):
         # (the causal build with its band past every key: nothing masked, nothing skipped)
@@ -1212,8 +1212,8 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 dropout_keep=1.0)  # fmt: skip
     # (the atomic dQ's rows in the workspace permuted within groups of 8: _dq_piece, _finish)
     args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
-    grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1],
-                      band if packed is None else causal, lse2.device, row_bytes)  # fmt: skip
+    grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], band,
+                      lse2.device, row_bytes)  # fmt: skip
     return grid, args, 4
 
 
