@@ -113,6 +113,10 @@ def test_hopper_bwd_compiles_and_fits(dtype):
         reductions = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
         assert reductions == r["atomic"], where
         assert not re.search(r"\b(red|atom)\.global", ptx), where  # (not "shared.global")
+        # d128's atomic dQ (the column split): the consumers meet on a named barrier of both
+        # warpgroups once dS^T is written (hopper_bwd.DS_NAMED), nowhere else
+        named = re.search(r"bar\.sync\s+%r\d+, 256;", ptx) is not None
+        assert named == (r["d"] == 128 and r["atomic"]), where
         # No wgmma serialised by ptxas (its C7515 note: an accumulator written between a
         # product's issue and its wait; every product then waits for the one before).
         assert "C7515" not in r["ptxas"], (where, r["ptxas"])
@@ -388,7 +392,7 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     # 0: the portable dQ kernel first; 3: the atomic dQ with a column half per consumer
     # every step (head dims padding to 128: hopper_bwd.DQ_SPLIT) in FlashAttention-3's
     # order (hopper_bwd.DQ_FA3_ORDER)
-    assert args["DQ_ATOMIC"] == (0 if deterministic else 3)
+    assert args["DQ_ATOMIC"] == (0 if deterministic else 3 + 8)  # (+ 8: DS_NAMED)
     assert args["kv_group"] == 4 and args["seqlen_q"] == sq and args["seqlen_k"] == sk
     # (non-causal: the fast mode runs the causal build with its band past every key,
     # hopper_bwd.NONCAUSAL_AS_CAUSAL at padded head dim 128; the deterministic path its own)

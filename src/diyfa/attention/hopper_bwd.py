@@ -223,6 +223,21 @@ DQ_SPLIT_D64 = False
 # wgmma serialised by ptxas then. Leaving dK running into the next step as well, in
 # pairs of steps, spilled 692 bytes: not kept.)
 DQ_FA3_ORDER = True
+# (mode 3, the column split at d128) The consumers meet on a named barrier (one bar.sync of
+# both warpgroups, FlashAttention-3/4's) once their halves of a step's dS^T are in shared
+# memory, where an mbarrier took a warpgroup barrier, an arrival, another barrier and a wait.
+# H200, bf16, one process, 3 interleaved rounds, twice (benchmarks/hopper_flag_ab.py --kind
+# bwd, benchmarks/results/2026-11-26_h200_bwd-handoff-ab_*.txt), median ms mbarrier / named:
+# 8 x 16 x 2048 d128 1.329 / 1.328, 1.325 / 1.318; causal 0.795 / 0.775, 0.785 / 0.779;
+# 2 x 16 x 8192 4.915 / 4.786, 4.856 / 4.780; causal 2.499 / 2.476, 2.470 / 2.446; 1 x 16 x
+# 16384 9.506 / 9.277, 9.581 / 9.282; 4 x 32 x 4096 causal 2.784 / 2.755, 2.773 / 2.758.
+# At d64 (mode 4, 128-row steps) slower: 8 x 32 x 2048 1.525 / 1.633, 2 x 32 x 8192 5.563 /
+# 5.885, causal 2.959 / 3.053. (Tried with it and not kept: a warp of its own issuing the dQ
+# reduce-adds, FlashAttention-3/4's division, named barriers "full" / "empty" per consumer,
+# 0-2% slower at d128 and d64; the stage of Q and dO handed back to the loader by a named
+# barrier's bar.arrive, level at d128, 1-2% slower at d64.)
+DS_NAMED = True
+DS_BARRIER = gl.constexpr(14)  # its id (Triton takes the low ones; the forward's 12 and 13)
 # (The split one step late, each step's dK issued with the previous step's dQ piece so that
 # the consumers never wait for each other's half of the same step's dS^T (three dS^T buffers,
 # one staging tile per consumer; commit 8622146, reverted), measured level or slower: H200,
@@ -763,13 +778,24 @@ def _p16(pt, drop_scale, dtype: gl.constexpr, a_layout: gl.constexpr, DROPOUT: g
 
 
 @gluon.jit
-def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr):
+def _named_sync(ID: gl.constexpr, THREADS: gl.constexpr):
+    """``bar.sync ID, THREADS`` from a warpgroup: a named barrier it shares with other
+    partitions' warps."""
+    ids = gl.full([1], ID, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    gl.inline_asm_elementwise(f"bar.sync $1, {THREADS};\n\tmov.u32 $0, $1;", "=r,r", [ids],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr,
+                NAMED: gl.constexpr = False):
     """The split dQ's (DQ_ATOMIC 2, 3 and 4) wait at step ``it``: for the step's whole dS^T
     (both consumers' halves), and for the reduce-add of two steps back to have read this
     consumer's fp32 tile ``it % 2``; returns that tile's index in ``dq_bufs``."""
     SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
     gl.static_assert(SPLIT == CONSUMERS, "a column half per consumer")
-    mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+    if not NAMED:  # (NAMED: the consumers met on a named barrier already)
+        mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
     tma.store_wait(1)
     gl.thread_barrier()
     return C * SPLIT + it % 2  # its two tiles in turn
@@ -807,6 +833,10 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
     # LATE_DV (128-row steps): dV's product issued after dS^T, so that P^T's 16-bit copy is
     # not live across the dP^T wait next to P^T, dP^T (64 registers each) and dK, dV
     LATE_DV: gl.constexpr = BLOCK_M > 64
+    # DQ_ATOMIC's mode, and (+ 8, mode 3: DS_NAMED) the consumers meet on a named barrier
+    # of both warpgroups once their halves of dS^T are written, instead of ds_ready
+    MODE: gl.constexpr = DQ_ATOMIC % 8
+    NAMED: gl.constexpr = DQ_ATOMIC >= 8
 
     n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
@@ -901,25 +931,28 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             ds_all = ds_bufs.index(it % 2)
             ds_all.slice(C * SUB_N, SUB_N, dim=0).store(ds16)
             fence_async_shared()
-            gl.thread_barrier()  # every thread's rows are written before the arrival
-            mbarrier.arrive(ds_ready.index(it % 2))
+            if NAMED:
+                _named_sync(DS_BARRIER, 2 * 128)
+            else:
+                gl.thread_barrier()  # every thread's rows are written before the arrival
+                mbarrier.arrive(ds_ready.index(it % 2))
         dsa = gl.convert_layout(ds16, a_layout)
-        if DQ_ATOMIC == 3 or DQ_ATOMIC == 4:
+        if MODE == 3 or MODE == 4:
             # (DQ_FA3_ORDER) The column-half split below in FlashAttention-3's order: this
             # step's dQ piece is issued before dK, and stored and added to the workspace
             # while dK runs. dV (issued long before) is waited for first: a product issued
             # while another's accumulator registers are still being written makes ptxas
             # serialise every wgmma of the kernel (its C7515 note). DQ_ATOMIC 4: the same
             # with the block's rows split between the consumers instead of its columns.
-            tile = _split_tile(ds_ready, dq_bufs, it, C, CONSUMERS)
+            tile = _split_tile(ds_ready, dq_bufs, it, C, CONSUMERS, NAMED)
             dv, _p, _do = warpgroup_mma_wait(0, deps=(dv_tok, p16, do_smem))
             dq_tok = _dq_issue(ds_all, k_bufs, C, h_layout, dq_desc.block_type.shape[3],
-                               DQ_ATOMIC == 4)  # fmt: skip
+                               MODE == 4)  # fmt: skip
             dk_tok = warpgroup_mma(dsa, q_smem, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=(dq_tok,))
             # (mode 4: this consumer's rows, every column; else its column half, every row)
-            part: gl.constexpr = C * (BLOCK_M // CONSUMERS) if DQ_ATOMIC == 4 else 0
-            _dq_add(dq, dq_bufs, tile, 0 if DQ_ATOMIC == 4 else C, dq_desc, tb, off_h,
+            part: gl.constexpr = C * (BLOCK_M // CONSUMERS) if MODE == 4 else 0
+            _dq_add(dq, dq_bufs, tile, 0 if MODE == 4 else C, dq_desc, tb, off_h,
                     q_start + row0 + part, DQ_ROWS)  # fmt: skip
             dk, _ds, _q = warpgroup_mma_wait(0, deps=(dk_tok, dsa, q_smem))
             mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
@@ -928,7 +961,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             dv, dk, _p, _ds, _q, _do = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p16, dsa,
                                                                    q_smem, do_smem))
             mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
-        if DQ_ATOMIC == 2:
+        if MODE == 2:
             # (DQ_SPLIT at d128; DQ_SPLIT_D64, off, at d64) Every step, each consumer computes
             # its own column half of the query block's dQ = dS K (K = 128 keys: both
             # consumers' dS^T halves as the transposed A operand, K from both buffers),
@@ -939,7 +972,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             tile = _split_tile(ds_ready, dq_bufs, it, C, CONSUMERS)
             _dq_piece(ds_all, k_bufs, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0,
                       h_layout, DQ_ROWS)  # fmt: skip
-        elif DQ_ATOMIC == 1:
+        elif MODE == 1:
             if it % 2 == C:
                 # The consumers take turns: this one multiplies the whole block's dS (both
                 # halves, K = 128 keys) by K into the query block's dQ and adds it to the
@@ -1061,8 +1094,8 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     # The atomic mode's fp32 dQ tiles on their way to the workspace: per consumer, the
     # column halves its turn computes (whole blocks of the workspace's descriptor).
     # (DQ_ATOMIC 4: two per consumer, its row part of two steps in turn)
-    DQ_TILES: gl.constexpr = (2 * (HEAD_DIM // dq_desc.block_type.shape[3]) if DQ_ATOMIC != 4
-                              else 4) if DQ_ATOMIC else 1
+    DQ_TILES: gl.constexpr = (2 * (HEAD_DIM // dq_desc.block_type.shape[3])
+                              if DQ_ATOMIC % 8 != 4 else 4) if DQ_ATOMIC else 1
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,
                                         dq_desc.layout)  # fmt: skip
     # Each stage's LSE and delta (BLOCK_M fp32 each), loaded with its Q and dO.
@@ -1205,7 +1238,9 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 stride_dks=0, stride_dkh=0, stride_dvs=0, stride_dvh=0, head_dim=d, VARLEN=False,
                 causal_offset=causal_offset,
                 qk_scale=softmax_scale * LOG2E if qk_scale is None else qk_scale,
-                sm_scale=softmax_scale, CAUSAL=causal, DQ_ATOMIC=dq_mode, STAGES=stages,
+                sm_scale=softmax_scale, CAUSAL=causal,
+                DQ_ATOMIC=dq_mode + (8 if DS_NAMED and dq_mode == 3 else 0),
+                STAGES=stages,
                 CONSUMER_REGS=c_regs, LOADER_REGS=l_regs, left_offset=0, tanh_scale=1.0,
                 SLOPES=lse2, stride_slopes_b=0, alibi_offset=0, WINDOW=False, SOFTCAP=False,
                 ALIBI=False, DQ_ROWS=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
