@@ -45,7 +45,9 @@ What the kernel does
       step, reduce-added from its own two fp32 tiles in turn (FlashAttention-3's division;
       2026-11-24, +11-21% over the turns below); in FlashAttention-3's order since
       (``DQ_FA3_ORDER``, ``DQ_ATOMIC == 3``: dV waited for, the dQ piece issued before dK
-      and stored while dK runs; +0-5%). At d64, plain attention (``default_config``,
+      and stored while dK runs; +0-5%), the consumers meeting on one named barrier of both
+      warpgroups once dS^T is written instead of ``ds_ready`` (``DS_NAMED``, the kernel's
+      ``DQ_ATOMIC == 3 + 8``; 2026-11-26, +0.5-3%). At d64, plain attention (``default_config``,
       ``BWD_CONFIG_D64_ROWS128``, ``DQ_ATOMIC == 4``): 128 query rows per step
       (FlashAttention-3/4's d64 tile), the products m64n128, dV issued after dS^T (the
       kernel's ``LATE_DV``: P^T's 16-bit copy not live across the dP^T wait), LSE and delta
@@ -221,7 +223,9 @@ DQ_SPLIT_D64 = False
 # 493; causal 445, 442 / 462, 459; 16 x 16 x 1024 389, 403 / 410, 422; causal 296, 303 /
 # 308, 309. (Tried before, 2026-11-24, with dQ issued while dV still ran: level, every
 # wgmma serialised by ptxas then. Leaving dK running into the next step as well, in
-# pairs of steps, spilled 692 bytes: not kept.)
+# pairs of steps, spilled 692 bytes: not kept. Again on 2026-11-26, dQ issued before dV's
+# wait (waited for with two products pending; ptxas serialises nothing now): 3-7% slower at
+# d64, level to 4% slower at d128, benchmarks/results/2026-11-26_h200_bwd-dq-early-ab_*.)
 DQ_FA3_ORDER = True
 # (mode 3, the column split at d128) The consumers meet on a named barrier (one bar.sync of
 # both warpgroups, FlashAttention-3/4's) once their halves of a step's dS^T are in shared
@@ -232,10 +236,12 @@ DQ_FA3_ORDER = True
 # 2 x 16 x 8192 4.915 / 4.786, 4.856 / 4.780; causal 2.499 / 2.476, 2.470 / 2.446; 1 x 16 x
 # 16384 9.506 / 9.277, 9.581 / 9.282; 4 x 32 x 4096 causal 2.784 / 2.755, 2.773 / 2.758.
 # At d64 (mode 4, 128-row steps) slower: 8 x 32 x 2048 1.525 / 1.633, 2 x 32 x 8192 5.563 /
-# 5.885, causal 2.959 / 3.053. (Tried with it and not kept: a warp of its own issuing the dQ
-# reduce-adds, FlashAttention-3/4's division, named barriers "full" / "empty" per consumer,
-# 0-2% slower at d128 and d64; the stage of Q and dO handed back to the loader by a named
-# barrier's bar.arrive, level at d128, 1-2% slower at d64.)
+# 5.885, causal 2.959 / 3.053. (Tried with it and not kept, same runs: a warp of its own
+# issuing the dQ reduce-adds, FlashAttention-3/4's division, named barriers "full" / "empty"
+# per consumer, 0-5% slower at d128, 1-6% at d64; the stage of Q and dO handed back to the
+# loader by a named barrier's bar.arrive, 1-4% slower at d128 with this, 1-5% at d64; the
+# wait for the dQ tile's previous reduce-add after the dQ product, not before its issue, up
+# to 4% slower. docs/attention.md, "How a step's pieces change hands".)
 DS_NAMED = True
 DS_BARRIER = gl.constexpr(14)  # its id (Triton takes the low ones; the forward's 12 and 13)
 # (The split one step late, each step's dK issued with the previous step's dQ piece so that
