@@ -47,8 +47,8 @@ What the kernel does
       (``DQ_FA3_ORDER``, ``DQ_ATOMIC == 3``: dV waited for, the dQ piece issued before dK
       and stored while dK runs; +0-5%), the consumers meeting on one named barrier of both
       warpgroups once dS^T is written instead of ``ds_ready`` (``DS_NAMED``, the kernel's
-      ``DQ_ATOMIC == 3 + 8``; 2026-11-26, level to +3%). At d64, plain attention (``default_config``,
-      ``BWD_CONFIG_D64_ROWS128``, ``DQ_ATOMIC == 4``): 128 query rows per step
+      ``DQ_ATOMIC == 3 + 8``; 2026-11-26, level to +3%). At d64, plain attention
+      (``default_config``, ``BWD_CONFIG_D64_ROWS128``, ``DQ_ATOMIC == 4``): 128 query rows per step
       (FlashAttention-3/4's d64 tile), the products m64n128, dV issued after dS^T (the
       kernel's ``LATE_DV``: P^T's 16-bit copy not live across the dP^T wait), LSE and delta
       read after their products' waits, and the block's rows split between the consumers
