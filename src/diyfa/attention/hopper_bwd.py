@@ -158,6 +158,7 @@ from diyfa.attention.hopper_fwd import (
     bhsd_view,
     cu_host,
     head_dim_pad,
+    named_barrier,
     variant_args,
     work_table,
 )
@@ -243,7 +244,7 @@ DQ_FA3_ORDER = True
 # wait for the dQ tile's previous reduce-add after the dQ product, not before its issue, up
 # to 4% slower. docs/attention.md, "How a step's pieces change hands".)
 DS_NAMED = True
-DS_BARRIER = gl.constexpr(14)  # its id (Triton takes the low ones; the forward's 12 and 13)
+DS_BARRIER = gl.constexpr(14)  # its id (hopper_fwd.named_barrier; the forward's 12 and 13)
 # (The split one step late, each step's dK issued with the previous step's dQ piece so that
 # the consumers never wait for each other's half of the same step's dS^T (three dS^T buffers,
 # one staging tile per consumer; commit 8622146, reverted), measured level or slower: H200,
@@ -784,15 +785,6 @@ def _p16(pt, drop_scale, dtype: gl.constexpr, a_layout: gl.constexpr, DROPOUT: g
 
 
 @gluon.jit
-def _named_sync(ID: gl.constexpr, THREADS: gl.constexpr):
-    """``bar.sync ID, THREADS`` from a warpgroup: a named barrier it shares with other
-    partitions' warps."""
-    ids = gl.full([1], ID, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    gl.inline_asm_elementwise(f"bar.sync $1, {THREADS};\n\tmov.u32 $0, $1;", "=r,r", [ids],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr,
                 NAMED: gl.constexpr = False):
     """The split dQ's (DQ_ATOMIC 2, 3 and 4) wait at step ``it``: for the step's whole dS^T
@@ -938,7 +930,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             ds_all.slice(C * SUB_N, SUB_N, dim=0).store(ds16)
             fence_async_shared()
             if NAMED:
-                _named_sync(DS_BARRIER, 2 * 128)
+                named_barrier(DS_BARRIER, 2 * 128)
             else:
                 gl.thread_barrier()  # every thread's rows are written before the arrival
                 mbarrier.arrive(ds_ready.index(it % 2))

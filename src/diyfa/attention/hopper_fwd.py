@@ -560,21 +560,27 @@ PINGPONG_BARRIER = gl.constexpr(12)  # consumer C's named barrier: 12 + C (Trito
 
 
 @gluon.jit
+def named_barrier(ID: gl.constexpr, THREADS: gl.constexpr, ARRIVE: gl.constexpr = False):
+    """Named barrier ``ID`` (Triton takes the low ids) of ``THREADS`` threads, from a
+    warpgroup: ``bar.sync`` (wait for all of them) or, ARRIVE, ``bar.arrive`` (count this
+    warpgroup in and go on). Shared with other partitions' warps; both Hopper kernels'."""
+    ids = gl.full([1], ID, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    op: gl.constexpr = "bar.arrive" if ARRIVE else "bar.sync"
+    gl.inline_asm_elementwise(f"{op} $1, {THREADS};\n\tmov.u32 $0, $1;", "=r,r", [ids],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _pingpong(C: gl.constexpr, CONSUMERS: gl.constexpr, ARRIVE: gl.constexpr):
     """FlashAttention-3's warp-scheduler barrier: consumer C waits on its named barrier
     before issuing a block's products (``bar.sync``) and, once they are issued, lets the
     next consumer issue its own (``bar.arrive`` on that one's barrier; 256 threads: the two
     warpgroups). So the consumers' products queue in turns while the other one runs its
     softmax."""
-    ids = gl.full([1], PINGPONG_BARRIER, gl.int32,
-                  layout=gl.BlockedLayout([1], [32], [4], [0]))  # fmt: skip
     if ARRIVE:
-        gl.inline_asm_elementwise("bar.arrive $1, 256;\n\tmov.u32 $0, $1;", "=r,r",
-                                  [ids + (C + 1) % CONSUMERS], dtype=gl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
+        named_barrier(PINGPONG_BARRIER + (C + 1) % CONSUMERS, 256, True)
     else:
-        gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.u32 $0, $1;", "=r,r", [ids + C],
-                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        named_barrier(PINGPONG_BARRIER + C, 256)
 
 
 @gluon.jit
