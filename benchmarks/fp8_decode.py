@@ -9,6 +9,7 @@ Usage (device): python3 benchmarks/fp8_decode.py [--out fp8_decode.jsonl]
   [--launches "256,8,4/128,4,3;128,8,4/64,4,3"]   (fp8 launches to compare, each
   decode.WIDE_FP8 / decode.PAGED_WAVES_FP8: BLOCK_N, warps, programs per SM, "-" for None:
   the generic launch; the first is the one the table's fp8/bf16 ratio uses)
+  [--ab-flag WIDEN_ASM --rounds 3]   (a decode flag's A/B on the fp8 calls)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SHAPES = [(16, 32, 8, 16384, None), (64, 32, 8, 4096, None), (1, 32, 8, 131072, 
 E4M3 = torch.float8_e4m3fn
 
 
-def measure(b, h, hk, n, page, rep, launches, d=128) -> dict:
+def measure(b, h, hk, n, page, rep, launches, d=128, ab_flag=None, rounds=3) -> dict:
     from triton.testing import do_bench
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -91,6 +92,24 @@ def measure(b, h, hk, n, page, rep, launches, d=128) -> dict:
             row[f"fp8{tag}_gbps"] = round(2 * b * n * hk * d / (ms * 1e-3) / 1e9)
         decode.WIDE_FP8, decode.PAGED_WAVES_FP8 = saved
         decode._PREPARED.clear()
+        if ab_flag:  # the fp8 call with a decode flag off and on, rounds interleaved
+            before = getattr(decode, ab_flag)
+            outs, times = {}, {0: [], 1: []}
+            for _ in range(rounds + 1):
+                for value in (0, 1):
+                    setattr(decode, ab_flag, bool(value))
+                    decode._PREPARED.clear()
+                    if value not in outs:
+                        outs[value] = fp8()
+                    else:
+                        times[value].append(do_bench(fp8, rep=rep, return_mode="median"))
+            setattr(decode, ab_flag, before)
+            decode._PREPARED.clear()
+            row[f"{ab_flag}_bitwise_equal"] = bool(torch.equal(outs[0], outs[1]))
+            for value in (0, 1):
+                ms = sorted(times[value])[len(times[value]) // 2]
+                row[f"fp8@{ab_flag}={value}_tok_s"] = round(b / (ms * 1e-3))
+                row[f"fp8@{ab_flag}={value}_gbps"] = round(2 * b * n * hk * d / (ms * 1e-3) / 1e9)
     row["fp8/bf16"] = round(row["fp8_tok_s"] / row["bf16_tok_s"], 2)
     return row
 
@@ -100,6 +119,10 @@ def main() -> int:
     ap.add_argument("--out", default="fp8_decode.jsonl")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--launches", default=None)
+    ap.add_argument("--ab-flag", default=None,
+                    help="a bool attribute of decode: the fp8 calls timed with it off and on "
+                         "(median of --rounds interleaved rounds), outputs compared")
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     launches = [(decode.WIDE_FP8, decode.PAGED_WAVES_FP8)]
     if a.launches:
@@ -111,7 +134,7 @@ def main() -> int:
     rows = []
     with open(a.out, "w") as f:
         for shape in SHAPES:
-            row = measure(*shape, a.rep, launches)
+            row = measure(*shape, a.rep, launches, ab_flag=a.ab_flag, rounds=a.rounds)
             rows.append(row)
             f.write(json.dumps({**env, **row}) + "\n")
             print(json.dumps(row), flush=True)
