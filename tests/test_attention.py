@@ -254,6 +254,42 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+def test_batch_heads_past_one_grid_axis(monkeypatch):
+    """More (batch, head) pairs than one grid axis holds (portable.bh_grid: CUDA's 65535,
+    made 5 here so that the interpreter runs it small): the pairs go over two axes and
+    the forward and every gradient, GQA, packed sequences too, still match float64."""
+    from diyfa.attention import portable
+
+    monkeypatch.setattr(portable, "MAX_GRID_Y", 5)
+    grids = []
+    bh_grid = portable.bh_grid
+    monkeypatch.setattr(portable, "bh_grid", lambda *a: grids.append(bh_grid(*a)) or grids[-1])
+    q, k, v = _inputs(4, 4, 2, 33, 40, 32, torch.float32)  # 16 pairs, 8 kv pairs
+    _run_and_check(q, k, v, True, backend="portable")
+    assert {g[1:] for g in grids} >= {(4, 4), (4, 2)}  # (heads x 1, batch) and (kv x 2, 2)
+    cu = torch.tensor([0, 5, 5, 37, 50], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(50, h, 32, device=DEVICE) for h in (4, 2, 2))
+    out = diyfa.flash_attention_varlen(q, k, v, cu, cu, 32, 32, causal=True, backend="portable")
+    for i in range(4):
+        a, b = cu[i].item(), cu[i + 1].item()
+        if a == b:  # (an empty sequence)
+            continue
+        ref = attention_ref(*(t[a:b].transpose(0, 1)[None].double() for t in (q, k, v)),
+                            causal=True, compute_dtype=torch.float64)[0].transpose(0, 1)
+        assert (out[a:b].double() - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "portable"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_batch_heads_past_65535(backend, deterministic):
+    """4100 x 16 pairs (an embedding model's batch of short sequences): past the 65535 a
+    grid axis holds, forward and gradients on every path against float64 by the 2x / 3x
+    rule (GQA: 4100 x 4 kv pairs too)."""
+    q, k, v = _inputs(4100, 16, 4, 37, 37, 64, torch.bfloat16, device="cuda")
+    _run_and_check(q, k, v, True, backend=backend, deterministic=deterministic)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_drop_in_matches_pytorch_semantics(causal):
     # PyTorch's is_causal is top-left aligned when seqlen_q != seqlen_k.
@@ -271,8 +307,10 @@ def test_sdpa_drop_in_falls_back_for_float64_and_negative_scales():
     assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
     q = q.half()
     out = diyfa.scaled_dot_product_attention(q, q, q, scale=-0.5)
-    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q,
-                                                                             scale=-0.5))
+    # (bitwise PyTorch's, NaNs included: its fp16 CUDA kernels return NaN for a negative
+    # scale, H200 with torch 2.11, 2026-11-26)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+        q, q, q, scale=-0.5), rtol=0, atol=0, equal_nan=True)
 
 
 def test_sdpa_drop_in_falls_back_and_logs_once(caplog):

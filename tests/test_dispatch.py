@@ -145,12 +145,27 @@ def test_importing_the_package_loads_no_kernel_family():
                                   "False")  # fmt: skip
 
 
-def test_portable_refuses_grids_past_cuda_limit():
-    """The portable kernels put batch x heads on the grid's second axis (at most 65535):
-    past it "auto" says so instead of a CUDA launch error."""
+def test_portable_spreads_batch_heads_over_two_grid_axes():
+    """The portable kernels' (batch, head) pairs go over the grid's second and third axes
+    (portable.bh_grid; CUDA allows 65535 programs on each), so 20000 x 4 pairs run; only a
+    batch with no divisor that splits it within both limits (a prime past 65535) is refused,
+    and "auto" says so instead of a CUDA launch error."""
+    from diyfa.attention import portable
+
     problem = dataclasses.replace(_problem(), batch=20000, heads=4, kv_heads=4)
+    assert dict(dispatch.explain(problem))["portable"] is None
+    for batch, heads in [(20000, 4), (4100, 16), (100000, 1), (3, 65535), (7, 5), (0, 8)]:
+        blocks, y, z = portable.bh_grid(5, batch, heads)
+        assert blocks == 5 and y * z == batch * heads and y <= 65535 and z <= 65535
+        assert y % heads == 0  # (a pair is program_id(1) + program_id(2) x num_programs(1))
+    assert portable.bh_grid(3, 64, 32) == (3, 2048, 1)  # fits: the plain (blocks, b x h) order
+    problem = dataclasses.replace(_problem(), batch=65537, heads=2, kv_heads=2)  # 65537: prime
     reason = dict(dispatch.explain(problem))["portable"]
-    assert "batch x heads = 80000 exceeds the 65535" in reason
+    assert "batch 65537 x heads 2: no split of the pairs over two grid axes" in reason
+    with pytest.raises(ValueError, match="no split of the pairs"):
+        portable.bh_grid(1, 65537, 2)
     if problem.capability is None:  # no Hopper family on the CPU either
         with pytest.raises(ValueError, match="no attention backend can run this problem"):
             dispatch.select(problem)
+
+

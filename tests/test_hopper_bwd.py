@@ -273,8 +273,12 @@ def test_supports_takes(kwargs):
     (None, "hopper", dict(d=256), "hopper-kernel-dq"),
     ("1", "auto", dict(d=256), "hopper-kernel-dq"),
     (None, "auto", dict(d=192, causal=True), "hopper-kernel-dq"),
-    (None, "auto", dict(d=256, b=16400, sq=2, sk=2), "hopper-atomic"),  # 65600 x 4 heads
-    (None, "hopper", dict(d=256, b=16400, sq=2, sk=2), "hopper-atomic"),
+    # 65600 x 4 heads: past one grid axis, the same rules (portable.bh_grid; until
+    # 2026-11-26 the deterministic path could not take them)
+    (None, "auto", dict(d=256, b=16400, sq=2, sk=2), "hopper-kernel-dq"),
+    (None, "hopper", dict(d=256, b=16400, sq=2, sk=2), "hopper-kernel-dq"),
+    (None, "auto", dict(b=16400, sq=2, sk=2), "hopper-atomic"),
+    (None, "auto", dict(b=16400, sq=2, sk=2, deterministic=True), "hopper-kernel-dq"),
     (None, "hopper", dict(d=192, variant=dict(window_left=100)), "hopper-kernel-dq"),
     (None, "auto", dict(variant=dict(window_left=100)), "hopper-atomic"),
     (None, "auto", dict(d=64, sk=4096, variant=dict(window_left=100)), "hopper-atomic"),
@@ -294,7 +298,8 @@ def test_supports_takes(kwargs):
 ], ids=["auto-d128", "auto-d64", "auto-d64-causal", "auto-d80-det", "auto-d128-causal",
         "auto-d64-det", "auto-d64-causal-det", "enabled-d64",
         "enabled-det", "auto-disabled", "named", "named-det", "named-d256", "enabled-d256",
-        "auto-d256", "auto-d256-huge-batch", "named-d256-huge-batch", "named-d192-window",
+        "auto-d256", "auto-d256-huge-batch", "named-d256-huge-batch", "auto-huge-batch",
+        "auto-huge-batch-det", "named-d192-window",
         "auto-window", "auto-window-d64", "auto-softcap", "auto-alibi", "auto-alibi-d64",
         "auto-alibi-d64-full", "enabled-window", "named-softcap",
         "named-det-alibi", "named-sinks", "named-value-dim"])

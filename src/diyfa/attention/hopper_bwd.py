@@ -299,8 +299,7 @@ def auto_mode(p: Problem) -> str | None:
     The rule now: "kernel-dq" when ``deterministic`` (or torch's deterministic algorithms)
     asks for it, else "atomic", variants and packed sequences alike; at head dims <= 64
     without the causal band, below ``ATOMIC_D64_KEYS`` keys and ``SHORT_WORK_D64`` scores,
-    the portable backward; past 65535 (batch x heads) the portable backward (d256: the
-    atomic dQ unless deterministic); d256 otherwise as ``WIDE_DQ_ATOMIC`` says. The
+    the portable backward; d256 as ``WIDE_DQ_ATOMIC`` says. The
     paragraphs below are how each part of it was measured, oldest first: a later one
     overrides what an earlier one kept.
 
@@ -393,19 +392,16 @@ def auto_mode(p: Problem) -> str | None:
     atomic dQ at d64..128.
 
     Head dims above 128 (hopper_bwd256's kernel, 2026-11-25) take the deterministic path,
-    variants and packed sequences too (``WIDE_DQ_ATOMIC``), or, past the portable dQ
-    kernel's 65535 (batch x heads) programs, the atomic dQ."""
+    variants and packed sequences too (``WIDE_DQ_ATOMIC``). (Until 2026-11-26 calls of more
+    than 65535 (batch x heads) pairs went elsewhere: the portable dQ kernel's grid held at
+    most that many; ``portable.bh_grid`` spreads them over two axes since.)"""
     env = os.environ.get("DIYFA_HOPPER_BWD")
     if env == "0":
         return None
     if head_dim_pad(p.head_dim) == 256:  # hopper_bwd256's kernel, whatever DIYFA_HOPPER_BWD=1
-        if p.batch * p.heads > 65535:  # (past the portable dQ kernel's grid: see supports)
-            return None if p.deterministic else "atomic"
         return "atomic" if WIDE_DQ_ATOMIC and not p.deterministic else "kernel-dq"
     if env == "1":
         return "kernel-dq" if p.deterministic else "atomic"
-    if p.batch * p.heads > 65535:  # the portable dQ kernel's grid axis (see supports)
-        return None
     wide = head_dim_pad(p.head_dim) > 64
     small = p.batch * p.heads * p.seqlen_q * p.seqlen_k < SHORT_WORK_D64
     if not wide and not p.causal and p.seqlen_k < ATOMIC_D64_KEYS and small:
@@ -1379,10 +1375,8 @@ def default_config(p: Problem, variants: dict | None = None) -> tuple:
 
 def default_atomic(p: Problem) -> bool:
     """Whether ``backend="hopper"`` runs ``p``'s backward with the atomic dQ: unless
-    ``deterministic``, and not above d128 (``WIDE_DQ_ATOMIC``: slower there) unless batch x
-    heads passes the portable dQ kernel's grid (65535)."""
-    return not p.deterministic and (WIDE_DQ_ATOMIC or head_dim_pad(p.head_dim) < 256
-                                    or p.batch * p.heads > 65535)
+    ``deterministic``, and not above d128 (``WIDE_DQ_ATOMIC``: slower there)."""
+    return not p.deterministic and (WIDE_DQ_ATOMIC or head_dim_pad(p.head_dim) < 256)
 
 
 def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | None = None,
@@ -1504,12 +1498,8 @@ def supports(p: Problem) -> str | None:
         return (f"its backward takes a value head dim other than q's (here {p.head_dim_v} "
                 f"and {p.head_dim}) only with q/k head dims above 128 and value head dims "
                 "above 64 (portable)")  # fmt: skip
-    if p.batch * p.kv_heads > 65535:
-        return (f"batch x kv heads = {p.batch * p.kv_heads} exceeds the 65535 programs its "
-                "grid's second axis may hold")  # fmt: skip
-    if p.deterministic and p.batch * p.heads > 65535:
-        return (f"deterministic: batch x heads = {p.batch * p.heads} exceeds the 65535 programs "
-                "the portable dQ kernel's grid's second axis may hold")  # fmt: skip
+    if p.deterministic:  # (the portable dQ kernel's grid: portable.bh_grid)
+        return portable.FAMILY.supports(p)
     return None
 
 

@@ -1859,9 +1859,9 @@ def _transpose_v(V, VT, seqlen, dim, stride_vb, stride_vh, stride_vs, stride_vd,
     """VT[b, h, c, j] = V[b, h, j, c] for a (BLOCK_S keys, BLOCK_D columns) tile: read along
     the head dim, written along the keys (both coalesced; PyTorch's strided copy_ of 1-byte
     elements took 208 us for 32 MB on an H200, 2026-11-24)."""
-    pid_s = tl.program_id(0)
-    off_b = tl.program_id(1) // kv_heads
-    off_h = tl.program_id(1) % kv_heads
+    pid_s = tl.program_id(1)  # (batch x kv heads on axis 0: past 65535 pairs too)
+    off_b = tl.program_id(0) // kv_heads
+    off_h = tl.program_id(0) % kv_heads
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (offs_s < seqlen)[:, None] & (offs_d < dim)[None, :]
@@ -1880,7 +1880,7 @@ def transpose_v(v4: torch.Tensor) -> torch.Tensor:
     b, hk, sk, d = v4.shape
     vt = torch.empty((b, hk, d, cdiv(sk, 16) * 16), dtype=v4.dtype, device=v4.device)
     if vt.numel():
-        grid = (cdiv(sk, 64), b * hk, cdiv(d, 64))
+        grid = (b * hk, cdiv(sk, 64), cdiv(d, 64))
         args = dict(V=v4, VT=vt, seqlen=sk, dim=d, stride_vb=v4.stride(0),
                     stride_vh=v4.stride(1), stride_vs=v4.stride(2), stride_vd=v4.stride(3),
                     stride_tb=vt.stride(0), stride_th=vt.stride(1), stride_td=vt.stride(2),

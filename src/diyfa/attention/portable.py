@@ -36,10 +36,13 @@ Work split
 Limits (enforced by checks.py)
     head_dim 1..256 (q and k share it, v's may differ: HEAD_DIM_V; non-powers of two are
     padded to the next power of two inside the kernel); fp16, bf16, fp32; dropout (its mask
-    by _keep); no arbitrary additive masks.
+    by _keep); no arbitrary additive masks. Any batch x heads whose batch splits over two
+    grid axes (bh_grid; refused by _supports otherwise).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -246,7 +249,7 @@ def _q_program(CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
-    off_bh = tl.program_id(1)
+    off_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (bh_grid)
     off_b = (off_bh // heads).to(tl.int64)
     off_h = (off_bh % heads).to(tl.int64)
     q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
@@ -514,7 +517,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                    DROPOUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     kv_heads = heads // kv_group
-    off_bhk = tl.program_id(1)
+    off_bhk = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (bh_grid)
     off_b = (off_bhk // kv_heads).to(tl.int64)
     off_hk = (off_bhk % kv_heads).to(tl.int64)
     q_start, k_start, seqlen_q, seqlen_k, causal_offset = _sequence(
@@ -996,7 +999,7 @@ def _attention_forward(q, k, v, problem: Problem):
     common = _common(p, lse2)
 
     def grid(meta):
-        return (cdiv(sq, meta["BLOCK_M"]), b * h)
+        return bh_grid(cdiv(sq, meta["BLOCK_M"]), b, h)
 
     if p.descales is None:
         fp8 = dict(DESCALE_Q=lse2, DESCALE_K=lse2, DESCALE_V=lse2, stride_ds_b=0,
@@ -1079,7 +1082,7 @@ def _dq_launch(do, q, k, v, out, lse2, dq, delta, problem: Problem):
     common = _common(p, lse2)
 
     def grid_dq(meta):
-        return (cdiv(p.seqlen_q, meta["BLOCK_M"]), p.batch * p.heads)
+        return bh_grid(cdiv(p.seqlen_q, meta["BLOCK_M"]), p.batch, p.heads)
 
     return _launch(_attn_bwd_dq, "attn_bwd_dq", grid_dq, q, common["HEAD_DIM_PAD"],
                    Q=q, K=k, V=v, O=out, DO=do, LSE=lse2, DELTA=delta, DQ=dq,
@@ -1118,7 +1121,7 @@ def _attention_backward(do, q, k, v, out, lse2, problem: Problem, delta_out=None
     common = _common(p, lse2)
 
     def grid_dkdv(meta):
-        return (cdiv(sk, meta["BLOCK_N"]), b * hk)
+        return bh_grid(cdiv(sk, meta["BLOCK_N"]), b, hk)
 
     launched = _launch(_attn_bwd_dkdv, "attn_bwd_dkdv", grid_dkdv, q, common["HEAD_DIM_PAD"],
                        Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, DK=dk, DV=dv,
@@ -1161,14 +1164,47 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, num_war
 # --------------------------------------------------------------------------------------------
 # The family
 # --------------------------------------------------------------------------------------------
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, where these kernels put batch x heads
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
+
+
+@functools.lru_cache(maxsize=256)
+def _bh_split(batch: int, heads: int, limit: int) -> int | None:
+    """The largest divisor ``a`` of ``batch`` with heads x a and batch / a within ``limit``
+    each, or None where there is none (a prime batch past the limit, say)."""
+    if heads > limit:
+        return None
+    if batch == 0:
+        return 1
+    for a in range(min(batch, limit // heads), 0, -1):
+        if batch % a == 0:
+            return a if batch // a <= limit else None
+    return None
+
+
+def bh_grid(blocks: int, batch: int, heads: int) -> tuple[int, int, int]:
+    """The grid (blocks, heads x a, batch / a) of ``blocks`` programs per (batch, head) pair:
+    the pairs over the second and third axes, where CUDA allows MAX_GRID_Y each (``a``:
+    :func:`_bh_split`; the whole batch on the second axis while batch x heads fits there, so
+    the order of the programs is then the plain (blocks, batch x heads) one). The kernels read
+    pair program_id(1) + program_id(2) x num_programs(1): every program has one, no guard."""
+    a = _bh_split(batch, heads, MAX_GRID_Y)
+    if a is None:
+        raise ValueError(_too_many_pairs(batch, heads))
+    return blocks, heads * a, batch // a
+
+
+def _too_many_pairs(batch: int, heads: int) -> str:
+    return (f"batch {batch} x heads {heads}: no split of the pairs over two grid axes of at most "
+            f"{MAX_GRID_Y} programs (the batch needs a divisor a with heads x a and batch / a "
+            "both within it)")
 
 
 def _supports(problem: Problem) -> str | None:
-    """Everything that passed diyfa.attention.checks runs here, up to CUDA's grid limit."""
-    if problem.batch * problem.heads > MAX_GRID_Y:
-        return (f"batch x heads = {problem.batch * problem.heads} exceeds the {MAX_GRID_Y} "
-                "programs its grid's second axis may hold")  # fmt: skip
+    """Everything that passed diyfa.attention.checks runs here, up to CUDA's grid limits
+    (:func:`bh_grid`)."""
+    for heads in {problem.heads, problem.kv_heads}:
+        if _bh_split(problem.batch, heads, MAX_GRID_Y) is None:
+            return _too_many_pairs(problem.batch, heads)
     return None
 
 
