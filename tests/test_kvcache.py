@@ -896,6 +896,39 @@ def test_gpu_kvcache(paged, tokens):
 
 
 @pytest.mark.gpu
+def test_gpu_kvcache_appends_more_tokens_than_one_grid_axis():
+    """70,000 new tokens in one call (a long prefill into the cache): more than the 65535
+    programs a grid's second axis holds, so the append puts the tokens on the first one.
+    Every appended row is bitwise the new token, the rows past them untouched, and the last
+    query rows (which see every key) match float64 by the 2x rule."""
+    g = torch.Generator(device="cpu").manual_seed(5)
+    n_old, n_new, cap, hk, d = 50, 70_000, 70_100, 2, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+
+    k_cache, v_cache = rand(1, cap, hk, d), rand(1, cap, hk, d)
+    q, k_new, v_new = rand(1, n_new, 4, d), rand(1, n_new, hk, d), rand(1, n_new, hk, d)
+    tail_k, tail_v = k_cache[:, n_old + n_new:].clone(), v_cache[:, n_old + n_new:].clone()
+    seqlens = torch.tensor([n_old], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        out = diyfa.flash_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                 cache_seqlens=seqlens)  # fmt: skip
+    assert torch.equal(k_cache[:, n_old:n_old + n_new], k_new)
+    assert torch.equal(v_cache[:, n_old:n_old + n_new], v_new)
+    assert torch.equal(k_cache[:, n_old + n_new:], tail_k)
+    assert torch.equal(v_cache[:, n_old + n_new:], tail_v)
+    keys = n_old + n_new
+    rows = q[:, -64:]
+    kv = [t[:, :keys].transpose(1, 2) for t in (k_cache, v_cache)]
+    ref = attention_ref(rows.transpose(1, 2).double(), *(t.double() for t in kv), causal=True,
+                        compute_dtype=torch.float64).transpose(1, 2)  # fmt: skip
+    pt = attention_ref(rows.transpose(1, 2), *kv, causal=True,
+                       compute_dtype=torch.bfloat16).transpose(1, 2)  # fmt: skip
+    _check("out", out[:, -64:], pt, ref, 2, torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_gpu_kvcache_cuda_graph(paged):
     """A decode step (append + attend) captured in a CUDA graph (nothing read back during a

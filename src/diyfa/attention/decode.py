@@ -661,8 +661,8 @@ def _append(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, K_DESCAL
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)  # (the new tokens on axis 0: past 65535 of them too)
+    b = tl.program_id(1).to(tl.int64)
     pos = tl.load(CACHE_SEQLENS + b) + t
     ok = (pos >= 0) & (pos < capacity)
     pos = tl.where(ok, pos, 0).to(tl.int64)
@@ -727,7 +727,7 @@ def append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_descale=None,
                 WRITE_V=not values_in_keys(k_cache, v_cache))  # fmt: skip
     if b * s_new == 0:
         return
-    launch_recorded(_append, (b, s_new), args, k.is_cuda, launched,
+    launch_recorded(_append, (s_new, b), args, k.is_cuda, launched,
                     meta={"launch_pdl": args["PDL"]})  # fmt: skip
 
 
