@@ -360,6 +360,22 @@ def test_kvcache_bad_input_is_a_clear_error_and_writes_nothing(over, err, match)
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
 
 
+def test_kvcache_append_batch_past_the_grid_is_a_clear_error(monkeypatch):
+    """The append puts the sequences on its grid's second axis (CUDA: 65535 programs, made 2
+    here): a bigger batch with new tokens is refused before anything runs, the cache
+    untouched; without new tokens the same batch attends."""
+    from diyfa.attention import checks
+
+    monkeypatch.setattr(checks, "MAX_APPEND_BATCH", 2)
+    args = _bad_call(lambda a: {})
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    with pytest.raises(ValueError, match="appended to at most 2 sequences a call .* batch of 3"):
+        diyfa.flash_attention_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+    with torch.no_grad():
+        diyfa.flash_attention_with_kvcache(**{**args, "k": None, "v": None})
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_kvcache_max_seqlen_k_reads_nothing_back(paged, monkeypatch):
     """``max_seqlen_k`` given: no read back (``Tensor.tolist`` / ``item`` fail here), the

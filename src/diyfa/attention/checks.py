@@ -573,6 +573,9 @@ def values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
                         strict=True)))  # fmt: skip
 
 
+MAX_APPEND_BATCH = 65535  # CUDA's limit on a grid's second axis (decode._append's sequences)
+
+
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal,
                          softmax_scale, num_splits, fp8: bool = False,
                          max_seqlen_k: int | None = None) -> float:
@@ -611,6 +614,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, *, cache_seqlens, block_tabl
                          "flash_attention_with_kvcache has no backward: call it under "
                          "torch.no_grad() (or detach the inputs)")  # fmt: skip
     b, sq, h, d = q.shape
+    if k is not None and b > MAX_APPEND_BATCH:
+        raise ValueError(f"k and v are appended to at most {MAX_APPEND_BATCH} sequences a call "
+                         f"(the append's grid holds the sequences on its second axis), got a "
+                         f"batch of {b}: append in chunks of sequences")  # fmt: skip
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
                          "must agree but for the head dim")  # fmt: skip
