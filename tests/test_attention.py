@@ -280,13 +280,14 @@ def test_batch_heads_past_one_grid_axis(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads", [4, 16])
 @pytest.mark.parametrize("backend", ["auto", "portable"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_gpu_batch_heads_past_65535(backend, deterministic):
+def test_gpu_batch_heads_past_65535(backend, deterministic, kv_heads):
     """4100 x 16 pairs (an embedding model's batch of short sequences): past the 65535 a
     grid axis holds, forward and gradients on every path against float64 by the 2x / 3x
-    rule (GQA: 4100 x 4 kv pairs too)."""
-    q, k, v = _inputs(4100, 16, 4, 37, 37, 64, torch.bfloat16, device="cuda")
+    rule (GQA with 4100 x 4 kv pairs, and 4100 x 16 kv pairs: the Hopper backward's too)."""
+    q, k, v = _inputs(4100, 16, kv_heads, 37, 37, 64, torch.bfloat16, device="cuda")
     _run_and_check(q, k, v, True, backend=backend, deterministic=deterministic)
 
 
