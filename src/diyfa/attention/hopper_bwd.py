@@ -1204,8 +1204,7 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     if packed is not None:
         b, sq, sk = packed["batch"], packed["seqlen_q"], packed["seqlen_k"]
     dpad = head_dim_pad(d)
-    row_bytes = h // k4.shape[1] * sq * (2 * d * q4.element_size() + (4 * dpad if dq_atomic
-                                                                       else 0))  # fmt: skip
+    row_bytes = l2_row_bytes(q4, do4, k4.shape[1], sq, dq_atomic)
     band = causal  # (the call's own band, for the grid's order and packed work lists)
     if (NONCAUSAL_AS_CAUSAL and dpad == 128 and dq_atomic and not causal and not variants
             and packed is None):
@@ -1255,6 +1254,14 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
 # ORDER_NONCAUSAL: the same sections for calls without the band.
 ORDER_L2_BYTES = 40 * 2**20
 ORDER_NONCAUSAL = False
+
+
+def l2_row_bytes(q4, do4, kv_heads: int, seqlen_q: int, dq_atomic) -> int:
+    """Bytes of one (batch, kv head) row of the grid (:func:`section_rows`): Q and dO of the
+    kv head's query heads and, with the atomic dQ, their fp32 workspace (padded head dim)."""
+    acc = 4 * head_dim_pad(q4.shape[3]) if dq_atomic else 0
+    return (q4.shape[1] // kv_heads * seqlen_q
+            * ((q4.shape[3] + do4.shape[3]) * q4.element_size() + acc))
 
 
 def section_rows(rows: int, row_bytes: int, causal: bool) -> int:

@@ -70,6 +70,7 @@ from diyfa.attention.hopper_bwd import (
     _store_rows,
     _tma_reduce_add,
     compile_setup,
+    l2_row_bytes,
     place_work,
 )
 from diyfa.attention.hopper_fwd import (
@@ -468,10 +469,8 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_desc, causal_offset: int
                 DO_STAGES=do_stages, WINDOW=False, SOFTCAP=False, ALIBI=False,
                 VARLEN=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip
-    row_bytes = h // k4.shape[1] * sq * ((d + v4.shape[3]) * q4.element_size()
-                                         + (4 * 256 if dq_atomic else 0))  # fmt: skip
     grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], causal,
-                      lse2.device, row_bytes)  # fmt: skip
+                      lse2.device, l2_row_bytes(q4, do4, k4.shape[1], sq, dq_atomic))  # fmt: skip
     return grid, args, 4
 
 
