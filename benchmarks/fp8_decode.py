@@ -94,15 +94,19 @@ def measure(b, h, hk, n, page, rep, launches, d=128, ab_flag=None, rounds=3) -> 
         decode._PREPARED.clear()
         if ab_flag:  # the fp8 call with a decode flag off and on, rounds interleaved
             before = getattr(decode, ab_flag)
+
+            def use(value):
+                setattr(decode, ab_flag, bool(value))
+                decode._PREPARED.clear()
+
             outs, times = {}, {0: [], 1: []}
-            for _ in range(rounds + 1):
+            for value in (0, 1):
+                use(value)
+                outs[value] = fp8()
+            for _ in range(rounds):
                 for value in (0, 1):
-                    setattr(decode, ab_flag, bool(value))
-                    decode._PREPARED.clear()
-                    if value not in outs:
-                        outs[value] = fp8()
-                    else:
-                        times[value].append(do_bench(fp8, rep=rep, return_mode="median"))
+                    use(value)
+                    times[value].append(do_bench(fp8, rep=rep, return_mode="median"))
             setattr(decode, ab_flag, before)
             decode._PREPARED.clear()
             row[f"{ab_flag}_bitwise_equal"] = bool(torch.equal(outs[0], outs[1]))
