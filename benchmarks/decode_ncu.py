@@ -36,7 +36,13 @@ def main() -> int:
     ap.add_argument("--cached", type=int, default=16384)
     ap.add_argument("--fp8", action="store_true", help="an e4m3 cache (unit descales)")
     ap.add_argument("--tokens", type=int, default=1, help="new query tokens per sequence")
+    ap.add_argument("--config", default=None,
+                    help="hopper_decode.CONFIG for an fp8 cache (e.g. 64,2,4,1)")
     a = ap.parse_args()
+    if a.config:
+        from diyfa.attention import hopper_decode
+
+        hopper_decode.CONFIG = tuple(int(x) for x in a.config.split(","))
     q, k, v, seqlens, table = inputs(a.batch, 32, 8, a.cached, a.page or None,
                                      tokens=a.tokens)  # fmt: skip
     extra = {}

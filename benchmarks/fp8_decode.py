@@ -9,7 +9,10 @@ Usage (device): python3 benchmarks/fp8_decode.py [--out fp8_decode.jsonl]
   [--launches "256,8,4/128,4,3;128,8,4/64,4,3"]   (fp8 launches to compare, each
   decode.WIDE_FP8 / decode.PAGED_WAVES_FP8: BLOCK_N, warps, programs per SM, "-" for None:
   the generic launch; the first is the one the table's fp8/bf16 ratio uses)
-  [--ab-flag WIDEN_ASM --rounds 3]   (a decode flag's A/B on the fp8 calls)
+  [--ab-flag WIDEN_ASM --rounds 3]   (a decode flag's A/B on the fp8 calls; a flag of
+  another attention module as module.NAME, e.g. hopper_decode.ENABLED)
+  [--configs "64,4,2;128,3,1"]   (hopper_decode.CONFIG values to time too: keys per block,
+  stages, programs per SM of the Gluon split kernel)
 """
 
 from __future__ import annotations
@@ -33,7 +36,18 @@ SHAPES = [(16, 32, 8, 16384, None), (64, 32, 8, 4096, None), (1, 32, 8, 131072, 
 E4M3 = torch.float8_e4m3fn
 
 
-def measure(b, h, hk, n, page, rep, launches, d=128, ab_flag=None, rounds=3) -> dict:
+def _flag(name: str):
+    """(module, attribute) of an --ab-flag: decode's, or module.NAME of diyfa.attention."""
+    import importlib
+
+    if "." in name:
+        mod, attr = name.rsplit(".", 1)
+        return importlib.import_module(f"diyfa.attention.{mod}"), attr
+    return decode, name
+
+
+def measure(b, h, hk, n, page, rep, launches, d=128, ab_flag=None, rounds=3,
+            configs=()) -> dict:
     from triton.testing import do_bench
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -92,11 +106,24 @@ def measure(b, h, hk, n, page, rep, launches, d=128, ab_flag=None, rounds=3) -> 
             row[f"fp8{tag}_gbps"] = round(2 * b * n * hk * d / (ms * 1e-3) / 1e9)
         decode.WIDE_FP8, decode.PAGED_WAVES_FP8 = saved
         decode._PREPARED.clear()
-        if ab_flag:  # the fp8 call with a decode flag off and on, rounds interleaved
-            before = getattr(decode, ab_flag)
+        from diyfa.attention import hopper_decode
+
+        saved = hopper_decode.CONFIG
+        for config in configs:
+            hopper_decode.CONFIG = config
+            decode._PREPARED.clear()
+            ms = do_bench(fp8, rep=rep, return_mode="median")
+            tag = "-".join(map(str, config))
+            row[f"fp8@{tag}_tok_s"] = round(b / (ms * 1e-3))
+            row[f"fp8@{tag}_gbps"] = round(2 * b * n * hk * d / (ms * 1e-3) / 1e9)
+        hopper_decode.CONFIG = saved
+        decode._PREPARED.clear()
+        if ab_flag:  # the fp8 call with a flag off and on, rounds interleaved
+            module, attr = _flag(ab_flag)
+            before = getattr(module, attr)
 
             def use(value):
-                setattr(decode, ab_flag, bool(value))
+                setattr(module, attr, bool(value))
                 decode._PREPARED.clear()
 
             outs, times = {}, {0: [], 1: []}
@@ -107,7 +134,7 @@ def measure(b, h, hk, n, page, rep, launches, d=128, ab_flag=None, rounds=3) -> 
                 for value in (0, 1):
                     use(value)
                     times[value].append(do_bench(fp8, rep=rep, return_mode="median"))
-            setattr(decode, ab_flag, before)
+            setattr(module, attr, before)
             decode._PREPARED.clear()
             row[f"{ab_flag}_bitwise_equal"] = bool(torch.equal(outs[0], outs[1]))
             for value in (0, 1):
@@ -127,7 +154,9 @@ def main() -> int:
                     help="a bool attribute of decode: the fp8 calls timed with it off and on "
                          "(median of --rounds interleaved rounds), outputs compared")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default="")
     a = ap.parse_args()
+    configs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";") if c]
     launches = [(decode.WIDE_FP8, decode.PAGED_WAVES_FP8)]
     if a.launches:
         launches = [tuple(None if part == "-" else tuple(int(x) for x in part.split(","))
@@ -138,7 +167,8 @@ def main() -> int:
     rows = []
     with open(a.out, "w") as f:
         for shape in SHAPES:
-            row = measure(*shape, a.rep, launches, ab_flag=a.ab_flag, rounds=a.rounds)
+            row = measure(*shape, a.rep, launches, ab_flag=a.ab_flag, rounds=a.rounds,
+                          configs=configs)  # fmt: skip
             rows.append(row)
             f.write(json.dumps({**env, **row}) + "\n")
             print(json.dumps(row), flush=True)

@@ -1220,6 +1220,126 @@ def test_fp8_cache(per_batch, dtype, paged):
     _check("out", out, pt, ref, 2, dtype)
 
 
+def _fp8_cache_case(d, sq, per_batch, seed=0):
+    """32 query heads over 8 kv heads at head dim ``d``, ``sq`` new tokens appended to e4m3
+    caches whose rows past each sequence's end hold NaN bytes (0x7f): (q, caches, new rows,
+    lengths, descales, the float64 and query-dtype references over the dequantised caches
+    after the append)."""
+    dtype = torch.bfloat16
+    (q, k_cache, v_cache, k_new, v_new, seqlens, *_rest) = _setup(dtype, sq, sq, h=32, hk=8,
+                                                                 d=d, device="cuda",
+                                                                 seed=seed)  # fmt: skip
+    b, hk = q.shape[0], k_cache.shape[2]
+    g = torch.Generator().manual_seed(seed + 1)
+    shape = (b, hk) if per_batch else (hk,)
+    k_desc = (0.02 + torch.rand(shape, generator=g) * 0.02).cuda()
+    v_desc = (0.02 + torch.rand(shape, generator=g) * 0.02).cuda()
+    kq, vq = _quantize(k_cache, k_desc), _quantize(v_cache, v_desc)
+    for i, n in enumerate(LENS):
+        kq.view(torch.uint8)[i, n:] = 0x7F
+        vq.view(torch.uint8)[i, n:] = 0x7F
+    full_k = k_desc if per_batch else k_desc[None].expand(b, -1)
+    full_v = v_desc if per_batch else v_desc[None].expand(b, -1)
+    new_k, new_v = _quantize(k_new, k_desc), _quantize(v_new, v_desc)
+    deq_k = torch.zeros(k_cache.shape, dtype=torch.float64, device="cuda")
+    deq_v = torch.zeros(v_cache.shape, dtype=torch.float64, device="cuda")
+    for i, n in enumerate(LENS):
+        deq_k[i, :n] = kq[i, :n].double() * full_k[i][None, :, None]
+        deq_v[i, :n] = vq[i, :n].double() * full_v[i][None, :, None]
+        deq_k[i, n:n + sq] = new_k[i].double() * full_k[i][None, :, None]
+        deq_v[i, n:n + sq] = new_v[i].double() * full_v[i][None, :, None]
+    lengths = [n + sq for n in LENS]
+    ref = _reference(q.double(), deq_k, deq_v, lengths, True, torch.float64)
+    pt = _reference(q, deq_k.to(dtype), deq_v.to(dtype), lengths, True, dtype)
+    return q, kq, vq, k_new, v_new, seqlens, k_desc, v_desc, ref, pt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, splits, per_batch", [(1, 0, False), (1, 1, True), (2, 3, False),
+                                                   (4, 0, True), (4, 2, False)])
+def test_gpu_fp8_cache_hopper_kernel(d, sq, splits, per_batch, monkeypatch):
+    """An e4m3 cache on an H100 / H200 runs the Gluon split kernel (hopper_decode) and gives
+    attention over the dequantised cache by the 2x rule: 1, 2 and 4 new tokens appended (4,
+    8 and 16 query rows a kv head), one split (the output written by the split kernel),
+    2 or 3 splits and the default (the combine kernel), per-head and per-(batch, head)
+    descales, an empty sequence and lengths off the 64-key blocks; rows past each sequence's
+    end hold NaN bytes that must not reach the output. A second call with ``max_seqlen_k``
+    (replayed launches) gives the same output bitwise."""
+    from diyfa.attention import decode, hopper_decode
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon decode kernel is sm90's")
+    ran = []
+    real = decode.launch_recorded
+    monkeypatch.setattr(decode, "launch_recorded",
+                        lambda fn, *a, **kw: (ran.append(fn), real(fn, *a, **kw))[1])
+    q, kq, vq, k_new, v_new, seqlens, k_desc, v_desc, ref, pt = _fp8_cache_case(d, sq,
+                                                                              per_batch)
+    with torch.no_grad():
+        out = diyfa.flash_attention_with_kvcache(q, kq, vq, k_new, v_new, cache_seqlens=seqlens,
+                                                 num_splits=splits, k_descale=k_desc,
+                                                 v_descale=v_desc)  # fmt: skip
+    assert hopper_decode._decode_split_fp8 in ran and decode._decode_split not in ran, ran
+    assert torch.isfinite(out).all()
+    _check("out", out, pt, ref, 2, torch.bfloat16)
+    # the same step again from the cache as it was before the append, through the replay
+    q2, kq2, vq2, k_new2, v_new2, seqlens2, *_ = _fp8_cache_case(d, sq, per_batch)
+    bound = max(LENS) + sq
+    with torch.no_grad():
+        for _ in range(2):
+            kq3, vq3 = kq2.clone(), vq2.clone()
+            again = diyfa.flash_attention_with_kvcache(q2, kq3, vq3, k_new2, v_new2,
+                                                       cache_seqlens=seqlens2, num_splits=splits,
+                                                       k_descale=k_desc, v_descale=v_desc,
+                                                       max_seqlen_k=bound)  # fmt: skip
+            assert torch.equal(again, out)
+
+
+def test_fp8_cache_hopper_kernel_compiles_and_fits():
+    """The Gluon split kernel for fp8 caches (hopper_decode) compiles for sm90a at head dims
+    64 and 128, causal or not, one split or several, in its launch configuration: nothing
+    spilled, and shared memory for ``CONFIG``'s programs per SM on an H100 / H200."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_DECODE], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "compiled 8" in done.stdout, done.stderr[-3000:]
+
+
+_COMPILE_FP8_DECODE = """
+import torch
+from diyfa._compile import compile_for_sm90, spill_bytes
+from diyfa.attention import hopper_decode as hd
+
+block_n, stages, per_sm, one_tile = hd.CONFIG
+n = 0
+for d in (64, 128):
+    cache = torch.empty(4, 1024, 8, d, dtype=torch.float8_e4m3fn)
+    for causal in (False, True):
+        for direct in (False, True):
+            args = dict(Q=torch.empty(16, dtype=torch.bfloat16),
+                        k_desc=hd.cache_desc(cache, block_n), v_desc=hd.cache_desc(cache, block_n),
+                        CACHE_SEQLENS=torch.empty(16, dtype=torch.int32), O_PART=torch.empty(16),
+                        LSE_PART=torch.empty(16), O=torch.empty(16, dtype=torch.bfloat16),
+                        LSE=torch.empty(16), K_DESCALE=torch.empty(16), V_DESCALE=torch.empty(16),
+                        qk_scale=0.5, HEAD_DIM=d, CAUSAL=causal, BLOCK_N=block_n, STAGES=stages,
+                        ROWS=hd.ROWS, DIRECT=direct, MERGE=False, PDL=True, PDL_WAIT=True,
+                        ONE_TILE=bool(one_tile))
+            values = {p.name: args.get(p.name, 1 if p.name == "stride_qd" or p.name == "stride_od"
+                                       else 1024) for p in hd._decode_split_fp8.params}
+            k = compile_for_sm90(hd._decode_split_fp8, values, num_warps=4)
+            # (an SM's 228 KB hold per_sm programs of this size, 1 KB each reserved)
+            assert per_sm * (k.metadata.shared + 1024) <= 233472, (d, k.metadata.shared)
+            assert spill_bytes(k) == 0, (d, causal, direct)
+            n += 1
+print("compiled", n)
+"""
+
+
 def test_fp8_cache_bad_input_writes_nothing():
     """fp8 caches without descales, descales on a bf16 cache, wrong descale shapes or dtypes,
     descales of two shapes, mixed cache dtypes, fp32 queries: clear errors, the cache

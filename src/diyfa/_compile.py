@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = None,
-                     arch: int = 90):
+                     arch: int = 90, maxnreg: int | None = None):
     """Triton's ``CompiledKernel`` of ``fn`` (``@triton.jit`` or ``@gluon.jit``) specialised on
     ``args`` (every parameter by name: constexprs by value, the others as Triton's launcher
     would see them: integers equal to 1 compiled in, 16-byte-aligned pointers and integers
@@ -41,6 +41,8 @@ def compile_for_sm90(fn, args: dict, num_warps: int, num_stages: int | None = No
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     return triton.compile(source(fn, signature, constants, attrs), target=target, options=options)
 
 

@@ -51,6 +51,7 @@ from diyfa._launcher import (
     launch_recorded,
     next_power_of_2,
 )
+from diyfa.attention import hopper_decode
 from diyfa.attention.checks import values_in_keys
 from diyfa.attention.portable import _tanh
 from diyfa.device import interpreter_enabled, kernel_limits
@@ -825,7 +826,8 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
                                   alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
                                   v_descale=v_descale, seqlen_add=s_new, counters=status,
                                   launched=launched)  # fmt: skip
-    split = [args for fn, _, _, args in launched or () if fn is _decode_split]
+    split = [args for fn, _, _, args in launched or ()
+             if fn in (_decode_split, hopper_decode._decode_split_fp8)]
     if split and not compiling_only() and len(launched) == (
             2 + (s_new > 0) + (not split[0]["DIRECT"] and not split[0]["MERGE"])):  # fmt: skip
         o_part, lse_part = ((None, None) if split[0]["DIRECT"] else
@@ -893,6 +895,15 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     paged = block_table is not None
     pdl = pdl_on(q.device)
     wide = max(d_pad + d_tail, dv_pad) > 256
+    left, right = window
+    variants = (left >= 0 or (right >= 0 and not causal) or softcap > 0
+                or alibi_slopes is not None)  # fmt: skip
+    if fp8 and hopper_decode.applies(q, k_cache, v_cache, paged, variants, v_in_k):
+        return _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, causal=causal,
+                           softmax_scale=softmax_scale, num_splits=num_splits,
+                           max_seqlen_k=max_seqlen_k, sinks=sinks, k_descale=k_descale,
+                           v_descale=v_descale, seqlen_add=seqlen_add, pdl=pdl,
+                           launched=launched)  # fmt: skip
     max_shared = kernel_limits(q.device.index)["max_shared_mem"] if q.is_cuda else SM90_SHARED
     most_rows = wide_head_rows(k_cache.element_size(), max_shared) if wide else 64
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
@@ -925,7 +936,6 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         o_part = torch.empty((splits * rows, dv_pad), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
     table = block_table if paged else cache_seqlens
-    left, right = window
     qk_scale = softcap * LOG2E if softcap > 0 else softmax_scale * LOG2E
     alibi = alibi_slopes is not None
     sq_, sk_, sv_, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
@@ -982,6 +992,60 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                     {"launch_pdl": pdl})  # fmt: skip
     if not direct and not merge:
         launch_recorded(_combine, (rows,), combine_args, q.is_cuda, launched, 4, 3,
+                        {"launch_pdl": pdl})  # fmt: skip
+    return out, lse2
+
+
+def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softmax_scale,
+                num_splits, max_seqlen_k, sinks, k_descale, v_descale, seqlen_add, pdl,
+                launched):
+    """:func:`kvcache_attention` for the calls :func:`hopper_decode.applies` takes: the Gluon
+    split kernel (``hopper_decode.CONFIG``: keys per block, stages, programs per SM; its split
+    count fills whole waves of them), then the combine kernel unless one split and no sinks
+    (the split kernel writes the output itself)."""
+    b, sq, h, d = q.shape
+    hk = k_cache.shape[2]
+    block_n, stages, per_sm, one_tile = hopper_decode.CONFIG
+    splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, True)
+    split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
+    rows = b * h * sq
+    direct = splits == 1 and sinks is None
+    if direct:
+        o_part = lse_part = lse2  # (not read)
+    else:
+        o_part = torch.empty((splits * rows, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
+    sq_, so = q.stride(), out.stride()
+    split_args = dict(
+        Q=q, k_desc=hopper_decode.cache_desc(k_cache, block_n),
+        v_desc=hopper_decode.cache_desc(v_cache, block_n), CACHE_SEQLENS=cache_seqlens,
+        O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2, K_DESCALE=k_descale,
+        V_DESCALE=v_descale,
+        stride_qb=sq_[0], stride_qs=sq_[1], stride_qh=sq_[2], stride_qd=sq_[3],
+        stride_ob=so[0], stride_os=so[1], stride_oh=so[2], stride_od=so[3],
+        cache_len=k_cache.shape[1], max_len=max_seqlen_k, kv_heads=hk, kv_group=h // hk,
+        seqlen_q=sq, split_len=split_len, qk_scale=softmax_scale * LOG2E, batch=b,
+        seqlen_add=seqlen_add,
+        stride_descale_b=k_descale.stride(0) if k_descale.dim() == 2 else 0,
+        HEAD_DIM=d, CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, ROWS=hopper_decode.ROWS,
+        DIRECT=direct, MERGE=False, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
+        ONE_TILE=bool(one_tile), MAXNREG=hopper_decode.register_cap(per_sm),
+        EARLY_S=hopper_decode.EARLY_S,
+    )  # fmt: skip
+    meta = {"launch_pdl": pdl}
+    if split_args["MAXNREG"]:
+        meta["maxnreg"] = split_args["MAXNREG"]
+    launch_recorded(hopper_decode._decode_split_fp8, (b * hk, splits, 1), split_args, True,
+                    launched, 4, 1, meta)  # fmt: skip
+    if not direct:
+        combine_args = dict(
+            O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
+            SINK_LOGITS=sinks if sinks is not None else lse_part, rows_per_split=rows,
+            seqlen_q=sq, heads=h, num_splits=splits, stride_ob=so[0], stride_os=so[1],
+            stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits),
+            HEAD_DIM=d, HEAD_DIM_PAD=d, SINKS=sinks is not None, PDL=pdl,
+        )  # fmt: skip
+        launch_recorded(_combine, (rows,), combine_args, True, launched, 4, 3,
                         {"launch_pdl": pdl})  # fmt: skip
     return out, lse2
 

@@ -1,0 +1,341 @@
+"""Decode against an fp8 (e4m3) KV cache on Hopper: the split kernel in Gluon (sm90).
+
+The Triton split kernel (``decode._decode_split``) widens the e4m3 tiles to 16 bits in the
+layouts of its two products, where Triton reads V a byte at a time from shared memory (P V's
+operand pairs run along the keys, V's bytes along the head dim) and rebuilds q's operand every
+step: 620 SASS instructions a thread per 64-key step against the bf16 cache's 412, so the fp8
+cache, half the bytes, ran at only 1.16-1.37x the bf16 cache's tokens/s (docs/attention.md).
+
+Here every layout is explicit. One warpgroup per (batch x kv head, split):
+- K and V blocks arrive in e4m3 by TMA through a ring of ``STAGES`` (mbarriers), far ahead;
+- each thread reads 16 contiguous bytes of a row at a time, widens them to fp16 (one
+  instruction per two values) and stores them to one fp16 K and one fp16 V tile in shared
+  memory (keys past the sequence's end zeroed there, so no garbage reaches the products);
+- the products run on the tensor cores with the keys as M ("swap AB": a decode step has few
+  query rows, the GQA group x the new tokens, padded to ``ROWS`` = wgmma's N):
+  S^T = K Q^T (K from shared memory, Q^T from q's fp16 tile, written once), and
+  O^T += V^T P^T (V^T as the transposed view of V's tile, P^T through shared memory);
+- the softmax runs down S^T's columns (one query row each): the running max per column, P's
+  column sums kept per thread and reduced once at the end.
+Numerics are the Triton kernel's for contiguous fp8 caches: q times a power of two into fp16,
+the power and the K descale in the scores' scale, P rounded to fp16, fp32 accumulation, the V
+descale on the output.
+
+The output is the Triton kernel's: one split writes O and the base-2 LSE itself (DIRECT),
+more write their partials to the workspace for ``decode._combine``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+from diyfa.device import kernel_limits
+
+# The Gluon kernel for fp8 caches on sm90 where it applies (:func:`applies`); False: the
+# Triton split kernel everywhere.
+ENABLED = True
+# (keys per block, ring stages, programs per SM, one fp16 tile). Shared memory a program: the
+# ring, stages x 2 x BLOCK_N x d bytes, plus the fp16 K and V tiles, 2 x BLOCK_N x d x 2, or
+# one tile that holds K for S, then V for P V (ONE_TILE), BLOCK_N x d x 2.
+CONFIG = (128, 2, 2, 1)
+# The step's order (_step's EARLY_S; False: the first version's, for A/B runs).
+EARLY_S = True
+ROWS = 16  # query rows a program (wgmma's N): the GQA group x the new tokens, padded
+
+
+def register_cap(per_sm: int) -> int:
+    """The launch's ``maxnreg`` for ``per_sm`` programs of 128 threads an SM (0: none; the
+    kernel takes ~145 registers uncapped, 3 programs' worth of an SM's 64K)."""
+    return 65536 // (128 * per_sm) // 8 * 8 if per_sm >= 4 else 0
+
+
+@gluon.jit
+def _wait_prior_grid():
+    """PDL: wait for the kernel before this one (griddepcontrol.wait; a no-op without PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _let_dependents_launch():
+    """PDL: the next kernel (the combine) may be launched; it waits for this grid itself."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col,
+           BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of block ``i``'s K and V rows into ring stage i % STAGES."""
+    s = i % STAGES
+    mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, col], ready.index(s),
+                                    k_ring.index(s))  # fmt: skip
+    tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, col], ready.index(s),
+                                    v_ring.index(s))  # fmt: skip
+
+
+@gluon.jit
+def _widen(x8, start, hi, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """An e4m3 tile in fp16 (exact); MASKED: rows at or past ``hi`` (another sequence's keys,
+    or never written) zeroed."""
+    x = x8.to(gl.float16)
+    if MASKED:
+        key = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, x8.type.layout))
+        x = gl.where(key[:, None] < hi, x, 0.0)
+    return x
+
+
+@gluon.jit
+def _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i, n_blocks, row0, col,
+          lo, hi, causal_offset, qpos, k_scale, m_i, l_acc, o_acc,
+          MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+          ONE_TILE: gl.constexpr, EARLY_S: gl.constexpr):
+    """Block ``i`` of the split: widen K and V, S^T = K Q^T, the online softmax down the
+    columns, O^T += V^T P^T (left running: the next step waits for it). MASKED: keys at or
+    past ``hi`` zeroed and their scores -inf, and the causal mask (blocks every row sees
+    wholly take MASKED = False). EARLY_S: the ring stage is refilled after the barrier that
+    publishes K's fp16 tile (one barrier a step fewer), S's product runs while V is widened."""
+    cv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [HEAD_DIM // 16, 512 // HEAD_DIM],
+                                               [4, 1], [1, 0])  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])  # fmt: skip
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    k8 = k_ring.index(s).load(cv_layout)
+    v8 = v_ring.index(s).load(cv_layout)
+    if not EARLY_S:
+        gl.thread_barrier()  # every thread has read stage s: refill it
+        if i + STAGES < n_blocks:
+            _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, BLOCK_N,
+                   STAGES)  # fmt: skip
+    start = lo + i * BLOCK_N
+    kw = _widen(k8, start, hi, MASKED, BLOCK_N)
+    if not ONE_TILE and not EARLY_S:
+        vw = _widen(v8, start, hi, MASKED, BLOCK_N)
+    o_acc = warpgroup_mma_wait(0, deps=[o_acc])  # the last P V is done with k16, v16, p16
+    k16.store(kw)
+    if not ONE_TILE and not EARLY_S:
+        v16.store(vw)
+    fence_async_shared()
+    gl.thread_barrier()
+    zero = gl.zeros([BLOCK_N, ROWS], gl.float32, s_layout)
+    if EARLY_S:
+        # (the barrier above also saw every thread's reads of stage s done: refill it)
+        if i + STAGES < n_blocks:
+            _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, BLOCK_N,
+                   STAGES)  # fmt: skip
+        t = warpgroup_mma(k16, q16.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if not ONE_TILE:  # V widened while S runs
+            v16.store(_widen(v8, start, hi, MASKED, BLOCK_N))
+        t = warpgroup_mma_wait(0, deps=[t])
+    else:
+        t = warpgroup_mma(k16, q16.permute((1, 0)), zero, use_acc=False)
+    t = t * k_scale
+    if MASKED:
+        key = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        keep = key[:, None] < hi
+        if CAUSAL:
+            keep = keep & (key[:, None] <= qpos[None, :] + causal_offset)
+        t = gl.where(keep, t, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(t, 0))
+    if MASKED:  # (a column with no key yet: no NaN)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(t - m_use[None, :])
+    l_acc = l_acc * alpha[None, :] + p
+    o_acc = o_acc * alpha[None, :]
+    p16.store(p.to(gl.float16))
+    if ONE_TILE:  # (S's product is done with K: the tile takes V, widened only now)
+        v16.store(_widen(v8, start, hi, MASKED, BLOCK_N))
+    fence_async_shared()
+    gl.thread_barrier()
+    o_acc = warpgroup_mma(v16.permute((1, 0)), p16, o_acc, is_async=True)
+    return m_new, l_acc, o_acc
+
+
+@gluon.jit
+def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
+                      K_DESCALE, V_DESCALE,
+                      stride_qb, stride_qs, stride_qh, stride_qd,
+                      stride_ob, stride_os, stride_oh, stride_od,
+                      cache_len, max_len, kv_heads, kv_group, seqlen_q, split_len, qk_scale,
+                      batch, seqlen_add, stride_descale_b,
+                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, ROWS: gl.constexpr, DIRECT: gl.constexpr,
+                      MERGE: gl.constexpr, PDL: gl.constexpr, PDL_WAIT: gl.constexpr,
+                      ONE_TILE: gl.constexpr, MAXNREG: gl.constexpr = 0,
+                      EARLY_S: gl.constexpr = True):
+    """Program (batch x kv head, split): the kv head's query rows (head in group, query:
+    r -> head r // seqlen_q, query r % seqlen_q) against the split's keys, from an e4m3 cache
+    (batch, cache_len, kv_heads, HEAD_DIM) read through 2-D descriptors of (batch x cache_len,
+    kv_heads x HEAD_DIM). Lengths are clamped to ``max_len`` (the bound; see the Triton
+    kernel). DIRECT: one split, the output and LSE written here; else the split's partials
+    for ``decode._combine``. MERGE must be False (the arguments' shape of the Triton
+    kernel's; no in-kernel merge here). MAXNREG: the launch's register cap (``maxnreg``, 0 for
+    none), a parameter so that kernels compiled under different caps are kept apart."""
+    gl.static_assert(not MERGE)
+    if PDL:
+        _let_dependents_launch()
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROWS // 4, 128 // ROWS], [4, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])  # fmt: skip
+    off_bhk = gl.program_id(0)
+    split = gl.program_id(1)
+    off_b = off_bhk // kv_heads
+    off_hk = off_bhk % kv_heads
+    seqlen_k = gl.minimum(gl.load(CACHE_SEQLENS + off_b) + seqlen_add, max_len)
+    causal_offset = seqlen_k - seqlen_q  # key j <= i + causal_offset
+    lo = split * split_len
+    hi = gl.minimum(lo + split_len, seqlen_k)
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    if CAUSAL:  # blocks wholly visible to query 0 (and so to every row) run unmasked
+        n_full = gl.maximum(gl.minimum(hi, causal_offset + 1) - lo, 0) // BLOCK_N
+    else:
+        n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+
+    # q: fp16 times a power of two that keeps it in range; the power into the scores' scale
+    r_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+    d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    head_q = off_hk * kv_group + r_q // seqlen_q
+    q = gl.load(Q + off_b.to(gl.int64) * stride_qb + (r_q % seqlen_q)[:, None] * stride_qs
+                + head_q[:, None] * stride_qh + d_q[None, :] * stride_qd,
+                mask=(r_q < kv_group * seqlen_q)[:, None], other=0.0).to(gl.float32)  # fmt: skip
+    q_max = gl.max(gl.max(gl.abs(q), 1), 0)
+    q_exp = gl.maximum(gl.ceil(gl.log2(q_max) - 15.0), 0.0)
+    q16 = gl.allocate_shared_memory(gl.float16, [ROWS, HEAD_DIM],
+                                    gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
+                                                                         gl.float16))  # fmt: skip
+    q16.store((q * gl.exp2(-q_exp)).to(gl.float16))
+    k_descale = gl.load(K_DESCALE + off_b * stride_descale_b + off_hk)
+    v_descale = gl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
+    k_scale = qk_scale * k_descale * gl.exp2(q_exp)
+
+    k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM],
+                                                                     gl.float16)  # fmt: skip
+    k16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, HEAD_DIM], tile_layout)
+    if ONE_TILE:
+        v16 = k16
+    else:
+        v16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, HEAD_DIM], tile_layout)
+    p16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, ROWS],
+                                    gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROWS],
+                                                                         gl.float16))  # fmt: skip
+    fence_async_shared()
+    gl.thread_barrier()
+
+    row0 = off_b * cache_len + lo
+    col = off_hk * HEAD_DIM
+    if PDL_WAIT:
+        _wait_prior_grid()  # the append wrote the cache
+    for i in range(0, gl.minimum(n_blocks, STAGES)):
+        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, BLOCK_N, STAGES)
+
+    r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+    qpos = r_s % seqlen_q
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+    l_acc = gl.zeros([BLOCK_N, ROWS], gl.float32, s_layout)
+    # (an asynchronous product's accumulator, as each step leaves it)
+    o_acc = warpgroup_mma_init(gl.zeros([HEAD_DIM, ROWS], gl.float32, s_layout))
+    for i in range(0, n_full):
+        m_i, l_acc, o_acc = _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i,
+                                  n_blocks, row0, col, lo, hi, causal_offset, qpos, k_scale,
+                                  m_i, l_acc, o_acc, False, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
+                                  ROWS, ONE_TILE, EARLY_S)  # fmt: skip
+    for i in range(n_full, n_blocks):
+        m_i, l_acc, o_acc = _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i,
+                                  n_blocks, row0, col, lo, hi, causal_offset, qpos, k_scale,
+                                  m_i, l_acc, o_acc, True, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
+                                  ROWS, ONE_TILE, EARLY_S)  # fmt: skip
+    o_acc = warpgroup_mma_wait(0, deps=[o_acc])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    l_i = gl.sum(l_acc, 0)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_safe))
+    out = o_acc * (v_descale / l_safe)[None, :]
+    # (rows of the output: the query rows are its columns here)
+    st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    out = gl.convert_layout(out, st_layout)
+    r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(0, st_layout))
+    d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, st_layout))
+    ok_o = r_o < kv_group * seqlen_q
+    head_o = off_hk * kv_group + r_o // seqlen_q
+    qpos_o = r_o % seqlen_q
+    heads = kv_heads * kv_group
+    row = (off_b * heads + head_o).to(gl.int64) * seqlen_q + qpos_o
+    ok_l = r_s < kv_group * seqlen_q
+    row_l = (off_b * heads + off_hk * kv_group + r_s // seqlen_q).to(gl.int64) * seqlen_q + qpos
+    if DIRECT:
+        gl.store(LSE + row_l, lse2, mask=ok_l)
+        gl.store(O + off_b.to(gl.int64) * stride_ob + qpos_o[None, :] * stride_os
+                 + head_o[None, :] * stride_oh + d_o[:, None] * stride_od,
+                 out.to(O.dtype.element_ty), mask=ok_o[None, :])  # fmt: skip
+    else:
+        rows_per_split = batch * heads * seqlen_q
+        gl.store(LSE_PART + split * rows_per_split + row_l, lse2, mask=ok_l)
+        gl.store(O_PART + (split * rows_per_split + row)[None, :] * HEAD_DIM + d_o[:, None], out,
+                 mask=ok_o[None, :])  # fmt: skip
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool,
+            variants: bool, v_in_k: bool) -> bool:
+    """Whether a checked decode call runs :func:`_decode_split_fp8`: :data:`ENABLED`, an e4m3
+    cache on an sm90 GPU, contiguous (batch, cache_len, kv_heads, d) caches (not paged) with
+    d = v's head dim = 64 or 128, at most :data:`ROWS` query rows a kv head (the GQA group x
+    the new tokens), no window, softcap or ALiBi (``variants``), two separate caches, and
+    coordinates TMA can address (batch x cache_len < 2^31)."""
+    if not (ENABLED and q.is_cuda and k_cache.dtype == torch.float8_e4m3fn
+            and v_cache.dtype == torch.float8_e4m3fn and not paged and not variants
+            and not v_in_k):  # fmt: skip
+        return False
+    if kernel_limits(q.device.index)["capability_major"] != 9:
+        return False
+    b, sq, h, d = q.shape
+    n, hk = k_cache.shape[1], k_cache.shape[2]
+    return (d in (64, 128) and v_cache.shape[3] == d and h // hk * sq <= ROWS
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and v_cache.shape == k_cache.shape and b * n < 2**31)  # fmt: skip
+
+
+@functools.cache
+def _layout(block_n: int, d: int):
+    return gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e4nv)
+
+
+def cache_desc(cache: torch.Tensor, block_n: int) -> GluonDescriptor:
+    """A host TMA descriptor of a contiguous (batch, cache_len, kv_heads, d) cache as its 2-D
+    (batch x cache_len, kv_heads x d) view, blocks (block_n, d); rows past the end read as
+    zeros. Fields set directly (the checks above stand for the constructor's)."""
+    b, n, hk, d = cache.shape
+    desc = object.__new__(GluonDescriptor)
+    desc.base = cache
+    desc.shape = [b * n, hk * d]
+    desc.strides = [hk * d, 1]
+    desc.block_shape = [block_n, d]
+    desc.layout = _layout(block_n, d)
+    desc.padding = "zero"
+    return desc
