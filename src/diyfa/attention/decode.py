@@ -1005,7 +1005,8 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
     (the split kernel writes the output itself)."""
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
-    block_n, stages, per_sm, one_tile = hopper_decode.CONFIG
+    block_n, stages, per_sm, one_tile, *warps = hopper_decode.CONFIG
+    warps = warps[0] if warps and d == 128 and block_n >= 128 else 4
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, True)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     rows = b * h * sq
@@ -1029,14 +1030,14 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
         stride_descale_b=k_descale.stride(0) if k_descale.dim() == 2 else 0,
         HEAD_DIM=d, CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, ROWS=hopper_decode.ROWS,
         DIRECT=direct, MERGE=False, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
-        ONE_TILE=bool(one_tile), MAXNREG=hopper_decode.register_cap(per_sm),
+        ONE_TILE=bool(one_tile), MAXNREG=hopper_decode.register_cap(per_sm, warps),
         EARLY_S=hopper_decode.EARLY_S,
     )  # fmt: skip
     meta = {"launch_pdl": pdl}
     if split_args["MAXNREG"]:
         meta["maxnreg"] = split_args["MAXNREG"]
     launch_recorded(hopper_decode._decode_split_fp8, (b * hk, splits, 1), split_args, True,
-                    launched, 4, 1, meta)  # fmt: skip
+                    launched, warps, 1, meta)  # fmt: skip
     if not direct:
         combine_args = dict(
             O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,

@@ -47,7 +47,8 @@ from diyfa.device import kernel_limits
 # The Gluon kernel for fp8 caches on sm90 where it applies (:func:`applies`); False: the
 # Triton split kernel everywhere.
 ENABLED = True
-# (keys per block, ring stages, programs per SM, one fp16 tile). Shared memory a program: the
+# (keys per block, ring stages, programs per SM, one fp16 tile[, warps: 4, or 8 at d128 with
+# 128-key blocks: two warpgroups]). Shared memory a program: the
 # ring, stages x 2 x BLOCK_N x d bytes, plus the fp16 K and V tiles, 2 x BLOCK_N x d x 2, or
 # one tile that holds K for S, then V for P V (ONE_TILE), BLOCK_N x d x 2.
 CONFIG = (128, 2, 2, 1)
@@ -56,10 +57,11 @@ EARLY_S = True
 ROWS = 16  # query rows a program (wgmma's N): the GQA group x the new tokens, padded
 
 
-def register_cap(per_sm: int) -> int:
-    """The launch's ``maxnreg`` for ``per_sm`` programs of 128 threads an SM (0: none; the
-    kernel takes ~145 registers uncapped, 3 programs' worth of an SM's 64K)."""
-    return 65536 // (128 * per_sm) // 8 * 8 if per_sm >= 4 else 0
+def register_cap(per_sm: int, warps: int = 4) -> int:
+    """The launch's ``maxnreg`` for ``per_sm`` programs of ``warps`` warps an SM where their
+    registers would not fit uncapped (0: none; at 64-key blocks the kernel takes ~145
+    registers, 3 programs' worth of an SM's 64K)."""
+    return 65536 // (32 * warps * per_sm) // 8 * 8 if per_sm * warps >= 16 else 0
 
 
 @gluon.jit
@@ -110,9 +112,12 @@ def _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i, n_blocks
     past ``hi`` zeroed and their scores -inf, and the causal mask (blocks every row sees
     wholly take MASKED = False). EARLY_S: the ring stage is refilled after the barrier that
     publishes K's fp16 tile (one barrier a step fewer), S's product runs while V is widened."""
-    cv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [HEAD_DIM // 16, 512 // HEAD_DIM],
-                                               [4, 1], [1, 0])  # fmt: skip
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    W: gl.constexpr = gl.num_warps()
+    # (16 contiguous bytes a thread, 64 bytes of a row over 4 threads: at d128 the layout of
+    # 4 x 8 threads, a whole row over 8, ran 10% slower on the H200; at d64 it covered the tile
+    # twice)
+    cv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [W, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                        instr_shape=[16, ROWS, 16])  # fmt: skip
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
@@ -193,8 +198,9 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     gl.static_assert(not MERGE)
     if PDL:
         _let_dependents_launch()
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROWS // 4, 128 // ROWS], [4, 1], [1, 0])
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    W: gl.constexpr = gl.num_warps()
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROWS // 4, 128 // ROWS], [W, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                        instr_shape=[16, ROWS, 16])  # fmt: skip
     off_bhk = gl.program_id(0)
     split = gl.program_id(1)
@@ -278,7 +284,7 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_safe))
     out = o_acc * (v_descale / l_safe)[None, :]
     # (rows of the output: the query rows are its columns here)
-    st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, W], [0, 1])
     out = gl.convert_layout(out, st_layout)
     r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(0, st_layout))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, st_layout))
