@@ -9,8 +9,9 @@ cache, half the bytes, ran at only 1.16-1.37x the bf16 cache's tokens/s (docs/at
 Here every layout is explicit. One warpgroup per (batch x kv head, split):
 - K and V blocks arrive in e4m3 by TMA through a ring of ``STAGES`` (mbarriers), far ahead;
 - each thread reads 16 contiguous bytes of a row at a time, widens them to fp16 (one
-  instruction per two values) and stores them to one fp16 K and one fp16 V tile in shared
-  memory (keys past the sequence's end zeroed there, so no garbage reaches the products);
+  instruction per two values) and stores them to an fp16 tile in shared memory, K's for S,
+  then V's for P V (``ONE_TILE``; or one tile each), keys past the sequence's end zeroed there,
+  so no garbage reaches the products;
 - the products run on the tensor cores with the keys as M ("swap AB": a decode step has few
   query rows, the GQA group x the new tokens, padded to ``ROWS`` = wgmma's N):
   S^T = K Q^T (K from shared memory, Q^T from q's fp16 tile, written once), and
@@ -47,6 +48,9 @@ from diyfa.device import kernel_limits
 # The Gluon kernel for fp8 caches on sm90 where it applies (:func:`applies`); False: the
 # Triton split kernel everywhere.
 ENABLED = True
+# H200, fp8 / bf16 cache tokens/s at b16 x 16k (benchmarks/fp8_decode.py --configs;
+# docs/attention.md, "KV cache"): 64-4-2-0 1.30, 64-2-4-1 1.38-1.40, 64-3-3-1 1.36-1.38,
+# 128-3-1-0 1.27-1.29, this 1.48-1.52, with 8 warps 1.25-1.39.
 # (keys per block, ring stages, programs per SM, one fp16 tile[, warps: 4, or 8 at d128 with
 # 128-key blocks: two warpgroups]). Shared memory a program: the
 # ring, stages x 2 x BLOCK_N x d bytes, plus the fp16 K and V tiles, 2 x BLOCK_N x d x 2, or
