@@ -897,7 +897,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     wide = max(d_pad + d_tail, dv_pad) > 256
     left, right = window
     variants = (left >= 0 or (right >= 0 and not causal) or softcap > 0
-                or alibi_slopes is not None)  # fmt: skip
+                or alibi_slopes is not None or sinks is not None)  # fmt: skip
     if fp8 and hopper_decode.applies(q, k_cache, v_cache, paged, variants, v_in_k):
         return _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, causal=causal,
                            softmax_scale=softmax_scale, num_splits=num_splits,
@@ -967,13 +967,6 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
         PAGE=_pow2_page(k_cache.shape[1]) if paged else 0, HEAD_DIM_TAIL=d_tail,
         V_IN_K=v_in_k, MERGE=merge, SINKS=merge and sinks is not None,
     )  # fmt: skip
-    combine_args = dict(
-        O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
-        SINK_LOGITS=sinks if sinks is not None else lse_part, rows_per_split=rows,
-        seqlen_q=sq, heads=h, num_splits=splits, stride_ob=so[0], stride_os=so[1],
-        stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits), HEAD_DIM=dv,
-        HEAD_DIM_PAD=dv_pad, SINKS=sinks is not None, PDL=pdl,
-    )  # fmt: skip
     split_grid = (b * hk, splits, cdiv(group * sq, block_m))
     # (on a GPU diyfa's launcher: Triton's per-call binding costs tens of microseconds)
     # (the pipeline's most stages, as shared memory allows: split_stages)
@@ -991,8 +984,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     launch_recorded(_decode_split, split_grid, split_args, q.is_cuda, launched, warps, stages,
                     {"launch_pdl": pdl})  # fmt: skip
     if not direct and not merge:
-        launch_recorded(_combine, (rows,), combine_args, q.is_cuda, launched, 4, 3,
-                        {"launch_pdl": pdl})  # fmt: skip
+        _launch_combine(o_part, lse_part, out, lse2, sinks, splits, dv, dv_pad, pdl, q.is_cuda,
+                        launched)  # fmt: skip
     return out, lse2
 
 
@@ -1039,16 +1032,26 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
     launch_recorded(hopper_decode._decode_split_fp8, (b * hk, splits, 1), split_args, True,
                     launched, warps, 1, meta)  # fmt: skip
     if not direct:
-        combine_args = dict(
-            O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
-            SINK_LOGITS=sinks if sinks is not None else lse_part, rows_per_split=rows,
-            seqlen_q=sq, heads=h, num_splits=splits, stride_ob=so[0], stride_os=so[1],
-            stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits),
-            HEAD_DIM=d, HEAD_DIM_PAD=d, SINKS=sinks is not None, PDL=pdl,
-        )  # fmt: skip
-        launch_recorded(_combine, (rows,), combine_args, True, launched, 4, 3,
-                        {"launch_pdl": pdl})  # fmt: skip
+        _launch_combine(o_part, lse_part, out, lse2, sinks, splits, d, d, pdl, True, launched)
     return out, lse2
+
+
+def _launch_combine(o_part, lse_part, out, lse2, sinks, splits: int, dv: int, dv_pad: int,
+                    pdl: bool, on_gpu: bool, launched):
+    """The combine kernel over the split kernel's workspace (``o_part`` rows of ``dv_pad``
+    values, ``lse_part``): one program per (batch, head, query) row of ``out``."""
+    b, sq, h, _ = out.shape
+    rows = b * h * sq
+    so = out.stride()
+    combine_args = dict(
+        O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
+        SINK_LOGITS=sinks if sinks is not None else lse_part, rows_per_split=rows,
+        seqlen_q=sq, heads=h, num_splits=splits, stride_ob=so[0], stride_os=so[1],
+        stride_oh=so[2], stride_od=so[3], NUM_SPLITS=next_power_of_2(splits), HEAD_DIM=dv,
+        HEAD_DIM_PAD=dv_pad, SINKS=sinks is not None, PDL=pdl,
+    )  # fmt: skip
+    launch_recorded(_combine, (rows,), combine_args, on_gpu, launched, 4, 3,
+                    {"launch_pdl": pdl})  # fmt: skip
 
 
 def _roles(tensors: tuple, work: tuple) -> dict:
