@@ -1315,7 +1315,7 @@ import torch
 from diyfa._compile import compile_for_sm90, spill_bytes
 from diyfa.attention import hopper_decode as hd
 
-block_n, stages, per_sm, one_tile = hd.CONFIG
+block_n, stages, per_sm, one_tile = hd.CONFIG[:4]
 n = 0
 for d in (64, 128):
     cache = torch.empty(4, 1024, 8, d, dtype=torch.float8_e4m3fn)
@@ -1327,11 +1327,15 @@ for d in (64, 128):
                         LSE_PART=torch.empty(16), O=torch.empty(16, dtype=torch.bfloat16),
                         LSE=torch.empty(16), K_DESCALE=torch.empty(16), V_DESCALE=torch.empty(16),
                         qk_scale=0.5, HEAD_DIM=d, CAUSAL=causal, BLOCK_N=block_n, STAGES=stages,
-                        ROWS=hd.ROWS, DIRECT=direct, MERGE=False, PDL=True, PDL_WAIT=True,
-                        ONE_TILE=bool(one_tile))
+                        ROWS=hd.ROWS, DIRECT=direct, PDL=True, PDL_WAIT=True,
+                        ONE_TILE=bool(one_tile), EARLY_S=hd.EARLY_S)
+            # (the launch's warps and register cap: decode._hopper_fp8's)
+            warps = hd.launch_warps(d, hd.CONFIG)
+            args["MAXNREG"] = hd.register_cap(per_sm, warps)
             values = {p.name: args.get(p.name, 1 if p.name == "stride_qd" or p.name == "stride_od"
                                        else 1024) for p in hd._decode_split_fp8.params}
-            k = compile_for_sm90(hd._decode_split_fp8, values, num_warps=4)
+            k = compile_for_sm90(hd._decode_split_fp8, values, num_warps=warps,
+                                 maxnreg=args["MAXNREG"] or None)
             # (an SM's 228 KB hold per_sm programs of this size, 1 KB each reserved)
             assert per_sm * (k.metadata.shared + 1024) <= 233472, (d, k.metadata.shared)
             assert spill_bytes(k) == 0, (d, causal, direct)

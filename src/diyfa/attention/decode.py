@@ -18,7 +18,9 @@ Caches
     Contiguous: (batch, max_len, kv_heads, d). Paged: (num_blocks, page_size, kv_heads, d)
     with an int32 block table (batch, max_blocks): key n of sequence b is row n % page_size
     of page block_table[b, n // page_size]. The kernel gathers each block's rows through
-    the table (PAGED is a compile-time flag).
+    the table (PAGED is a compile-time flag). Contiguous fp8 caches on sm90 (d64 / d128,
+    <= 16 query rows a kv head, no variants) take a Gluon split kernel instead
+    (``hopper_decode``, :func:`_hopper_fp8`); the combine kernel is shared.
 
 Masking: keys [0, seqlen_k) of each sequence, seqlen_k = cache_seqlens[b] (after the
 append); causal aligns the new queries bottom-right (query i sees keys j <= i + seqlen_k -
@@ -829,7 +831,8 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     split = [args for fn, _, _, args in launched or ()
              if fn in (_decode_split, hopper_decode._decode_split_fp8)]
     if split and not compiling_only() and len(launched) == (
-            2 + (s_new > 0) + (not split[0]["DIRECT"] and not split[0]["MERGE"])):  # fmt: skip
+            2 + (s_new > 0) + (not split[0]["DIRECT"]
+                               and not split[0].get("MERGE", False))):  # fmt: skip
         o_part, lse_part = ((None, None) if split[0]["DIRECT"] else
                             (split[0]["O_PART"], split[0]["LSE_PART"]))  # fmt: skip
         work = (status, o_part, lse_part, out, lse2)
@@ -998,8 +1001,8 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
     (the split kernel writes the output itself)."""
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
-    block_n, stages, per_sm, one_tile, *warps = hopper_decode.CONFIG
-    warps = warps[0] if warps and d == 128 and block_n >= 128 else 4
+    block_n, stages, per_sm, one_tile = hopper_decode.CONFIG[:4]
+    warps = hopper_decode.launch_warps(d, hopper_decode.CONFIG)
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, True)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     rows = b * h * sq
@@ -1022,7 +1025,7 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
         seqlen_add=seqlen_add,
         stride_descale_b=k_descale.stride(0) if k_descale.dim() == 2 else 0,
         HEAD_DIM=d, CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, ROWS=hopper_decode.ROWS,
-        DIRECT=direct, MERGE=False, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
+        DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
         ONE_TILE=bool(one_tile), MAXNREG=hopper_decode.register_cap(per_sm, warps),
         EARLY_S=hopper_decode.EARLY_S,
     )  # fmt: skip

@@ -48,17 +48,25 @@ from diyfa.device import kernel_limits
 # The Gluon kernel for fp8 caches on sm90 where it applies (:func:`applies`); False: the
 # Triton split kernel everywhere.
 ENABLED = True
-# H200, fp8 / bf16 cache tokens/s at b16 x 16k (benchmarks/fp8_decode.py --configs;
-# docs/attention.md, "KV cache"): 64-4-2-0 1.30, 64-2-4-1 1.38-1.40, 64-3-3-1 1.36-1.38,
-# 128-3-1-0 1.27-1.29, this 1.48-1.52, with 8 warps 1.25-1.39.
 # (keys per block, ring stages, programs per SM, one fp16 tile[, warps: 4, or 8 at d128 with
-# 128-key blocks: two warpgroups]). Shared memory a program: the
-# ring, stages x 2 x BLOCK_N x d bytes, plus the fp16 K and V tiles, 2 x BLOCK_N x d x 2, or
-# one tile that holds K for S, then V for P V (ONE_TILE), BLOCK_N x d x 2.
+# 128-key blocks: two warpgroups]; launch_warps). Shared memory a program: the ring, stages x
+# 2 x BLOCK_N x d bytes, plus the fp16 K and V tiles, 2 x BLOCK_N x d x 2, or one tile that
+# holds K for S, then V for P V (ONE_TILE), BLOCK_N x d x 2. H200, fp8 / bf16 cache tokens/s
+# at b16 x 16k (benchmarks/fp8_decode.py --configs; docs/attention.md, "KV cache"): 64-4-2-0
+# 1.30, 64-2-4-1 1.38-1.40, 64-3-3-1 1.36-1.38, 128-3-1-0 1.27-1.29, this 1.48-1.52, with 8
+# warps 1.25-1.39.
 CONFIG = (128, 2, 2, 1)
 # The step's order (_step's EARLY_S; False: the first version's, for A/B runs).
 EARLY_S = True
 ROWS = 16  # query rows a program (wgmma's N): the GQA group x the new tokens, padded
+
+
+def launch_warps(d: int, config: tuple) -> int:
+    """The warps of a program under ``config`` (:data:`CONFIG`'s shape) at head dim ``d``: its
+    fifth entry where one is given, at d128 with blocks of 128 keys or more (the layouts put
+    16 rows of S^T and O^T on each warp), else 4."""
+    block_n, *rest = config
+    return rest[3] if len(rest) > 3 and d == 128 and block_n >= 128 else 4
 
 
 def register_cap(per_sm: int, warps: int = 4) -> int:
@@ -188,7 +196,7 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
                       batch, seqlen_add, stride_descale_b,
                       HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, ROWS: gl.constexpr, DIRECT: gl.constexpr,
-                      MERGE: gl.constexpr, PDL: gl.constexpr, PDL_WAIT: gl.constexpr,
+                      PDL: gl.constexpr, PDL_WAIT: gl.constexpr,
                       ONE_TILE: gl.constexpr, MAXNREG: gl.constexpr = 0,
                       EARLY_S: gl.constexpr = True):
     """Program (batch x kv head, split): the kv head's query rows (head in group, query:
@@ -196,10 +204,9 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     (batch, cache_len, kv_heads, HEAD_DIM) read through 2-D descriptors of (batch x cache_len,
     kv_heads x HEAD_DIM). Lengths are clamped to ``max_len`` (the bound; see the Triton
     kernel). DIRECT: one split, the output and LSE written here; else the split's partials
-    for ``decode._combine``. MERGE must be False (the arguments' shape of the Triton
-    kernel's; no in-kernel merge here). MAXNREG: the launch's register cap (``maxnreg``, 0 for
-    none), a parameter so that kernels compiled under different caps are kept apart."""
-    gl.static_assert(not MERGE)
+    for ``decode._combine`` (no in-kernel merge here). MAXNREG: the launch's register cap
+    (``maxnreg``, 0 for none), a parameter so that kernels compiled under different caps are
+    kept apart."""
     if PDL:
         _let_dependents_launch()
     W: gl.constexpr = gl.num_warps()
