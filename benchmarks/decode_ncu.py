@@ -37,12 +37,18 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="an e4m3 cache (unit descales)")
     ap.add_argument("--tokens", type=int, default=1, help="new query tokens per sequence")
     ap.add_argument("--config", default=None,
-                    help="hopper_decode.CONFIG for an fp8 cache (e.g. 64,2,4,1)")
+                    help="hopper_decode.CONFIG for an fp8 cache (e.g. 64,2,4,1; the "
+                         "warpgroup kernel), or MMA_CONFIG prefixed m (e.g. m128,2,2)")
     a = ap.parse_args()
     if a.config:
         from diyfa.attention import hopper_decode
 
-        hopper_decode.CONFIG = tuple(int(x) for x in a.config.split(","))
+        config = tuple(int(x) for x in a.config.removeprefix("m").split(","))
+        hopper_decode.MMA = a.config.startswith("m")
+        if hopper_decode.MMA:
+            hopper_decode.MMA_CONFIG = config
+        else:
+            hopper_decode.CONFIG = config
     q, k, v, seqlens, table = inputs(a.batch, 32, 8, a.cached, a.page or None,
                                      tokens=a.tokens)  # fmt: skip
     extra = {}

@@ -11,8 +11,9 @@ Usage (device): python3 benchmarks/fp8_decode.py [--out fp8_decode.jsonl]
   the generic launch; the first is the one the table's fp8/bf16 ratio uses)
   [--ab-flag WIDEN_ASM --rounds 3]   (a decode flag's A/B on the fp8 calls; a flag of
   another attention module as module.NAME, e.g. hopper_decode.ENABLED)
-  [--configs "64,4,2;128,3,1"]   (hopper_decode.CONFIG values to time too: keys per block,
-  stages, programs per SM of the Gluon split kernel)
+  [--configs "64,4,2;128,3,1;m64,4,3"]   (hopper_decode.CONFIG values to time too: keys per
+  block, stages, programs per SM of the warpgroup split kernel; "m": hopper_decode.MMA_CONFIG
+  values of the mma.sync kernel)
 """
 
 from __future__ import annotations
@@ -108,15 +109,19 @@ def measure(b, h, hk, n, page, rep, launches, d=128, ab_flag=None, rounds=3,
         decode._PREPARED.clear()
         from diyfa.attention import hopper_decode
 
-        saved = hopper_decode.CONFIG
-        for config in configs:
-            hopper_decode.CONFIG = config
+        saved = hopper_decode.CONFIG, hopper_decode.MMA_CONFIG, hopper_decode.MMA
+        for mma, config in configs:
+            hopper_decode.MMA = mma
+            if mma:
+                hopper_decode.MMA_CONFIG = config
+            else:
+                hopper_decode.CONFIG = config
             decode._PREPARED.clear()
             ms = do_bench(fp8, rep=rep, return_mode="median")
-            tag = "-".join(map(str, config))
+            tag = "m" * mma + "-".join(map(str, config))
             row[f"fp8@{tag}_tok_s"] = round(b / (ms * 1e-3))
             row[f"fp8@{tag}_gbps"] = round(2 * b * n * hk * d / (ms * 1e-3) / 1e9)
-        hopper_decode.CONFIG = saved
+        hopper_decode.CONFIG, hopper_decode.MMA_CONFIG, hopper_decode.MMA = saved
         decode._PREPARED.clear()
         if ab_flag:  # the fp8 call with a flag off and on, rounds interleaved
             module, attr = _flag(ab_flag)
@@ -156,7 +161,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default="")
     a = ap.parse_args()
-    configs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";") if c]
+    configs = [(c.startswith("m"), tuple(int(x) for x in c.removeprefix("m").split(",")))
+               for c in a.configs.split(";") if c]  # fmt: skip
     launches = [(decode.WIDE_FP8, decode.PAGED_WAVES_FP8)]
     if a.launches:
         launches = [tuple(None if part == "-" else tuple(int(x) for x in part.split(","))

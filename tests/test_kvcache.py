@@ -1258,18 +1258,22 @@ def _fp8_cache_case(d, sq, per_batch, seed=0):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, splits, per_batch", [(1, 0, False), (1, 1, True), (2, 3, False),
                                                    (4, 0, True), (4, 2, False)])
-def test_gpu_fp8_cache_hopper_kernel(d, sq, splits, per_batch, monkeypatch):
+@pytest.mark.parametrize("mma", [True, False])
+def test_gpu_fp8_cache_hopper_kernel(d, sq, splits, per_batch, mma, monkeypatch):
     """An e4m3 cache on an H100 / H200 runs the Gluon split kernel (hopper_decode) and gives
     attention over the dequantised cache by the 2x rule: 1, 2 and 4 new tokens appended (4,
     8 and 16 query rows a kv head), one split (the output written by the split kernel),
     2 or 3 splits and the default (the combine kernel), per-head and per-(batch, head)
     descales, an empty sequence and lengths off the 64-key blocks; rows past each sequence's
-    end hold NaN bytes that must not reach the output. A second call with ``max_seqlen_k``
-    (replayed launches) gives the same output bitwise."""
+    end hold NaN bytes that must not reach the output. Calls with ``max_seqlen_k`` give the
+    same output bitwise, the second by replaying the first's launches. Both split kernels
+    (``MMA``)."""
     from diyfa.attention import decode, hopper_decode
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon decode kernel is sm90's")
+    monkeypatch.setattr(hopper_decode, "MMA", mma)
+    decode._PREPARED.clear()  # (recorded launches are not keyed by the kernel choice)
     ran = []
     real = decode.launch_recorded
     monkeypatch.setattr(decode, "launch_recorded",
@@ -1280,26 +1284,32 @@ def test_gpu_fp8_cache_hopper_kernel(d, sq, splits, per_batch, monkeypatch):
         out = diyfa.flash_attention_with_kvcache(q, kq, vq, k_new, v_new, cache_seqlens=seqlens,
                                                  num_splits=splits, k_descale=k_desc,
                                                  v_descale=v_desc)  # fmt: skip
-    assert hopper_decode._decode_split_fp8 in ran and decode._decode_split not in ran, ran
+    assert hopper_decode.split_kernel() in ran and decode._decode_split not in ran, ran
     assert torch.isfinite(out).all()
     _check("out", out, pt, ref, 2, torch.bfloat16)
     # the same step again from the cache as it was before the append, through the replay
     q2, kq2, vq2, k_new2, v_new2, seqlens2, *_ = _fp8_cache_case(d, sq, per_batch)
     bound = max(LENS) + sq
     with torch.no_grad():
-        for _ in range(2):
+        for i in range(2):
             kq3, vq3 = kq2.clone(), vq2.clone()
+            before = len(ran)
             again = diyfa.flash_attention_with_kvcache(q2, kq3, vq3, k_new2, v_new2,
                                                        cache_seqlens=seqlens2, num_splits=splits,
                                                        k_descale=k_desc, v_descale=v_desc,
                                                        max_seqlen_k=bound)  # fmt: skip
             assert torch.equal(again, out)
+            # the second call replays the first's launches (no host path: nothing launched
+            # through launch_recorded)
+            assert (len(ran) == before) == (i == 1), ran[before:]
 
 
 def test_fp8_cache_hopper_kernel_compiles_and_fits():
-    """The Gluon split kernel for fp8 caches (hopper_decode) compiles for sm90a at head dims
-    64 and 128, causal or not, one split or several, in its launch configuration: nothing
-    spilled, and shared memory for ``CONFIG``'s programs per SM on an H100 / H200."""
+    """The Gluon split kernels for fp8 caches (hopper_decode: the warpgroup one and the
+    mma.sync one) compile for sm90a at head dims 64 and 128, causal or not, one split or
+    several, in their launch configurations: nothing spilled, and shared memory (and, for the
+    mma.sync kernel, registers) for ``CONFIG``'s / ``MMA_CONFIG``'s programs per SM on an
+    H100 / H200."""
     import os
     import subprocess
     import sys
@@ -1307,12 +1317,12 @@ def test_fp8_cache_hopper_kernel_compiles_and_fits():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_DECODE], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0 and "compiled 8" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "compiled 16" in done.stdout, done.stderr[-3000:]
 
 
 _COMPILE_FP8_DECODE = """
 import torch
-from diyfa._compile import compile_for_sm90, spill_bytes
+from diyfa._compile import compile_for_sm90, registers, spill_bytes
 from diyfa.attention import hopper_decode as hd
 
 block_n, stages, per_sm, one_tile = hd.CONFIG[:4]
@@ -1338,6 +1348,21 @@ for d in (64, 128):
                                  maxnreg=args["MAXNREG"] or None)
             # (an SM's 228 KB hold per_sm programs of this size, 1 KB each reserved)
             assert per_sm * (k.metadata.shared + 1024) <= 233472, (d, k.metadata.shared)
+            assert spill_bytes(k) == 0, (d, causal, direct)
+            n += 1
+            # the mma.sync kernel in MMA_CONFIG: shared memory and registers for its programs
+            # per SM, nothing spilled
+            mma_n, mma_stages, mma_per_sm = hd.MMA_CONFIG
+            for key in ("ONE_TILE", "EARLY_S"):
+                args.pop(key)
+            args.update(k_desc=hd.cache_desc(cache, mma_n), v_desc=hd.cache_desc(cache, mma_n),
+                        BLOCK_N=mma_n, STAGES=mma_stages, MAXNREG=hd.register_cap(mma_per_sm))
+            values = {p.name: args.get(p.name, 1 if p.name == "stride_qd" or p.name == "stride_od"
+                                       else 1024) for p in hd._decode_split_fp8_mma.params}
+            k = compile_for_sm90(hd._decode_split_fp8_mma, values, num_warps=4,
+                                 maxnreg=args["MAXNREG"] or None)
+            assert mma_per_sm * (k.metadata.shared + 1024) <= 233472, (d, k.metadata.shared)
+            assert mma_per_sm * 128 * registers(k) <= 65536, (d, registers(k))
             assert spill_bytes(k) == 0, (d, causal, direct)
             n += 1
 print("compiled", n)

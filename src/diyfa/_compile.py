@@ -66,8 +66,8 @@ def sass(kernel) -> str:
         os.unlink(f.name)
 
 
-def spill_bytes(kernel, arch: str = "sm_90a") -> int:
-    """The bytes of spill stores ptxas (Triton's) reports for a ``CompiledKernel``'s PTX."""
+def _ptxas_report(kernel, arch: str) -> str:
+    """What ptxas (Triton's) reports (``-v``) compiling a ``CompiledKernel``'s PTX."""
     import os
     import subprocess
     import tempfile
@@ -82,4 +82,14 @@ def spill_bytes(kernel, arch: str = "sm_90a") -> int:
                               capture_output=True, text=True, check=True)  # fmt: skip
     finally:
         os.unlink(f.name)
-    return int(done.stderr.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+    return done.stderr
+
+
+def spill_bytes(kernel, arch: str = "sm_90a") -> int:
+    """The bytes of spill stores ptxas (Triton's) reports for a ``CompiledKernel``'s PTX."""
+    return int(_ptxas_report(kernel, arch).split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+
+
+def registers(kernel, arch: str = "sm_90a") -> int:
+    """The registers a thread of a ``CompiledKernel`` takes, as ptxas (Triton's) reports."""
+    return int(_ptxas_report(kernel, arch).split(" registers")[0].rsplit(" ", 1)[-1])

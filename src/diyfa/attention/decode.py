@@ -829,7 +829,8 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
                                   v_descale=v_descale, seqlen_add=s_new, counters=status,
                                   launched=launched)  # fmt: skip
     split = [args for fn, _, _, args in launched or ()
-             if fn in (_decode_split, hopper_decode._decode_split_fp8)]
+             if fn in (_decode_split, hopper_decode._decode_split_fp8,
+                       hopper_decode._decode_split_fp8_mma)]
     if split and not compiling_only() and len(launched) == (
             2 + (s_new > 0) + (not split[0]["DIRECT"]
                                and not split[0].get("MERGE", False))):  # fmt: skip
@@ -1001,8 +1002,12 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
     (the split kernel writes the output itself)."""
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
-    block_n, stages, per_sm, one_tile = hopper_decode.CONFIG[:4]
-    warps = hopper_decode.launch_warps(d, hopper_decode.CONFIG)
+    mma = hopper_decode.MMA
+    if mma:
+        (block_n, stages, per_sm), one_tile, warps = hopper_decode.MMA_CONFIG, 0, 4
+    else:
+        block_n, stages, per_sm, one_tile = hopper_decode.CONFIG[:4]
+        warps = hopper_decode.launch_warps(d, hopper_decode.CONFIG)
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, True)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     rows = b * h * sq
@@ -1026,13 +1031,14 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
         stride_descale_b=k_descale.stride(0) if k_descale.dim() == 2 else 0,
         HEAD_DIM=d, CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, ROWS=hopper_decode.ROWS,
         DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
-        ONE_TILE=bool(one_tile), MAXNREG=hopper_decode.register_cap(per_sm, warps),
-        EARLY_S=hopper_decode.EARLY_S,
+        MAXNREG=hopper_decode.register_cap(per_sm, warps),
     )  # fmt: skip
+    if not mma:
+        split_args.update(ONE_TILE=bool(one_tile), EARLY_S=hopper_decode.EARLY_S)
     meta = {"launch_pdl": pdl}
     if split_args["MAXNREG"]:
         meta["maxnreg"] = split_args["MAXNREG"]
-    launch_recorded(hopper_decode._decode_split_fp8, (b * hk, splits, 1), split_args, True,
+    launch_recorded(hopper_decode.split_kernel(), (b * hk, splits, 1), split_args, True,
                     launched, warps, 1, meta)  # fmt: skip
     if not direct:
         _launch_combine(o_part, lse_part, out, lse2, sinks, splits, d, d, pdl, True, launched)

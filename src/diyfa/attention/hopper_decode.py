@@ -24,6 +24,17 @@ descale on the output.
 
 The output is the Triton kernel's: one split writes O and the base-2 LSE itself (DIRECT),
 more write their partials to the workspace for ``decode._combine``.
+
+That warpgroup kernel (``_decode_split_fp8``) is latency-bound (ncu: each step waits on the
+fence and barrier after the fp16 tiles' stores, on S, on the cross-warp max). The default
+now (:data:`MMA`) is ``_decode_split_fp8_mma``: the same TMA ring, but each of the 4 warps
+works on its own quarter of a block's keys with mma.sync (m16n8k16; q's <= 16 rows as M),
+its operands straight from the e4m3 bytes in shared memory into registers, 16 or 32
+contiguous bytes a row per load: the head dim is relabelled (:func:`_view_layout`: the
+reduction's order is free, q is loaded in K's order and O stored back in memory's), widened
+in registers; P goes from S's accumulator to P V's A operand with no data movement. Per
+step: one barrier (every warp has read the stage: refill it), no shared-memory stores, no
+cross-warp reduction until the end.
 """
 
 from __future__ import annotations
@@ -31,8 +42,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -58,7 +71,16 @@ ENABLED = True
 CONFIG = (128, 2, 2, 1)
 # The step's order (_step's EARLY_S; False: the first version's, for A/B runs).
 EARLY_S = True
+# The mma.sync kernel (_decode_split_fp8_mma: each warp on its own keys) instead of the
+# warpgroup one (_decode_split_fp8), and its (keys per block, ring stages, programs per SM).
+MMA = True
+MMA_CONFIG = (128, 2, 2)
 ROWS = 16  # query rows a program (wgmma's N): the GQA group x the new tokens, padded
+
+
+def split_kernel():
+    """The split kernel calls :func:`applies` takes run on (:data:`MMA`)."""
+    return _decode_split_fp8_mma if MMA else _decode_split_fp8
 
 
 def launch_warps(d: int, config: tuple) -> int:
@@ -316,6 +338,239 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
         gl.store(LSE_PART + split * rows_per_split + row_l, lse2, mask=ok_l)
         gl.store(O_PART + (split * rows_per_split + row)[None, :] * HEAD_DIM + d_o[:, None], out,
                  mask=ok_o[None, :])  # fmt: skip
+
+
+@triton.constexpr_function
+def _view_layout(block_n, d, warps, swizzle, role):
+    """A ring stage's e4m3 tile (``block_n`` keys of ``d`` bytes, as TMA wrote it: the NVMMA
+    layout, 16-byte chunks of a row swizzled by ``swizzle`` bytes) seen as each warp's
+    operand of the mma.sync kernel, its head dim relabelled so that a thread's operand
+    registers are contiguous bytes of a row: role 0, K^T as (warps, d, keys), the products'
+    logical d = 8 j + 2 i + k at column (d / 4) i + 2 j + k (q
+    is loaded in the same order, so S = Q K^T is unchanged); role 1, V as (warps, keys, d),
+    logical d = 8 a + b at column b d / 8 + a (the output is stored in that order). A linear
+    layout: each offset bit's (warp, d, key) / (warp, key, d)."""
+    log_d, nw = d.bit_length() - 1, block_n // warps
+    logical = {}  # column -> logical d
+    for dl in range(d):
+        if role == 0:
+            logical[(dl & 1) | ((dl >> 3) << 1) | (((dl >> 1) & 3) << (log_d - 2))] = dl
+        else:
+            logical[((dl & 7) << (log_d - 3)) | (dl >> 3)] = dl
+    phases = swizzle // 16 - 1 if swizzle else 0
+    bases = []
+    for i in range((block_n * d).bit_length() - 1):
+        offset = 1 << i
+        a = offset ^ (((offset >> 7) & phases) << 4)  # the byte's place before the swizzle
+        row, col = a // d, a % d
+        w, key = row // nw, row % nw
+        bases.append([w, logical[col], key] if role == 0 else [w, key, logical[col]])
+    return gl.SharedLinearLayout(bases)
+
+
+@triton.constexpr_function
+def _d_first(lin):
+    """``lin`` (a DistributedLinearLayout over (warps, keys, d)) with its d registers first:
+    V's operand layout loaded as 16 contiguous bytes a key row, then its registers reordered
+    (no data movement) into the operand's pairs of keys."""
+    regs = [b for b in lin.reg_bases if b[2]] + [b for b in lin.reg_bases if not b[2]]
+    return gl.DistributedLinearLayout(regs, lin.lane_bases, lin.warp_bases, lin.block_bases,
+                                      lin.shape)
+
+
+@gluon.jit
+def _idx(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """arange(n) along ``dim`` of a rank-3 ``layout``, broadcastable."""
+    if dim == 0:
+        return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))[:, None, None]
+    elif dim == 1:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
+    else:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+
+
+@gluon.jit
+def _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks, row0, col, lo, hi,
+              causal_offset, qpos, k_scale, m_i, l_acc, o_acc,
+              MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
+    """Block ``i`` of the split in the mma.sync kernel: each warp reads its BLOCK_N / warps
+    keys of K and V from the ring stage into registers (16-byte loads), one barrier, the
+    stage refilled, then per warp S = Q K^T, its own online softmax (max and sums over its
+    keys only: no cross-warp step), O += P V with P straight from S's registers. MASKED:
+    keys at or past ``hi`` get -inf scores and zero values (another sequence's bytes or NaN
+    must not reach O), and the causal mask."""
+    W: gl.constexpr = gl.num_warps()
+    NW: gl.constexpr = BLOCK_N // W
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    v_ld: gl.constexpr = _d_first(gl.to_linear_layout(b_l, [W, NW, HEAD_DIM]))
+    k_view: gl.constexpr = _view_layout(BLOCK_N, HEAD_DIM, W, k_desc.layout.swizzle_byte_width, 0)
+    v_view: gl.constexpr = _view_layout(BLOCK_N, HEAD_DIM, W, k_desc.layout.swizzle_byte_width, 1)
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    kt = k_ring.index(s)._reinterpret(gl.float8e4nv, [W, HEAD_DIM, NW], k_view).load(b_l)
+    v8 = v_ring.index(s)._reinterpret(gl.float8e4nv, [W, NW, HEAD_DIM], v_view).load(v_ld)
+    gl.thread_barrier()  # every warp has read stage s: refill it
+    if i + STAGES < n_blocks:
+        _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, BLOCK_N, STAGES)
+    t = mma_v2(q16, kt.to(gl.float16), gl.zeros([W, ROWS, NW], gl.float32, mma))
+    t = t * k_scale
+    start = lo + i * BLOCK_N
+    if MASKED:
+        key = start + _idx(W, 0, mma) * NW + _idx(NW, 2, mma)
+        keep = key < hi
+        if CAUSAL:
+            keep = keep & (key <= qpos + causal_offset)
+        t = gl.where(keep, t, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(t, 2))
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(t - m_use[:, :, None])
+    l_acc = l_acc * alpha[:, :, None] + p
+    o_acc = o_acc * alpha[:, :, None]
+    vw = v8.to(gl.float16)
+    if MASKED:
+        vkey = start + _idx(W, 0, v_ld) * NW + _idx(NW, 1, v_ld)
+        vw = gl.where(vkey < hi, vw, 0.0)
+    o_acc = mma_v2(gl.convert_layout(p.to(gl.float16), a_l, assert_trivial=True),
+                   gl.convert_layout(vw, b_l), o_acc)
+    return m_new, l_acc, o_acc
+
+
+@gluon.jit
+def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
+                          K_DESCALE, V_DESCALE,
+                          stride_qb, stride_qs, stride_qh, stride_qd,
+                          stride_ob, stride_os, stride_oh, stride_od,
+                          cache_len, max_len, kv_heads, kv_group, seqlen_q, split_len, qk_scale,
+                          batch, seqlen_add, stride_descale_b,
+                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, ROWS: gl.constexpr, DIRECT: gl.constexpr,
+                          PDL: gl.constexpr, PDL_WAIT: gl.constexpr, MAXNREG: gl.constexpr = 0):
+    """:func:`_decode_split_fp8`'s program (same arguments but its layout switches) on
+    mma.sync: 4 warps, each on its own BLOCK_N / 4 keys of every ring stage, as a batched
+    product over the warps (rank-3 mma layouts: q's 16 rows are every warp's A operand, a
+    warp's keys its own B). No shared fp16 tiles, no fence and one barrier a step (the ring
+    stage's refill); the warps' maxima, sums and outputs merged once at the end."""
+    if PDL:
+        _let_dependents_launch()
+    W: gl.constexpr = gl.num_warps()
+    NW: gl.constexpr = BLOCK_N // W
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    off_bhk = gl.program_id(0)
+    split = gl.program_id(1)
+    off_b = off_bhk // kv_heads
+    off_hk = off_bhk % kv_heads
+    seqlen_k = gl.minimum(gl.load(CACHE_SEQLENS + off_b) + seqlen_add, max_len)
+    causal_offset = seqlen_k - seqlen_q
+    lo = split * split_len
+    hi = gl.minimum(lo + split_len, seqlen_k)
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    if CAUSAL:
+        n_full = gl.maximum(gl.minimum(hi, causal_offset + 1) - lo, 0) // BLOCK_N
+    else:
+        n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+
+    # q: fp16 times a power of two that keeps it in range (the power into the scores' scale),
+    # its head dim in K's order (column 32 i + 2 j + k at d = 8 j + 2 i + k for d128), in
+    # mma's A layout, a copy for every warp
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROWS // 4, 128 // ROWS], [W, 1], [1, 0])
+    r_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+    d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    head_q = off_hk * kv_group + r_q // seqlen_q
+    q = gl.load(Q + off_b.to(gl.int64) * stride_qb + (r_q % seqlen_q)[:, None] * stride_qs
+                + head_q[:, None] * stride_qh + d_q[None, :] * stride_qd,
+                mask=(r_q < kv_group * seqlen_q)[:, None], other=0.0).to(gl.float32)  # fmt: skip
+    q_max = gl.max(gl.max(gl.abs(q), 1), 0)
+    q_exp = gl.maximum(gl.ceil(gl.log2(q_max) - 15.0), 0.0)
+    q = (q * gl.exp2(-q_exp)).to(gl.float16)
+    q = gl.reshape(gl.permute(gl.reshape(q, [ROWS, 4, HEAD_DIM // 8, 2]), (0, 2, 1, 3)),
+                   [ROWS, HEAD_DIM])
+    q16 = (gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(0, a_l)), 0)
+           + gl.zeros([W, ROWS, HEAD_DIM], gl.float16, a_l))
+    k_descale = gl.load(K_DESCALE + off_b * stride_descale_b + off_hk)
+    v_descale = gl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
+    k_scale = qk_scale * k_descale * gl.exp2(q_exp)
+
+    k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    row0 = off_b * cache_len + lo
+    col = off_hk * HEAD_DIM
+    if PDL_WAIT:
+        _wait_prior_grid()
+    for i in range(0, gl.minimum(n_blocks, STAGES)):
+        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, BLOCK_N, STAGES)
+
+    qpos = _idx(ROWS, 1, mma) % seqlen_q
+    m_i = gl.full([W, ROWS], float("-inf"), gl.float32, gl.SliceLayout(2, mma))
+    l_acc = gl.zeros([W, ROWS, NW], gl.float32, mma)
+    o_acc = gl.zeros([W, ROWS, HEAD_DIM], gl.float32, mma)
+    for i in range(0, n_full):
+        m_i, l_acc, o_acc = _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks,
+                                      row0, col, lo, hi, causal_offset, qpos, k_scale, m_i,
+                                      l_acc, o_acc, False, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
+                                      ROWS)
+    for i in range(n_full, n_blocks):
+        m_i, l_acc, o_acc = _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks,
+                                      row0, col, lo, hi, causal_offset, qpos, k_scale, m_i,
+                                      l_acc, o_acc, True, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
+                                      ROWS)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    # the warps' partials merged: their maxima, sums and outputs to the row's
+    m_all = gl.max(m_i, 0)
+    m_ok = gl.where(m_all == float("-inf"), 0.0, m_all)
+    scale = gl.exp2(m_i - m_ok[None, :])
+    l_i = gl.sum(gl.sum(l_acc, 2) * scale, 0)
+    o = gl.sum(o_acc * scale[:, :, None], 0)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse2 = gl.where(empty, float("-inf"), m_all + gl.log2(l_safe))
+    o_l: gl.constexpr = gl.SliceLayout(0, mma)
+    out = o * gl.convert_layout(v_descale / l_safe, gl.SliceLayout(1, o_l))[:, None]
+    # the head dim back in memory's order (logical d = 8a + b is column b x d/8 + a), then a
+    # layout whose threads hold 16 contiguous bytes of a row
+    out = gl.reshape(gl.permute(gl.reshape(out, [ROWS, HEAD_DIM // 8, 8]), (0, 2, 1)),
+                     [ROWS, HEAD_DIM])
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_DIM, HEAD_DIM // 4],
+                                               [W, 1], [1, 0])
+    out = gl.convert_layout(out, st_layout)
+    r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
+    p_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
+    ok_o = r_o < kv_group * seqlen_q
+    head_o = off_hk * kv_group + r_o // seqlen_q
+    qpos_o = r_o % seqlen_q
+    heads = kv_heads * kv_group
+    row = (off_b * heads + head_o).to(gl.int64) * seqlen_q + qpos_o
+    r_l = gl.arange(0, ROWS, layout=lse2.type.layout)
+    ok_l = r_l < kv_group * seqlen_q
+    row_l = ((off_b * heads + off_hk * kv_group + r_l // seqlen_q).to(gl.int64) * seqlen_q
+             + r_l % seqlen_q)
+    if DIRECT:
+        gl.store(LSE + row_l, lse2, mask=ok_l)
+        gl.store(O + off_b.to(gl.int64) * stride_ob + qpos_o[:, None] * stride_os
+                 + head_o[:, None] * stride_oh + p_o[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=ok_o[:, None])
+    else:
+        rows_per_split = batch * heads * seqlen_q
+        gl.store(LSE_PART + split * rows_per_split + row_l, lse2, mask=ok_l)
+        gl.store(O_PART + (split * rows_per_split + row)[:, None] * HEAD_DIM + p_o[None, :], out,
+                 mask=ok_o[:, None])
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool,
