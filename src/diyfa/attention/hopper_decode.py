@@ -210,6 +210,38 @@ def _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i, n_blocks
 
 
 @gluon.jit
+def _split_range(CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add,
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A split program's (batch, kv head, split, causal offset: key j <= row's query +
+    offset, its keys [lo, hi), its blocks, the blocks every row sees wholly (run unmasked))."""
+    off_bhk = gl.program_id(0)
+    split = gl.program_id(1)
+    off_b = off_bhk // kv_heads
+    off_hk = off_bhk % kv_heads
+    seqlen_k = gl.minimum(gl.load(CACHE_SEQLENS + off_b) + seqlen_add, max_len)
+    causal_offset = seqlen_k - seqlen_q
+    lo = split * split_len
+    hi = gl.minimum(lo + split_len, seqlen_k)
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    if CAUSAL:  # blocks wholly visible to query 0 (and so to every row) run unmasked
+        n_full = gl.maximum(gl.minimum(hi, causal_offset + 1) - lo, 0) // BLOCK_N
+    else:
+        n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+    return off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full
+
+
+@gluon.jit
+def _ring(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The TMA ring: K's and V's e4m3 stages and their mbarriers (initialised)."""
+    k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    return k_ring, v_ring, ready
+
+
+@gluon.jit
 def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                       K_DESCALE, V_DESCALE,
                       stride_qb, stride_qs, stride_qh, stride_qd,
@@ -235,19 +267,8 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROWS // 4, 128 // ROWS], [W, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                        instr_shape=[16, ROWS, 16])  # fmt: skip
-    off_bhk = gl.program_id(0)
-    split = gl.program_id(1)
-    off_b = off_bhk // kv_heads
-    off_hk = off_bhk % kv_heads
-    seqlen_k = gl.minimum(gl.load(CACHE_SEQLENS + off_b) + seqlen_add, max_len)
-    causal_offset = seqlen_k - seqlen_q  # key j <= i + causal_offset
-    lo = split * split_len
-    hi = gl.minimum(lo + split_len, seqlen_k)
-    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    if CAUSAL:  # blocks wholly visible to query 0 (and so to every row) run unmasked
-        n_full = gl.maximum(gl.minimum(hi, causal_offset + 1) - lo, 0) // BLOCK_N
-    else:
-        n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+    off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full = _split_range(
+        CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add, CAUSAL, BLOCK_N)
 
     # q: fp16 times a power of two that keeps it in range; the power into the scores' scale
     r_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
@@ -266,11 +287,7 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     v_descale = gl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
     k_scale = qk_scale * k_descale * gl.exp2(q_exp)
 
-    k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    k_ring, v_ring, ready = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM],
                                                                      gl.float16)  # fmt: skip
     k16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, HEAD_DIM], tile_layout)
@@ -465,19 +482,8 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
                                                   instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
-    off_bhk = gl.program_id(0)
-    split = gl.program_id(1)
-    off_b = off_bhk // kv_heads
-    off_hk = off_bhk % kv_heads
-    seqlen_k = gl.minimum(gl.load(CACHE_SEQLENS + off_b) + seqlen_add, max_len)
-    causal_offset = seqlen_k - seqlen_q
-    lo = split * split_len
-    hi = gl.minimum(lo + split_len, seqlen_k)
-    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    if CAUSAL:
-        n_full = gl.maximum(gl.minimum(hi, causal_offset + 1) - lo, 0) // BLOCK_N
-    else:
-        n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+    off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full = _split_range(
+        CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add, CAUSAL, BLOCK_N)
 
     # q: fp16 times a power of two that keeps it in range (the power into the scores' scale),
     # its head dim in K's order (column 32 i + 2 j + k at d = 8 j + 2 i + k for d128), in
@@ -500,11 +506,7 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     v_descale = gl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
     k_scale = qk_scale * k_descale * gl.exp2(q_exp)
 
-    k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    k_ring, v_ring, ready = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
     fence_async_shared()
     gl.thread_barrier()
 
