@@ -577,11 +577,12 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool,
             variants: bool, v_in_k: bool) -> bool:
-    """Whether a checked decode call runs :func:`_decode_split_fp8`: :data:`ENABLED`, an e4m3
-    cache on an sm90 GPU, contiguous (batch, cache_len, kv_heads, d) caches (not paged) with
-    d = v's head dim = 64 or 128, at most :data:`ROWS` query rows a kv head (the GQA group x
-    the new tokens), no window, softcap, ALiBi or sinks (``variants``), two separate caches, and
-    coordinates TMA can address (batch x cache_len < 2^31)."""
+    """Whether a checked decode call runs a Gluon split kernel (:func:`split_kernel`):
+    :data:`ENABLED`, an e4m3 cache on an sm90 GPU, contiguous (batch, cache_len, kv_heads, d)
+    caches (not paged) with d = v's head dim = 64 or 128, at most :data:`ROWS` query rows a
+    kv head (the GQA group x the new tokens), no window, softcap, ALiBi or sinks
+    (``variants``), two separate caches, and coordinates TMA can address (batch x cache_len
+    < 2^31)."""
     if not (ENABLED and q.is_cuda and k_cache.dtype == torch.float8_e4m3fn
             and v_cache.dtype == torch.float8_e4m3fn and not paged and not variants
             and not v_in_k):  # fmt: skip
