@@ -829,8 +829,7 @@ def append_and_attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
                                   v_descale=v_descale, seqlen_add=s_new, counters=status,
                                   launched=launched)  # fmt: skip
     split = [args for fn, _, _, args in launched or ()
-             if fn in (_decode_split, hopper_decode._decode_split_fp8,
-                       hopper_decode._decode_split_fp8_mma)]
+             if fn is _decode_split or fn in hopper_decode.KERNELS]
     if split and not compiling_only() and len(launched) == (
             2 + (s_new > 0) + (not split[0]["DIRECT"]
                                and not split[0].get("MERGE", False))):  # fmt: skip
@@ -996,17 +995,18 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
 def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softmax_scale,
                 num_splits, max_seqlen_k, sinks, k_descale, v_descale, seqlen_add, pdl,
                 launched):
-    """:func:`kvcache_attention` for the calls :func:`hopper_decode.applies` takes: the Gluon
-    split kernel (``hopper_decode.CONFIG``: keys per block, stages, programs per SM; its split
-    count fills whole waves of them), then the combine kernel unless one split and no sinks
-    (the split kernel writes the output itself)."""
+    """:func:`kvcache_attention` for the calls :func:`hopper_decode.applies` takes: a Gluon
+    split kernel (``hopper_decode.split_kernel()``, in ``MMA_CONFIG`` or ``CONFIG``: keys per
+    block, stages, programs per SM; its split count fills whole waves of them), then the
+    combine kernel unless one split and no sinks (the split kernel writes the output
+    itself)."""
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
     mma = hopper_decode.MMA
     if mma:
-        (block_n, stages, per_sm), one_tile, warps = hopper_decode.MMA_CONFIG, 0, 4
+        (block_n, stages, per_sm), warps = hopper_decode.MMA_CONFIG, 4
     else:
-        block_n, stages, per_sm, one_tile = hopper_decode.CONFIG[:4]
+        block_n, stages, per_sm = hopper_decode.CONFIG[:3]
         warps = hopper_decode.launch_warps(d, hopper_decode.CONFIG)
     splits = num_splits or pick_splits(b, hk, max_seqlen_k, q.device, block_n, per_sm, True)
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
@@ -1034,7 +1034,7 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
         MAXNREG=hopper_decode.register_cap(per_sm, warps),
     )  # fmt: skip
     if not mma:
-        split_args.update(ONE_TILE=bool(one_tile), EARLY_S=hopper_decode.EARLY_S)
+        split_args.update(ONE_TILE=bool(hopper_decode.CONFIG[3]), EARLY_S=hopper_decode.EARLY_S)
     meta = {"launch_pdl": pdl}
     if split_args["MAXNREG"]:
         meta["maxnreg"] = split_args["MAXNREG"]

@@ -79,8 +79,9 @@ ROWS = 16  # query rows a program (wgmma's N): the GQA group x the new tokens, p
 
 
 def split_kernel():
-    """The split kernel calls :func:`applies` takes run on (:data:`MMA`)."""
-    return _decode_split_fp8_mma if MMA else _decode_split_fp8
+    """The split kernel calls :func:`applies` takes run on (:data:`MMA`; one of
+    :data:`KERNELS`)."""
+    return KERNELS[MMA]
 
 
 def launch_warps(d: int, config: tuple) -> int:
@@ -242,6 +243,29 @@ def _ring(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM:
 
 
 @gluon.jit
+def _q_and_scales(Q, K_DESCALE, V_DESCALE, stride_qb, stride_qs, stride_qh, stride_qd, off_b,
+                  off_hk, kv_group, seqlen_q, qk_scale, stride_descale_b,
+                  HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
+    """The kv head's query rows (r -> head r // seqlen_q, query r % seqlen_q; ROWS padded
+    with zeros) in fp16 times a power of two that keeps them in range, the scores' scale
+    (that power, the K descale, the softmax scale in base 2) and the V descale."""
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROWS // 4, 128 // ROWS],
+                                              [gl.num_warps(), 1], [1, 0])  # fmt: skip
+    r_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+    d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    head_q = off_hk * kv_group + r_q // seqlen_q
+    q = gl.load(Q + off_b.to(gl.int64) * stride_qb + (r_q % seqlen_q)[:, None] * stride_qs
+                + head_q[:, None] * stride_qh + d_q[None, :] * stride_qd,
+                mask=(r_q < kv_group * seqlen_q)[:, None], other=0.0).to(gl.float32)  # fmt: skip
+    q_max = gl.max(gl.max(gl.abs(q), 1), 0)
+    q_exp = gl.maximum(gl.ceil(gl.log2(q_max) - 15.0), 0.0)
+    k_descale = gl.load(K_DESCALE + off_b * stride_descale_b + off_hk)
+    v_descale = gl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
+    return ((q * gl.exp2(-q_exp)).to(gl.float16), qk_scale * k_descale * gl.exp2(q_exp),
+            v_descale)
+
+
+@gluon.jit
 def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
                       K_DESCALE, V_DESCALE,
                       stride_qb, stride_qs, stride_qh, stride_qd,
@@ -264,28 +288,17 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     if PDL:
         _let_dependents_launch()
     W: gl.constexpr = gl.num_warps()
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROWS // 4, 128 // ROWS], [W, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                        instr_shape=[16, ROWS, 16])  # fmt: skip
     off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full = _split_range(
         CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add, CAUSAL, BLOCK_N)
 
-    # q: fp16 times a power of two that keeps it in range; the power into the scores' scale
-    r_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
-    d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    head_q = off_hk * kv_group + r_q // seqlen_q
-    q = gl.load(Q + off_b.to(gl.int64) * stride_qb + (r_q % seqlen_q)[:, None] * stride_qs
-                + head_q[:, None] * stride_qh + d_q[None, :] * stride_qd,
-                mask=(r_q < kv_group * seqlen_q)[:, None], other=0.0).to(gl.float32)  # fmt: skip
-    q_max = gl.max(gl.max(gl.abs(q), 1), 0)
-    q_exp = gl.maximum(gl.ceil(gl.log2(q_max) - 15.0), 0.0)
+    q, k_scale, v_descale = _q_and_scales(Q, K_DESCALE, V_DESCALE, stride_qb, stride_qs,
+                                          stride_qh, stride_qd, off_b, off_hk, kv_group,
+                                          seqlen_q, qk_scale, stride_descale_b, HEAD_DIM, ROWS)
     q16 = gl.allocate_shared_memory(gl.float16, [ROWS, HEAD_DIM],
                                     gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
-                                                                         gl.float16))  # fmt: skip
-    q16.store((q * gl.exp2(-q_exp)).to(gl.float16))
-    k_descale = gl.load(K_DESCALE + off_b * stride_descale_b + off_hk)
-    v_descale = gl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
-    k_scale = qk_scale * k_descale * gl.exp2(q_exp)
+                                                                         gl.float16), q)
 
     k_ring, v_ring, ready = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM],
@@ -485,26 +498,15 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full = _split_range(
         CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add, CAUSAL, BLOCK_N)
 
-    # q: fp16 times a power of two that keeps it in range (the power into the scores' scale),
-    # its head dim in K's order (column 32 i + 2 j + k at d = 8 j + 2 i + k for d128), in
-    # mma's A layout, a copy for every warp
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROWS // 4, 128 // ROWS], [W, 1], [1, 0])
-    r_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
-    d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    head_q = off_hk * kv_group + r_q // seqlen_q
-    q = gl.load(Q + off_b.to(gl.int64) * stride_qb + (r_q % seqlen_q)[:, None] * stride_qs
-                + head_q[:, None] * stride_qh + d_q[None, :] * stride_qd,
-                mask=(r_q < kv_group * seqlen_q)[:, None], other=0.0).to(gl.float32)  # fmt: skip
-    q_max = gl.max(gl.max(gl.abs(q), 1), 0)
-    q_exp = gl.maximum(gl.ceil(gl.log2(q_max) - 15.0), 0.0)
-    q = (q * gl.exp2(-q_exp)).to(gl.float16)
+    # q with its head dim in K's order (column 32 i + 2 j + k at d = 8 j + 2 i + k for d128),
+    # in mma's A layout, a copy for every warp
+    q, k_scale, v_descale = _q_and_scales(Q, K_DESCALE, V_DESCALE, stride_qb, stride_qs,
+                                          stride_qh, stride_qd, off_b, off_hk, kv_group,
+                                          seqlen_q, qk_scale, stride_descale_b, HEAD_DIM, ROWS)
     q = gl.reshape(gl.permute(gl.reshape(q, [ROWS, 4, HEAD_DIM // 8, 2]), (0, 2, 1, 3)),
                    [ROWS, HEAD_DIM])
     q16 = (gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(0, a_l)), 0)
            + gl.zeros([W, ROWS, HEAD_DIM], gl.float16, a_l))
-    k_descale = gl.load(K_DESCALE + off_b * stride_descale_b + off_hk)
-    v_descale = gl.load(V_DESCALE + off_b * stride_descale_b + off_hk)
-    k_scale = qk_scale * k_descale * gl.exp2(q_exp)
 
     k_ring, v_ring, ready = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
     fence_async_shared()
@@ -573,6 +575,11 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
         gl.store(LSE_PART + split * rows_per_split + row_l, lse2, mask=ok_l)
         gl.store(O_PART + (split * rows_per_split + row)[:, None] * HEAD_DIM + p_o[None, :], out,
                  mask=ok_o[:, None])
+
+
+# Both split kernels (warpgroup, mma.sync), for whoever must recognise their launches
+# (decode.append_and_attend's replay recording).
+KERNELS = (_decode_split_fp8, _decode_split_fp8_mma)
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool,
