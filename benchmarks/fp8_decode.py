@@ -33,7 +33,7 @@ from diyfa.reference import attention_ref  # noqa: E402
 # (batch, q heads, kv heads, cached tokens, page size or None), d 128
 SHAPES = [(16, 32, 8, 16384, None), (64, 32, 8, 4096, None), (1, 32, 8, 131072, None),
           (128, 32, 8, 512, None), (16, 32, 32, 16384, None), (16, 32, 8, 16384, 16),
-          (16, 32, 8, 16384, 256), (64, 32, 8, 4096, 16)]  # fmt: skip
+          (16, 32, 8, 16384, 256), (64, 32, 8, 4096, 16), (64, 32, 8, 4096, 256)]  # fmt: skip
 E4M3 = torch.float8_e4m3fn
 
 

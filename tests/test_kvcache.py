@@ -1304,12 +1304,84 @@ def test_gpu_fp8_cache_hopper_kernel(d, sq, splits, per_batch, mma, monkeypatch)
             assert (len(ran) == before) == (i == 1), ran[before:]
 
 
+def _pages_of(cache: torch.Tensor, page: int, seed: int):
+    """A (batch, n, kv_heads, d) e4m3 cache as shuffled pages of ``page`` rows in a pool with
+    spare pages, every row not copied from ``cache`` NaN bytes (0x7f), and its int32 block
+    table (batch, ceil(n / page))."""
+    b, n = cache.shape[:2]
+    per = -(-n // page)
+    pool = b * per + 3
+    perm = torch.randperm(pool, generator=torch.Generator().manual_seed(seed))[: b * per]
+    table = perm.view(b, per).to(cache.device, torch.int32)
+    nan = torch.full((b, per * page, *cache.shape[2:]), 0x7F, dtype=torch.uint8,
+                     device=cache.device)  # fmt: skip
+    nan[:, :n] = cache.view(torch.uint8)
+    pages = torch.full((pool, page, *cache.shape[2:]), 0x7F, dtype=torch.uint8,
+                       device=cache.device)  # fmt: skip
+    pages[table.long()] = nan.view(b, per, page, *cache.shape[2:])
+    return pages.view(cache.dtype), table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("d, sq, splits", [(128, 1, 0), (64, 4, 2), (128, 2, 1)])
+@pytest.mark.parametrize("mma", [True, False])
+def test_gpu_fp8_paged_cache_hopper_kernel(page, d, sq, splits, mma, monkeypatch):
+    """A paged e4m3 cache (shuffled pages of 16..256 keys: a TMA box a page below the
+    kernel's 128-key blocks, one a block from 128 up) runs the Gluon split kernel and gives
+    the contiguous cache's output bitwise (the same keys, the same order), attention over the
+    dequantised cache by the 2x rule; unused rows and spare pages hold NaN bytes; the append
+    writes the quantised new rows into their pages; the second ``max_seqlen_k`` call
+    replays. Both split kernels (``MMA``)."""
+    from diyfa.attention import decode, hopper_decode
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon decode kernel is sm90's")
+    monkeypatch.setattr(hopper_decode, "MMA", mma)
+    decode._PREPARED.clear()
+    ran = []
+    real = decode.launch_recorded
+    monkeypatch.setattr(decode, "launch_recorded",
+                        lambda fn, *a, **kw: (ran.append(fn), real(fn, *a, **kw))[1])
+    q, kq, vq, k_new, v_new, seqlens, k_desc, v_desc, ref, pt = _fp8_cache_case(d, sq, False)
+    k_pages, table = _pages_of(kq, page, seed=page)
+    v_pages, _ = _pages_of(vq, page, seed=page)
+    bound = max(LENS) + sq
+    with torch.no_grad():
+        contiguous = diyfa.flash_attention_with_kvcache(q, kq, vq, k_new, v_new,
+                                                        cache_seqlens=seqlens,
+                                                        num_splits=splits, k_descale=k_desc,
+                                                        v_descale=v_desc)  # fmt: skip
+        before = len(ran)
+        outs = []
+        for i in range(2):  # the second call replays the first's launches
+            kp, vp = k_pages.clone(), v_pages.clone()
+            outs.append(diyfa.flash_attention_with_kvcache(
+                q, kp, vp, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                num_splits=splits, k_descale=k_desc, v_descale=v_desc,
+                max_seqlen_k=bound))  # fmt: skip
+            if i == 0:
+                assert hopper_decode.split_kernel() in ran[before:], ran[before:]
+                assert decode._decode_split not in ran[before:], ran[before:]
+                before = len(ran)
+        assert len(ran) == before, ran[before:]
+    for out in outs:
+        assert torch.equal(out, contiguous)
+    _check("out", outs[0], pt, ref, 2, torch.bfloat16)
+    new_k = _quantize(k_new, k_desc)
+    for i, n in enumerate(LENS):
+        for j in range(sq):
+            pos = n + j
+            assert torch.equal(kp[table[i, pos // page], pos % page].view(torch.uint8),
+                               new_k[i, j].view(torch.uint8))  # fmt: skip
+
+
 def test_fp8_cache_hopper_kernel_compiles_and_fits():
     """The Gluon split kernels for fp8 caches (hopper_decode: the warpgroup one and the
     mma.sync one) compile for sm90a at head dims 64 and 128, causal or not, one split or
-    several, in their launch configurations: nothing spilled, and shared memory (and, for the
-    mma.sync kernel, registers) for ``CONFIG``'s / ``MMA_CONFIG``'s programs per SM on an
-    H100 / H200."""
+    several, in their launch configurations, and the mma.sync kernel over paged caches (pages
+    of 16 and 256 keys): nothing spilled, and shared memory (and, for the mma.sync kernel,
+    registers) for ``CONFIG``'s / ``MMA_CONFIG``'s programs per SM on an H100 / H200."""
     import os
     import subprocess
     import sys
@@ -1317,7 +1389,7 @@ def test_fp8_cache_hopper_kernel_compiles_and_fits():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_DECODE], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0 and "compiled 16" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "compiled 18" in done.stdout, done.stderr[-3000:]
 
 
 _COMPILE_FP8_DECODE = """
@@ -1338,7 +1410,8 @@ for d in (64, 128):
                         LSE=torch.empty(16), K_DESCALE=torch.empty(16), V_DESCALE=torch.empty(16),
                         qk_scale=0.5, HEAD_DIM=d, CAUSAL=causal, BLOCK_N=block_n, STAGES=stages,
                         ROWS=hd.ROWS, DIRECT=direct, PDL=True, PDL_WAIT=True,
-                        ONE_TILE=bool(one_tile), EARLY_S=hd.EARLY_S)
+                        ONE_TILE=bool(one_tile), EARLY_S=hd.EARLY_S, PAGE=0,
+                        BLOCK_TABLE=torch.empty(16, dtype=torch.int32))
             # (the launch's warps and register cap: decode._hopper_fp8's)
             warps = hd.launch_warps(d, hd.CONFIG)
             args["MAXNREG"] = hd.register_cap(per_sm, warps)
@@ -1365,6 +1438,17 @@ for d in (64, 128):
             assert mma_per_sm * 128 * registers(k) <= 65536, (d, registers(k))
             assert spill_bytes(k) == 0, (d, causal, direct)
             n += 1
+            # paged caches: a box a page (16 keys) and one a block (256-key pages)
+            if causal and not direct:
+                page = 16 if d == 128 else 256
+                pages = torch.empty(64, page, 8, d, dtype=torch.float8_e4m3fn)
+                values.update(k_desc=hd.cache_desc(pages, mma_n, True), PAGE=page,
+                              v_desc=hd.cache_desc(pages, mma_n, True))
+                k = compile_for_sm90(hd._decode_split_fp8_mma, values, num_warps=4,
+                                     maxnreg=args["MAXNREG"] or None)
+                assert mma_per_sm * 128 * registers(k) <= 65536, (d, page, registers(k))
+                assert spill_bytes(k) == 0, (d, page)
+                n += 1
 print("compiled", n)
 """
 

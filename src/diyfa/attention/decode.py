@@ -902,7 +902,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     variants = (left >= 0 or (right >= 0 and not causal) or softcap > 0
                 or alibi_slopes is not None or sinks is not None)  # fmt: skip
     if fp8 and hopper_decode.applies(q, k_cache, v_cache, paged, variants, v_in_k):
-        return _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, causal=causal,
+        return _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2,
+                           causal=causal,
                            softmax_scale=softmax_scale, num_splits=num_splits,
                            max_seqlen_k=max_seqlen_k, sinks=sinks, k_descale=k_descale,
                            v_descale=v_descale, seqlen_add=seqlen_add, pdl=pdl,
@@ -992,9 +993,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
     return out, lse2
 
 
-def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softmax_scale,
-                num_splits, max_seqlen_k, sinks, k_descale, v_descale, seqlen_add, pdl,
-                launched):
+def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2, *, causal,
+                softmax_scale, num_splits, max_seqlen_k, sinks, k_descale, v_descale,
+                seqlen_add, pdl, launched):
     """:func:`kvcache_attention` for the calls :func:`hopper_decode.applies` takes: a Gluon
     split kernel (``hopper_decode.split_kernel()``, in ``MMA_CONFIG`` or ``CONFIG``: keys per
     block, stages, programs per SM; its split count fills whole waves of them), then the
@@ -1018,10 +1019,14 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
         o_part = torch.empty((splits * rows, d), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((splits * rows,), dtype=torch.float32, device=q.device)
     sq_, so = q.stride(), out.stride()
+    paged = block_table is not None
     split_args = dict(
-        Q=q, k_desc=hopper_decode.cache_desc(k_cache, block_n),
-        v_desc=hopper_decode.cache_desc(v_cache, block_n), CACHE_SEQLENS=cache_seqlens,
-        O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2, K_DESCALE=k_descale,
+        Q=q, k_desc=hopper_decode.cache_desc(k_cache, block_n, paged),
+        v_desc=hopper_decode.cache_desc(v_cache, block_n, paged), CACHE_SEQLENS=cache_seqlens,
+        O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
+        BLOCK_TABLE=block_table if paged else cache_seqlens,
+        stride_tb=block_table.stride(0) if paged else 0, pool=k_cache.shape[0],
+        K_DESCALE=k_descale,
         V_DESCALE=v_descale,
         stride_qb=sq_[0], stride_qs=sq_[1], stride_qh=sq_[2], stride_qd=sq_[3],
         stride_ob=so[0], stride_os=so[1], stride_oh=so[2], stride_od=so[3],
@@ -1032,6 +1037,7 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, out, lse2, *, causal, softma
         HEAD_DIM=d, CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, ROWS=hopper_decode.ROWS,
         DIRECT=direct, PDL=pdl, PDL_WAIT=pdl and seqlen_add > 0,
         MAXNREG=hopper_decode.register_cap(per_sm, warps),
+        PAGE=k_cache.shape[1] if paged else 0,
     )  # fmt: skip
     if not mma:
         split_args.update(ONE_TILE=bool(hopper_decode.CONFIG[3]), EARLY_S=hopper_decode.EARLY_S)

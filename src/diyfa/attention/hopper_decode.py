@@ -75,6 +75,9 @@ EARLY_S = True
 # warpgroup one (_decode_split_fp8), and its (keys per block, ring stages, programs per SM).
 MMA = True
 MMA_CONFIG = (128, 2, 2)
+# Paged caches (pages of a power of two >= MIN_PAGE keys) on the Gluon kernels too (False:
+# the Triton split kernel, for A/B runs).
+PAGED = True
 ROWS = 16  # query rows a program (wgmma's N): the GQA group x the new tokens, padded
 
 
@@ -114,15 +117,35 @@ def _let_dependents_launch():
 
 
 @gluon.jit
-def _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col,
-           BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of block ``i``'s K and V rows into ring stage i % STAGES."""
+def _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi,
+           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr):
+    """TMA loads of block ``i``'s K and V rows into ring stage i % STAGES. Contiguous caches
+    (PAGE 0): rows row0 + i BLOCK_N on. Paged ones (PAGE: the page size, a power of two >= the
+    descriptors' box of min(PAGE, BLOCK_N) rows): the block's keys row0 + i BLOCK_N on (row0:
+    the split's first key), a box per page, or one per block for pages of BLOCK_N keys or
+    more, at the row its ``table`` entry gives (clamped to the pool, as the Triton kernel
+    does: a bad entry reads another page, never outside the cache); boxes wholly at or past
+    ``hi`` (whose table entries may lie past the sequence's) read rows past the cache's end:
+    zeros, no memory traffic, and the stage's byte count stays whole."""
     s = i % STAGES
-    mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, col], ready.index(s),
-                                    k_ring.index(s))  # fmt: skip
-    tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, col], ready.index(s),
-                                    v_ring.index(s))  # fmt: skip
+    BOX: gl.constexpr = k_desc.block_type.shape[0]
+    mbarrier.expect(ready.index(s), 2 * k_desc.block_type.nbytes * (BLOCK_N // BOX))
+    if PAGE == 0:
+        tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, col], ready.index(s),
+                                        k_ring.index(s))  # fmt: skip
+        tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, col], ready.index(s),
+                                        v_ring.index(s))  # fmt: skip
+    else:
+        for j in gl.static_range(BLOCK_N // BOX):
+            key = row0 + i * BLOCK_N + j * BOX
+            used = key < hi
+            page = gl.minimum(gl.maximum(gl.load(table + key // PAGE, mask=used, other=0), 0),
+                              pool - 1)
+            row = gl.where(used, page * PAGE + key % PAGE, pool * PAGE)
+            tma.async_copy_global_to_shared(k_desc, [row, col], ready.index(s),
+                                            k_ring.index(s).slice(j * BOX, BOX))
+            tma.async_copy_global_to_shared(v_desc, [row, col], ready.index(s),
+                                            v_ring.index(s).slice(j * BOX, BOX))
 
 
 @gluon.jit
@@ -138,10 +161,10 @@ def _widen(x8, start, hi, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i, n_blocks, row0, col,
-          lo, hi, causal_offset, qpos, k_scale, m_i, l_acc, o_acc,
+          table, pool, lo, hi, causal_offset, qpos, k_scale, m_i, l_acc, o_acc,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
           STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
-          ONE_TILE: gl.constexpr, EARLY_S: gl.constexpr):
+          ONE_TILE: gl.constexpr, EARLY_S: gl.constexpr, PAGE: gl.constexpr):
     """Block ``i`` of the split: widen K and V, S^T = K Q^T, the online softmax down the
     columns, O^T += V^T P^T (left running: the next step waits for it). MASKED: keys at or
     past ``hi`` zeroed and their scores -inf, and the causal mask (blocks every row sees
@@ -161,8 +184,8 @@ def _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i, n_blocks
     if not EARLY_S:
         gl.thread_barrier()  # every thread has read stage s: refill it
         if i + STAGES < n_blocks:
-            _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, BLOCK_N,
-                   STAGES)  # fmt: skip
+            _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, table,
+                   pool, hi, BLOCK_N, STAGES, PAGE)  # fmt: skip
     start = lo + i * BLOCK_N
     kw = _widen(k8, start, hi, MASKED, BLOCK_N)
     if not ONE_TILE and not EARLY_S:
@@ -177,8 +200,8 @@ def _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i, n_blocks
     if EARLY_S:
         # (the barrier above also saw every thread's reads of stage s done: refill it)
         if i + STAGES < n_blocks:
-            _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, BLOCK_N,
-                   STAGES)  # fmt: skip
+            _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, table,
+                   pool, hi, BLOCK_N, STAGES, PAGE)  # fmt: skip
         t = warpgroup_mma(k16, q16.permute((1, 0)), zero, use_acc=False, is_async=True)
         if not ONE_TILE:  # V widened while S runs
             v16.store(_widen(v8, start, hi, MASKED, BLOCK_N))
@@ -232,6 +255,15 @@ def _split_range(CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_a
 
 
 @gluon.jit
+def _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE: gl.constexpr):
+    """:func:`_issue`'s row0 (contiguous: the split's first row of the (batch x cache_len)
+    view; paged: its first key) and the sequence's block table row."""
+    if PAGE == 0:
+        return off_b * cache_len + lo, BLOCK_TABLE
+    return lo, BLOCK_TABLE + off_b * stride_tb
+
+
+@gluon.jit
 def _ring(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The TMA ring: K's and V's e4m3 stages and their mbarriers (initialised)."""
     k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -267,6 +299,7 @@ def _q_and_scales(Q, K_DESCALE, V_DESCALE, stride_qb, stride_qs, stride_qh, stri
 
 @gluon.jit
 def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
+                      BLOCK_TABLE, stride_tb, pool,
                       K_DESCALE, V_DESCALE,
                       stride_qb, stride_qs, stride_qh, stride_qd,
                       stride_ob, stride_os, stride_oh, stride_od,
@@ -276,7 +309,7 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
                       STAGES: gl.constexpr, ROWS: gl.constexpr, DIRECT: gl.constexpr,
                       PDL: gl.constexpr, PDL_WAIT: gl.constexpr,
                       ONE_TILE: gl.constexpr, MAXNREG: gl.constexpr = 0,
-                      EARLY_S: gl.constexpr = True):
+                      EARLY_S: gl.constexpr = True, PAGE: gl.constexpr = 0):
     """Program (batch x kv head, split): the kv head's query rows (head in group, query:
     r -> head r // seqlen_q, query r % seqlen_q) against the split's keys, from an e4m3 cache
     (batch, cache_len, kv_heads, HEAD_DIM) read through 2-D descriptors of (batch x cache_len,
@@ -314,12 +347,13 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     fence_async_shared()
     gl.thread_barrier()
 
-    row0 = off_b * cache_len + lo
+    row0, table = _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE)
     col = off_hk * HEAD_DIM
     if PDL_WAIT:
         _wait_prior_grid()  # the append wrote the cache
     for i in range(0, gl.minimum(n_blocks, STAGES)):
-        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, BLOCK_N, STAGES)
+        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi, BLOCK_N,
+               STAGES, PAGE)  # fmt: skip
 
     r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
     qpos = r_s % seqlen_q
@@ -329,14 +363,16 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     o_acc = warpgroup_mma_init(gl.zeros([HEAD_DIM, ROWS], gl.float32, s_layout))
     for i in range(0, n_full):
         m_i, l_acc, o_acc = _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i,
-                                  n_blocks, row0, col, lo, hi, causal_offset, qpos, k_scale,
+                                  n_blocks, row0, col, table, pool, lo, hi, causal_offset,
+                                  qpos, k_scale,
                                   m_i, l_acc, o_acc, False, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
-                                  ROWS, ONE_TILE, EARLY_S)  # fmt: skip
+                                  ROWS, ONE_TILE, EARLY_S, PAGE)  # fmt: skip
     for i in range(n_full, n_blocks):
         m_i, l_acc, o_acc = _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i,
-                                  n_blocks, row0, col, lo, hi, causal_offset, qpos, k_scale,
+                                  n_blocks, row0, col, table, pool, lo, hi, causal_offset,
+                                  qpos, k_scale,
                                   m_i, l_acc, o_acc, True, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
-                                  ROWS, ONE_TILE, EARLY_S)  # fmt: skip
+                                  ROWS, ONE_TILE, EARLY_S, PAGE)  # fmt: skip
     o_acc = warpgroup_mma_wait(0, deps=[o_acc])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -420,10 +456,11 @@ def _idx(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks, row0, col, lo, hi,
-              causal_offset, qpos, k_scale, m_i, l_acc, o_acc,
+def _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks, row0, col, table, pool,
+              lo, hi, causal_offset, qpos, k_scale, m_i, l_acc, o_acc,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
+              STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+              PAGE: gl.constexpr):
     """Block ``i`` of the split in the mma.sync kernel: each warp reads its BLOCK_N / warps
     keys of K and V from the ring stage into registers (16-byte loads), one barrier, the
     stage refilled, then per warp S = Q K^T, its own online softmax (max and sums over its
@@ -445,7 +482,8 @@ def _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks, row0, col
     v8 = v_ring.index(s)._reinterpret(gl.float8e4nv, [W, NW, HEAD_DIM], v_view).load(v_ld)
     gl.thread_barrier()  # every warp has read stage s: refill it
     if i + STAGES < n_blocks:
-        _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, BLOCK_N, STAGES)
+        _issue(k_desc, v_desc, k_ring, v_ring, ready, i + STAGES, row0, col, table, pool, hi,
+               BLOCK_N, STAGES, PAGE)  # fmt: skip
     t = mma_v2(q16, kt.to(gl.float16), gl.zeros([W, ROWS, NW], gl.float32, mma))
     t = t * k_scale
     start = lo + i * BLOCK_N
@@ -475,6 +513,7 @@ def _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks, row0, col
 
 @gluon.jit
 def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
+                          BLOCK_TABLE, stride_tb, pool,
                           K_DESCALE, V_DESCALE,
                           stride_qb, stride_qs, stride_qh, stride_qd,
                           stride_ob, stride_os, stride_oh, stride_od,
@@ -482,7 +521,8 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
                           batch, seqlen_add, stride_descale_b,
                           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, ROWS: gl.constexpr, DIRECT: gl.constexpr,
-                          PDL: gl.constexpr, PDL_WAIT: gl.constexpr, MAXNREG: gl.constexpr = 0):
+                          PDL: gl.constexpr, PDL_WAIT: gl.constexpr, MAXNREG: gl.constexpr = 0,
+                          PAGE: gl.constexpr = 0):
     """:func:`_decode_split_fp8`'s program (same arguments but its layout switches) on
     mma.sync: 4 warps, each on its own BLOCK_N / 4 keys of every ring stage, as a batched
     product over the warps (rank-3 mma layouts: q's 16 rows are every warp's A operand, a
@@ -512,12 +552,13 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     fence_async_shared()
     gl.thread_barrier()
 
-    row0 = off_b * cache_len + lo
+    row0, table = _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE)
     col = off_hk * HEAD_DIM
     if PDL_WAIT:
         _wait_prior_grid()
     for i in range(0, gl.minimum(n_blocks, STAGES)):
-        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, BLOCK_N, STAGES)
+        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi, BLOCK_N,
+               STAGES, PAGE)  # fmt: skip
 
     qpos = _idx(ROWS, 1, mma) % seqlen_q
     m_i = gl.full([W, ROWS], float("-inf"), gl.float32, gl.SliceLayout(2, mma))
@@ -525,14 +566,14 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     o_acc = gl.zeros([W, ROWS, HEAD_DIM], gl.float32, mma)
     for i in range(0, n_full):
         m_i, l_acc, o_acc = _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks,
-                                      row0, col, lo, hi, causal_offset, qpos, k_scale, m_i,
-                                      l_acc, o_acc, False, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
-                                      ROWS)
+                                      row0, col, table, pool, lo, hi, causal_offset, qpos,
+                                      k_scale, m_i, l_acc, o_acc, False, CAUSAL, BLOCK_N,
+                                      STAGES, HEAD_DIM, ROWS, PAGE)
     for i in range(n_full, n_blocks):
         m_i, l_acc, o_acc = _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks,
-                                      row0, col, lo, hi, causal_offset, qpos, k_scale, m_i,
-                                      l_acc, o_acc, True, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
-                                      ROWS)
+                                      row0, col, table, pool, lo, hi, causal_offset, qpos,
+                                      k_scale, m_i, l_acc, o_acc, True, CAUSAL, BLOCK_N,
+                                      STAGES, HEAD_DIM, ROWS, PAGE)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
@@ -586,21 +627,29 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged
             variants: bool, v_in_k: bool) -> bool:
     """Whether a checked decode call runs a Gluon split kernel (:func:`split_kernel`):
     :data:`ENABLED`, an e4m3 cache on an sm90 GPU, contiguous (batch, cache_len, kv_heads, d)
-    caches (not paged) with d = v's head dim = 64 or 128, at most :data:`ROWS` query rows a
-    kv head (the GQA group x the new tokens), no window, softcap, ALiBi or sinks
-    (``variants``), two separate caches, and coordinates TMA can address (batch x cache_len
-    < 2^31)."""
+    caches, or paged ones (num_pages, page_size, kv_heads, d) with pages of a power of two
+    >= :data:`MIN_PAGE` keys (TMA boxes of a page, or of a block), d = v's head dim = 64 or
+    128, at most :data:`ROWS` query rows a kv head (the GQA group x the new tokens), no
+    window, softcap, ALiBi or sinks (``variants``), two separate caches, and coordinates TMA
+    can address (the caches' rows < 2^31)."""
     if not (ENABLED and q.is_cuda and k_cache.dtype == torch.float8_e4m3fn
-            and v_cache.dtype == torch.float8_e4m3fn and not paged and not variants
+            and v_cache.dtype == torch.float8_e4m3fn and not variants
             and not v_in_k):  # fmt: skip
         return False
     if kernel_limits(q.device.index)["capability_major"] != 9:
         return False
     b, sq, h, d = q.shape
-    n, hk = k_cache.shape[1], k_cache.shape[2]
+    n, page, hk = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    if paged and (not PAGED or page < MIN_PAGE or page & (page - 1)):
+        return False
     return (d in (64, 128) and v_cache.shape[3] == d and h // hk * sq <= ROWS
             and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and v_cache.shape == k_cache.shape and b * n < 2**31)  # fmt: skip
+            and v_cache.shape == k_cache.shape and n * page < 2**31)  # fmt: skip
+
+
+# The smallest page the kernels read by TMA, a box a page (16 rows of 64 or 128 bytes: whole
+# swizzle periods); smaller pages take the Triton kernel.
+MIN_PAGE = 16
 
 
 @functools.cache
@@ -608,16 +657,19 @@ def _layout(block_n: int, d: int):
     return gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e4nv)
 
 
-def cache_desc(cache: torch.Tensor, block_n: int) -> GluonDescriptor:
-    """A host TMA descriptor of a contiguous (batch, cache_len, kv_heads, d) cache as its 2-D
-    (batch x cache_len, kv_heads x d) view, blocks (block_n, d); rows past the end read as
-    zeros. Fields set directly (the checks above stand for the constructor's)."""
-    b, n, hk, d = cache.shape
+def cache_desc(cache: torch.Tensor, block_n: int, paged: bool = False) -> GluonDescriptor:
+    """A host TMA descriptor of a contiguous (batch, cache_len, kv_heads, d) cache, or a paged
+    (num_pages, page_size, kv_heads, d) one, as its 2-D (batch x cache_len, kv_heads x d)
+    view; boxes of (block_n, d), or (min(page_size, block_n), d) when paged (a page at a
+    time); rows past the end read as zeros. Fields set directly (the checks above stand for
+    the constructor's); the ring's shared layout is the box's (the same swizzle)."""
+    n, rows, hk, d = cache.shape
+    box = min(rows, block_n) if paged else block_n
     desc = object.__new__(GluonDescriptor)
     desc.base = cache
-    desc.shape = [b * n, hk * d]
+    desc.shape = [n * rows, hk * d]
     desc.strides = [hk * d, 1]
-    desc.block_shape = [block_n, d]
-    desc.layout = _layout(block_n, d)
+    desc.block_shape = [box, d]
+    desc.layout = _layout(box, d)
     desc.padding = "zero"
     return desc
