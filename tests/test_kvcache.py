@@ -1267,7 +1267,7 @@ def test_gpu_fp8_cache_hopper_kernel(d, sq, splits, per_batch, mma, monkeypatch)
     descales, an empty sequence and lengths off the 64-key blocks; rows past each sequence's
     end hold NaN bytes that must not reach the output. Calls with ``max_seqlen_k`` give the
     same output bitwise, the second by replaying the first's launches. Both split kernels
-    (``MMA``)."""
+    (``MMA``; the mma.sync one merges its splits itself)."""
     from diyfa.attention import decode, hopper_decode
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -1285,6 +1285,9 @@ def test_gpu_fp8_cache_hopper_kernel(d, sq, splits, per_batch, mma, monkeypatch)
                                                  num_splits=splits, k_descale=k_desc,
                                                  v_descale=v_desc)  # fmt: skip
     assert hopper_decode.split_kernel() in ran and decode._decode_split not in ran, ran
+    # (2 or 3 splits: the mma.sync kernel merges them itself, no combine kernel)
+    if splits > 1:
+        assert (decode._combine in ran) == (not mma), ran
     assert torch.isfinite(out).all()
     _check("out", out, pt, ref, 2, torch.bfloat16)
     # the same step again from the cache as it was before the append, through the replay
@@ -1379,8 +1382,8 @@ def test_gpu_fp8_paged_cache_hopper_kernel(page, d, sq, splits, mma, monkeypatch
 def test_fp8_cache_hopper_kernel_compiles_and_fits():
     """The Gluon split kernels for fp8 caches (hopper_decode: the warpgroup one and the
     mma.sync one) compile for sm90a at head dims 64 and 128, causal or not, one split or
-    several, in their launch configurations, and the mma.sync kernel over paged caches (pages
-    of 16 and 256 keys): nothing spilled, and shared memory (and, for the mma.sync kernel,
+    several (the mma.sync kernel merging them itself), in their launch configurations, and the
+    mma.sync kernel over paged caches (pages of 16 and 256 keys): nothing spilled, and shared memory (and, for the mma.sync kernel,
     registers) for ``CONFIG``'s / ``MMA_CONFIG``'s programs per SM on an H100 / H200."""
     import os
     import subprocess
@@ -1429,7 +1432,8 @@ for d in (64, 128):
             for key in ("ONE_TILE", "EARLY_S"):
                 args.pop(key)
             args.update(k_desc=hd.cache_desc(cache, mma_n), v_desc=hd.cache_desc(cache, mma_n),
-                        BLOCK_N=mma_n, STAGES=mma_stages, MAXNREG=hd.register_cap(mma_per_sm))
+                        BLOCK_N=mma_n, STAGES=mma_stages, MAXNREG=hd.register_cap(mma_per_sm),
+                        COUNTERS=torch.empty(16, dtype=torch.int32), MERGE=not direct)
             values = {p.name: args.get(p.name, 1 if p.name == "stride_qd" or p.name == "stride_od"
                                        else 1024) for p in hd._decode_split_fp8_mma.params}
             k = compile_for_sm90(hd._decode_split_fp8_mma, values, num_warps=4,

@@ -907,7 +907,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                            softmax_scale=softmax_scale, num_splits=num_splits,
                            max_seqlen_k=max_seqlen_k, sinks=sinks, k_descale=k_descale,
                            v_descale=v_descale, seqlen_add=seqlen_add, pdl=pdl,
-                           launched=launched)  # fmt: skip
+                           counters=counters, launched=launched)  # fmt: skip
     max_shared = kernel_limits(q.device.index)["max_shared_mem"] if q.is_cuda else SM90_SHARED
     most_rows = wide_head_rows(k_cache.element_size(), max_shared) if wide else 64
     block_m = min(most_rows, max(16, next_power_of_2(group * sq)))
@@ -995,12 +995,13 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
 
 def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2, *, causal,
                 softmax_scale, num_splits, max_seqlen_k, sinks, k_descale, v_descale,
-                seqlen_add, pdl, launched):
+                seqlen_add, pdl, counters, launched):
     """:func:`kvcache_attention` for the calls :func:`hopper_decode.applies` takes: a Gluon
     split kernel (``hopper_decode.split_kernel()``, in ``MMA_CONFIG`` or ``CONFIG``: keys per
     block, stages, programs per SM; its split count fills whole waves of them), then the
     combine kernel unless one split and no sinks (the split kernel writes the output
-    itself)."""
+    itself) or the mma.sync kernel merges its splits itself (:data:`MERGE`'s scheme, as
+    many splits as there, its counters in ``counters``)."""
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
     mma = hopper_decode.MMA
@@ -1013,6 +1014,8 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2, *, c
     split_len = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
     rows = b * h * sq
     direct = splits == 1 and sinks is None
+    merge = (MERGE and mma and not direct and sinks is None and counters is not None
+             and splits <= MERGE_SPLITS)  # fmt: skip
     if direct:
         o_part = lse_part = lse2  # (not read)
     else:
@@ -1039,14 +1042,16 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2, *, c
         MAXNREG=hopper_decode.register_cap(per_sm, warps),
         PAGE=k_cache.shape[1] if paged else 0,
     )  # fmt: skip
-    if not mma:
+    if mma:
+        split_args.update(COUNTERS=counters if merge else lse_part, MERGE=merge)
+    else:
         split_args.update(ONE_TILE=bool(hopper_decode.CONFIG[3]), EARLY_S=hopper_decode.EARLY_S)
     meta = {"launch_pdl": pdl}
     if split_args["MAXNREG"]:
         meta["maxnreg"] = split_args["MAXNREG"]
     launch_recorded(hopper_decode.split_kernel(), (b * hk, splits, 1), split_args, True,
                     launched, warps, 1, meta)  # fmt: skip
-    if not direct:
+    if not direct and not merge:
         _launch_combine(o_part, lse_part, out, lse2, sinks, splits, d, d, pdl, True, launched)
     return out, lse2
 

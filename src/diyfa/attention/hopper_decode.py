@@ -513,7 +513,7 @@ def _mma_step(k_desc, v_desc, k_ring, v_ring, ready, q16, i, n_blocks, row0, col
 
 @gluon.jit
 def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE,
-                          BLOCK_TABLE, stride_tb, pool,
+                          BLOCK_TABLE, stride_tb, pool, COUNTERS,
                           K_DESCALE, V_DESCALE,
                           stride_qb, stride_qs, stride_qh, stride_qd,
                           stride_ob, stride_os, stride_oh, stride_od,
@@ -522,12 +522,15 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
                           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, ROWS: gl.constexpr, DIRECT: gl.constexpr,
                           PDL: gl.constexpr, PDL_WAIT: gl.constexpr, MAXNREG: gl.constexpr = 0,
-                          PAGE: gl.constexpr = 0):
+                          PAGE: gl.constexpr = 0, MERGE: gl.constexpr = False):
     """:func:`_decode_split_fp8`'s program (same arguments but its layout switches) on
     mma.sync: 4 warps, each on its own BLOCK_N / 4 keys of every ring stage, as a batched
     product over the warps (rank-3 mma layouts: q's 16 rows are every warp's A operand, a
     warp's keys its own B). No shared fp16 tiles, no fence and one barrier a step (the ring
-    stage's refill); the warps' maxima, sums and outputs merged once at the end."""
+    stage's refill); the warps' maxima, sums and outputs merged once at the end. MERGE: the
+    last split of a (batch x kv head) to finish merges the splits (decode.MERGE's scheme,
+    its counters at COUNTERS + batch + the program's (batch x kv head), zeroed by the device
+    check), no combine kernel."""
     if PDL:
         _let_dependents_launch()
     W: gl.constexpr = gl.num_warps()
@@ -616,6 +619,46 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
         gl.store(LSE_PART + split * rows_per_split + row_l, lse2, mask=ok_l)
         gl.store(O_PART + (split * rows_per_split + row)[:, None] * HEAD_DIM + p_o[None, :], out,
                  mask=ok_o[:, None])
+        if MERGE:  # the last of the splits to finish merges them
+            if PDL and not PDL_WAIT:
+                _wait_prior_grid()  # (the device check zeroes the counters)
+            gl.thread_barrier()  # every thread's stores are the CTA's before the count
+            done = gl.atomic_add(COUNTERS + batch + gl.program_id(0), 1, sem="acq_rel",
+                                 scope="gpu")  # fmt: skip
+            if done == gl.num_programs(1) - 1:
+                out, lse = _merge_splits(O_PART, LSE_PART, row, ok_o, p_o, rows_per_split,
+                                         gl.num_programs(1), ROWS, HEAD_DIM,
+                                         st_layout)  # fmt: skip
+                gl.store(LSE + row, lse, mask=ok_o)
+                gl.store(O + off_b.to(gl.int64) * stride_ob + qpos_o[:, None] * stride_os
+                         + head_o[:, None] * stride_oh + p_o[None, :] * stride_od,
+                         out.to(O.dtype.element_ty), mask=ok_o[:, None])
+
+
+@gluon.jit
+def _merge_splits(O_PART, LSE_PART, row, ok, cols, rows_per_split, splits,
+                  ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """(out, lse2) of the rows ``row`` (``ok``: real ones) from every split's partial
+    output and base-2 LSE in the workspace, as ``decode._merge_splits`` (no sinks here): lse =
+    log2(sum_s 2^lse_s), out = sum_s 2^(lse_s - lse) out_s; rows no split saw a key of: zeros,
+    -inf. The loads bypass L1 (other SMs wrote them)."""
+    m = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
+    for s in range(0, splits):
+        m = gl.maximum(m, gl.load(LSE_PART + s * rows_per_split + row, mask=ok,
+                                  other=float("-inf"), cache_modifier=".cg"))  # fmt: skip
+    m_use = gl.where(m == float("-inf"), 0.0, m)
+    total = gl.zeros_like(m)
+    out = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout)
+    for s in range(0, splits):
+        ws_row = s * rows_per_split + row
+        w = gl.exp2(gl.load(LSE_PART + ws_row, mask=ok, other=float("-inf"),
+                            cache_modifier=".cg") - m_use)  # fmt: skip
+        total += w
+        out += gl.load(O_PART + ws_row[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None],
+                       other=0.0, cache_modifier=".cg") * w[:, None]  # fmt: skip
+    safe = gl.where(total == 0.0, 1.0, total)
+    lse2 = gl.where(total == 0.0, float("-inf"), m_use + gl.log2(safe))
+    return out / safe[:, None], lse2
 
 
 # Both split kernels (warpgroup, mma.sync), for whoever must recognise their launches
