@@ -78,6 +78,9 @@ MMA_CONFIG = (128, 2, 2)
 # Paged caches (pages of a power of two >= MIN_PAGE keys) on the Gluon kernels too (False:
 # the Triton split kernel, for A/B runs).
 PAGED = True
+# The mma.sync kernel issues its first blocks' loads before it loads q (False: after, as
+# first built; for A/B runs).
+EARLY_ISSUE = True
 ROWS = 16  # query rows a program (wgmma's N): the GQA group x the new tokens, padded
 
 
@@ -522,7 +525,8 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
                           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, ROWS: gl.constexpr, DIRECT: gl.constexpr,
                           PDL: gl.constexpr, PDL_WAIT: gl.constexpr, MAXNREG: gl.constexpr = 0,
-                          PAGE: gl.constexpr = 0, MERGE: gl.constexpr = False):
+                          PAGE: gl.constexpr = 0, MERGE: gl.constexpr = False,
+                          EARLY_ISSUE: gl.constexpr = True):
     """:func:`_decode_split_fp8`'s program (same arguments but its layout switches) on
     mma.sync: 4 warps, each on its own BLOCK_N / 4 keys of every ring stage, as a batched
     product over the warps (rank-3 mma layouts: q's 16 rows are every warp's A operand, a
@@ -541,6 +545,18 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full = _split_range(
         CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add, CAUSAL, BLOCK_N)
 
+    k_ring, v_ring, ready = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
+    fence_async_shared()
+    gl.thread_barrier()
+    row0, table = _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE)
+    col = off_hk * HEAD_DIM
+    if EARLY_ISSUE:  # the first blocks' loads on their way before q's (a program's start)
+        if PDL_WAIT:
+            _wait_prior_grid()
+        for i in range(0, gl.minimum(n_blocks, STAGES)):
+            _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi,
+                   BLOCK_N, STAGES, PAGE)  # fmt: skip
+
     # q with its head dim in K's order (column 32 i + 2 j + k at d = 8 j + 2 i + k for d128),
     # in mma's A layout, a copy for every warp
     q, k_scale, v_descale = _q_and_scales(Q, K_DESCALE, V_DESCALE, stride_qb, stride_qs,
@@ -550,18 +566,12 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
                    [ROWS, HEAD_DIM])
     q16 = (gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(0, a_l)), 0)
            + gl.zeros([W, ROWS, HEAD_DIM], gl.float16, a_l))
-
-    k_ring, v_ring, ready = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    row0, table = _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE)
-    col = off_hk * HEAD_DIM
-    if PDL_WAIT:
-        _wait_prior_grid()
-    for i in range(0, gl.minimum(n_blocks, STAGES)):
-        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi, BLOCK_N,
-               STAGES, PAGE)  # fmt: skip
+    if not EARLY_ISSUE:
+        if PDL_WAIT:
+            _wait_prior_grid()
+        for i in range(0, gl.minimum(n_blocks, STAGES)):
+            _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi,
+                   BLOCK_N, STAGES, PAGE)  # fmt: skip
 
     qpos = _idx(ROWS, 1, mma) % seqlen_q
     m_i = gl.full([W, ROWS], float("-inf"), gl.float32, gl.SliceLayout(2, mma))
