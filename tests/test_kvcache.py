@@ -1433,7 +1433,8 @@ for d in (64, 128):
                 args.pop(key)
             args.update(k_desc=hd.cache_desc(cache, mma_n), v_desc=hd.cache_desc(cache, mma_n),
                         BLOCK_N=mma_n, STAGES=mma_stages, MAXNREG=hd.register_cap(mma_per_sm),
-                        COUNTERS=torch.empty(16, dtype=torch.int32), MERGE=not direct)
+                        COUNTERS=torch.empty(16, dtype=torch.int32), MERGE=not direct,
+                        EARLY_ISSUE=2)
             values = {p.name: args.get(p.name, 1 if p.name == "stride_qd" or p.name == "stride_od"
                                        else 1024) for p in hd._decode_split_fp8_mma.params}
             k = compile_for_sm90(hd._decode_split_fp8_mma, values, num_warps=4,

@@ -1044,7 +1044,8 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2, *, c
     )  # fmt: skip
     if mma:
         split_args.update(COUNTERS=counters if merge else lse_part, MERGE=merge,
-                          EARLY_ISSUE=hopper_decode.EARLY_ISSUE)
+                          EARLY_ISSUE=2 if hopper_decode.EARLY_LENGTHS
+                          else int(hopper_decode.EARLY_ISSUE))
     else:
         split_args.update(ONE_TILE=bool(hopper_decode.CONFIG[3]), EARLY_S=hopper_decode.EARLY_S)
     meta = {"launch_pdl": pdl}

@@ -79,8 +79,10 @@ MMA_CONFIG = (128, 2, 2)
 # the Triton split kernel, for A/B runs).
 PAGED = True
 # The mma.sync kernel issues its first blocks' loads before it loads q (False: after, as
-# first built; for A/B runs).
+# first built), and, EARLY_LENGTHS, before it reads the sequence's length (the kernel's
+# EARLY_ISSUE: 0, 1, 2; these for A/B runs).
 EARLY_ISSUE = True
+EARLY_LENGTHS = True
 ROWS = 16  # query rows a program (wgmma's N): the GQA group x the new tokens, padded
 
 
@@ -526,7 +528,7 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
                           STAGES: gl.constexpr, ROWS: gl.constexpr, DIRECT: gl.constexpr,
                           PDL: gl.constexpr, PDL_WAIT: gl.constexpr, MAXNREG: gl.constexpr = 0,
                           PAGE: gl.constexpr = 0, MERGE: gl.constexpr = False,
-                          EARLY_ISSUE: gl.constexpr = True):
+                          EARLY_ISSUE: gl.constexpr = 2):
     """:func:`_decode_split_fp8`'s program (same arguments but its layout switches) on
     mma.sync: 4 warps, each on its own BLOCK_N / 4 keys of every ring stage, as a batched
     product over the warps (rank-3 mma layouts: q's 16 rows are every warp's A operand, a
@@ -542,15 +544,31 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
                                                   instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
-    off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full = _split_range(
-        CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add, CAUSAL, BLOCK_N)
-
     k_ring, v_ring, ready = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
     fence_async_shared()
     gl.thread_barrier()
-    row0, table = _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE)
-    col = off_hk * HEAD_DIM
-    if EARLY_ISSUE:  # the first blocks' loads on their way before q's (a program's start)
+    if EARLY_ISSUE == 2:
+        # the first blocks' loads on their way before the sequence's length is read: those
+        # below the bound max_len (keys past the sequence's end are masked in the steps, as
+        # in its last block; loads no step consumes are waited for at the end)
+        lo0 = gl.program_id(1) * split_len
+        bound = gl.minimum(lo0 + split_len, max_len)
+        n_first = gl.minimum(gl.cdiv(gl.maximum(bound - lo0, 0), BLOCK_N), STAGES)
+        row0, table = _first_row(BLOCK_TABLE, stride_tb, gl.program_id(0) // kv_heads,
+                                 cache_len, lo0, PAGE)  # fmt: skip
+        col = gl.program_id(0) % kv_heads * HEAD_DIM
+        if PDL_WAIT:
+            _wait_prior_grid()
+        for i in range(0, n_first):
+            _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, bound,
+                   BLOCK_N, STAGES, PAGE)  # fmt: skip
+    off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full = _split_range(
+        CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add, CAUSAL, BLOCK_N)
+    if EARLY_ISSUE != 2:
+        n_first = gl.minimum(n_blocks, STAGES)
+        row0, table = _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE)
+        col = off_hk * HEAD_DIM
+    if EARLY_ISSUE == 1:  # the first blocks' loads on their way before q's (a program's start)
         if PDL_WAIT:
             _wait_prior_grid()
         for i in range(0, gl.minimum(n_blocks, STAGES)):
@@ -566,7 +584,7 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
                    [ROWS, HEAD_DIM])
     q16 = (gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(0, a_l)), 0)
            + gl.zeros([W, ROWS, HEAD_DIM], gl.float16, a_l))
-    if not EARLY_ISSUE:
+    if EARLY_ISSUE == 0:
         if PDL_WAIT:
             _wait_prior_grid()
         for i in range(0, gl.minimum(n_blocks, STAGES)):
@@ -587,6 +605,8 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
                                       row0, col, table, pool, lo, hi, causal_offset, qpos,
                                       k_scale, m_i, l_acc, o_acc, True, CAUSAL, BLOCK_N,
                                       STAGES, HEAD_DIM, ROWS, PAGE)
+    for i in range(n_blocks, n_first):  # (EARLY_ISSUE 2: loads past the sequence's blocks)
+        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
