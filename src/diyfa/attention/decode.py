@@ -18,9 +18,10 @@ Caches
     Contiguous: (batch, max_len, kv_heads, d). Paged: (num_blocks, page_size, kv_heads, d)
     with an int32 block table (batch, max_blocks): key n of sequence b is row n % page_size
     of page block_table[b, n // page_size]. The kernel gathers each block's rows through
-    the table (PAGED is a compile-time flag). Contiguous fp8 caches on sm90 (d64 / d128,
-    <= 16 query rows a kv head, no variants) take a Gluon split kernel instead
-    (``hopper_decode``, :func:`_hopper_fp8`); the combine kernel is shared.
+    the table (PAGED is a compile-time flag). fp8 caches on sm90 (contiguous, or paged in
+    pages of a power of two >= 16 keys; d64 / d128, <= 16 query rows a kv head, no variants)
+    take a Gluon split kernel instead (``hopper_decode``, :func:`_hopper_fp8`), which merges
+    its splits itself as MERGE does, or leaves them to the shared combine kernel.
 
 Masking: keys [0, seqlen_k) of each sequence, seqlen_k = cache_seqlens[b] (after the
 append); causal aligns the new queries bottom-right (query i sees keys j <= i + seqlen_k -

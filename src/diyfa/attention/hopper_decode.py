@@ -35,6 +35,14 @@ reduction's order is free, q is loaded in K's order and O stored back in memory'
 in registers; P goes from S's accumulator to P V's A operand with no data movement. Per
 step: one barrier (every warp has read the stage: refill it), no shared-memory stores, no
 cross-warp reduction until the end.
+
+Paged caches (pages of a power of two >= 16 keys, :data:`MIN_PAGE`) take the same kernels:
+the TMA box is a page (pages smaller than a block: a box each, at the row its table entry
+gives) or a block (pages of a block or more), and boxes past the sequence read rows past the
+cache's end (zeros), so a stage's byte count never changes. The mma.sync kernel issues its
+first loads before it reads the sequence's length or q (:data:`EARLY_LENGTHS`), and merges
+its splits itself (``decode.MERGE``'s counters: the last split of a (batch x kv head) to
+finish) where there are at most ``decode.MERGE_SPLITS``.
 """
 
 from __future__ import annotations
