@@ -1382,9 +1382,10 @@ def test_gpu_fp8_paged_cache_hopper_kernel(page, d, sq, splits, mma, monkeypatch
 def test_fp8_cache_hopper_kernel_compiles_and_fits():
     """The Gluon split kernels for fp8 caches (hopper_decode: the warpgroup one and the
     mma.sync one) compile for sm90a at head dims 64 and 128, causal or not, one split or
-    several (the mma.sync kernel merging them itself), in their launch configurations, and the
-    mma.sync kernel over paged caches (pages of 16 and 256 keys): nothing spilled, and shared memory (and, for the mma.sync kernel,
-    registers) for ``CONFIG``'s / ``MMA_CONFIG``'s programs per SM on an H100 / H200."""
+    several (the mma.sync kernel merging them itself), in their launch configurations, and
+    the mma.sync kernel over paged caches (pages of 16 and 256 keys): nothing spilled, and
+    shared memory (and, for the mma.sync kernel, registers) for ``CONFIG``'s /
+    ``MMA_CONFIG``'s programs per SM on an H100 / H200."""
     import os
     import subprocess
     import sys

@@ -904,8 +904,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, causal
                 or alibi_slopes is not None or sinks is not None)  # fmt: skip
     if fp8 and hopper_decode.applies(q, k_cache, v_cache, paged, variants, v_in_k):
         return _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2,
-                           causal=causal,
-                           softmax_scale=softmax_scale, num_splits=num_splits,
+                           causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                            max_seqlen_k=max_seqlen_k, sinks=sinks, k_descale=k_descale,
                            v_descale=v_descale, seqlen_add=seqlen_add, pdl=pdl,
                            counters=counters, launched=launched)  # fmt: skip
@@ -1001,8 +1000,8 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2, *, c
     split kernel (``hopper_decode.split_kernel()``, in ``MMA_CONFIG`` or ``CONFIG``: keys per
     block, stages, programs per SM; its split count fills whole waves of them), then the
     combine kernel unless one split and no sinks (the split kernel writes the output
-    itself) or the mma.sync kernel merges its splits itself (:data:`MERGE`'s scheme, as
-    many splits as there, its counters in ``counters``)."""
+    itself) or the mma.sync kernel merges its splits itself (:data:`MERGE`'s scheme, at most
+    :data:`MERGE_SPLITS` splits, its counters in ``counters``)."""
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
     mma = hopper_decode.MMA
@@ -1030,8 +1029,7 @@ def _hopper_fp8(q, k_cache, v_cache, cache_seqlens, block_table, out, lse2, *, c
         O_PART=o_part, LSE_PART=lse_part, O=out, LSE=lse2,
         BLOCK_TABLE=block_table if paged else cache_seqlens,
         stride_tb=block_table.stride(0) if paged else 0, pool=k_cache.shape[0],
-        K_DESCALE=k_descale,
-        V_DESCALE=v_descale,
+        K_DESCALE=k_descale, V_DESCALE=v_descale,
         stride_qb=sq_[0], stride_qs=sq_[1], stride_qh=sq_[2], stride_qd=sq_[3],
         stride_ob=so[0], stride_os=so[1], stride_oh=so[2], stride_od=so[3],
         cache_len=k_cache.shape[1], max_len=max_seqlen_k, kv_heads=hk, kv_group=h // hk,

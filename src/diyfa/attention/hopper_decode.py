@@ -162,6 +162,19 @@ def _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi,
 
 
 @gluon.jit
+def _issue_first(k_desc, v_desc, k_ring, v_ring, ready, n, row0, col, table, pool, hi,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr,
+                 PDL_WAIT: gl.constexpr):
+    """A program's first ``n`` (<= STAGES) blocks' loads, after the append (PDL_WAIT: the
+    kernel before this one wrote the cache)."""
+    if PDL_WAIT:
+        _wait_prior_grid()
+    for i in range(0, n):
+        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi, BLOCK_N,
+               STAGES, PAGE)  # fmt: skip
+
+
+@gluon.jit
 def _widen(x8, start, hi, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
     """An e4m3 tile in fp16 (exact); MASKED: rows at or past ``hi`` (another sequence's keys,
     or never written) zeroed."""
@@ -362,11 +375,8 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
 
     row0, table = _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE)
     col = off_hk * HEAD_DIM
-    if PDL_WAIT:
-        _wait_prior_grid()  # the append wrote the cache
-    for i in range(0, gl.minimum(n_blocks, STAGES)):
-        _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi, BLOCK_N,
-               STAGES, PAGE)  # fmt: skip
+    _issue_first(k_desc, v_desc, k_ring, v_ring, ready, gl.minimum(n_blocks, STAGES), row0,
+                 col, table, pool, hi, BLOCK_N, STAGES, PAGE, PDL_WAIT)  # fmt: skip
 
     r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
     qpos = r_s % seqlen_q
@@ -377,15 +387,13 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     for i in range(0, n_full):
         m_i, l_acc, o_acc = _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i,
                                   n_blocks, row0, col, table, pool, lo, hi, causal_offset,
-                                  qpos, k_scale,
-                                  m_i, l_acc, o_acc, False, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
-                                  ROWS, ONE_TILE, EARLY_S, PAGE)  # fmt: skip
+                                  qpos, k_scale, m_i, l_acc, o_acc, False, CAUSAL, BLOCK_N,
+                                  STAGES, HEAD_DIM, ROWS, ONE_TILE, EARLY_S, PAGE)  # fmt: skip
     for i in range(n_full, n_blocks):
         m_i, l_acc, o_acc = _step(k_desc, v_desc, k_ring, v_ring, ready, k16, v16, q16, p16, i,
                                   n_blocks, row0, col, table, pool, lo, hi, causal_offset,
-                                  qpos, k_scale,
-                                  m_i, l_acc, o_acc, True, CAUSAL, BLOCK_N, STAGES, HEAD_DIM,
-                                  ROWS, ONE_TILE, EARLY_S, PAGE)  # fmt: skip
+                                  qpos, k_scale, m_i, l_acc, o_acc, True, CAUSAL, BLOCK_N,
+                                  STAGES, HEAD_DIM, ROWS, ONE_TILE, EARLY_S, PAGE)  # fmt: skip
     o_acc = warpgroup_mma_wait(0, deps=[o_acc])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -565,11 +573,8 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
         row0, table = _first_row(BLOCK_TABLE, stride_tb, gl.program_id(0) // kv_heads,
                                  cache_len, lo0, PAGE)  # fmt: skip
         col = gl.program_id(0) % kv_heads * HEAD_DIM
-        if PDL_WAIT:
-            _wait_prior_grid()
-        for i in range(0, n_first):
-            _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, bound,
-                   BLOCK_N, STAGES, PAGE)  # fmt: skip
+        _issue_first(k_desc, v_desc, k_ring, v_ring, ready, n_first, row0, col, table, pool,
+                     bound, BLOCK_N, STAGES, PAGE, PDL_WAIT)  # fmt: skip
     off_b, off_hk, split, causal_offset, lo, hi, n_blocks, n_full = _split_range(
         CACHE_SEQLENS, kv_heads, max_len, seqlen_q, split_len, seqlen_add, CAUSAL, BLOCK_N)
     if EARLY_ISSUE != 2:
@@ -577,11 +582,8 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
         row0, table = _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE)
         col = off_hk * HEAD_DIM
     if EARLY_ISSUE == 1:  # the first blocks' loads on their way before q's (a program's start)
-        if PDL_WAIT:
-            _wait_prior_grid()
-        for i in range(0, gl.minimum(n_blocks, STAGES)):
-            _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi,
-                   BLOCK_N, STAGES, PAGE)  # fmt: skip
+        _issue_first(k_desc, v_desc, k_ring, v_ring, ready, n_first, row0, col, table, pool, hi,
+                     BLOCK_N, STAGES, PAGE, PDL_WAIT)  # fmt: skip
 
     # q with its head dim in K's order (column 32 i + 2 j + k at d = 8 j + 2 i + k for d128),
     # in mma's A layout, a copy for every warp
@@ -593,11 +595,8 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     q16 = (gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(0, a_l)), 0)
            + gl.zeros([W, ROWS, HEAD_DIM], gl.float16, a_l))
     if EARLY_ISSUE == 0:
-        if PDL_WAIT:
-            _wait_prior_grid()
-        for i in range(0, gl.minimum(n_blocks, STAGES)):
-            _issue(k_desc, v_desc, k_ring, v_ring, ready, i, row0, col, table, pool, hi,
-                   BLOCK_N, STAGES, PAGE)  # fmt: skip
+        _issue_first(k_desc, v_desc, k_ring, v_ring, ready, n_first, row0, col, table, pool, hi,
+                     BLOCK_N, STAGES, PAGE, PDL_WAIT)  # fmt: skip
 
     qpos = _idx(ROWS, 1, mma) % seqlen_q
     m_i = gl.full([W, ROWS], float("-inf"), gl.float32, gl.SliceLayout(2, mma))
