@@ -290,6 +290,17 @@ def _first_row(BLOCK_TABLE, stride_tb, off_b, cache_len, lo, PAGE: gl.constexpr)
 
 
 @gluon.jit
+def _out_rows(r, off_b, off_hk, kv_heads, kv_group, seqlen_q):
+    """A program's query rows ``r`` (r -> head in the kv head's group r // seqlen_q, query
+    r % seqlen_q): which are real (not padding), their head, their query, and their index in
+    LSE (batch, heads, seqlen_q), which the split workspaces follow."""
+    head = off_hk * kv_group + r // seqlen_q
+    qpos = r % seqlen_q
+    row = (off_b * (kv_heads * kv_group) + head).to(gl.int64) * seqlen_q + qpos
+    return r < kv_group * seqlen_q, head, qpos, row
+
+
+@gluon.jit
 def _ring(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The TMA ring: K's and V's e4m3 stages and their mbarriers (initialised)."""
     k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -408,13 +419,9 @@ def _decode_split_fp8(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O, LSE
     out = gl.convert_layout(out, st_layout)
     r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(0, st_layout))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, st_layout))
-    ok_o = r_o < kv_group * seqlen_q
-    head_o = off_hk * kv_group + r_o // seqlen_q
-    qpos_o = r_o % seqlen_q
+    ok_o, head_o, qpos_o, row = _out_rows(r_o, off_b, off_hk, kv_heads, kv_group, seqlen_q)
+    ok_l, _, _, row_l = _out_rows(r_s, off_b, off_hk, kv_heads, kv_group, seqlen_q)
     heads = kv_heads * kv_group
-    row = (off_b * heads + head_o).to(gl.int64) * seqlen_q + qpos_o
-    ok_l = r_s < kv_group * seqlen_q
-    row_l = (off_b * heads + off_hk * kv_group + r_s // seqlen_q).to(gl.int64) * seqlen_q + qpos
     if DIRECT:
         gl.store(LSE + row_l, lse2, mask=ok_l)
         gl.store(O + off_b.to(gl.int64) * stride_ob + qpos_o[None, :] * stride_os
@@ -637,15 +644,10 @@ def _decode_split_fp8_mma(Q, k_desc, v_desc, CACHE_SEQLENS, O_PART, LSE_PART, O,
     out = gl.convert_layout(out, st_layout)
     r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
     p_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
-    ok_o = r_o < kv_group * seqlen_q
-    head_o = off_hk * kv_group + r_o // seqlen_q
-    qpos_o = r_o % seqlen_q
-    heads = kv_heads * kv_group
-    row = (off_b * heads + head_o).to(gl.int64) * seqlen_q + qpos_o
+    ok_o, head_o, qpos_o, row = _out_rows(r_o, off_b, off_hk, kv_heads, kv_group, seqlen_q)
     r_l = gl.arange(0, ROWS, layout=lse2.type.layout)
-    ok_l = r_l < kv_group * seqlen_q
-    row_l = ((off_b * heads + off_hk * kv_group + r_l // seqlen_q).to(gl.int64) * seqlen_q
-             + r_l % seqlen_q)
+    ok_l, _, _, row_l = _out_rows(r_l, off_b, off_hk, kv_heads, kv_group, seqlen_q)
+    heads = kv_heads * kv_group
     if DIRECT:
         gl.store(LSE + row_l, lse2, mask=ok_l)
         gl.store(O + off_b.to(gl.int64) * stride_ob + qpos_o[:, None] * stride_os
