@@ -722,6 +722,44 @@ def test_gpu_hopper_bwd_causal_grid_in_sections(d, deterministic, monkeypatch):
     assert sections and set(sections) == {5}
 
 
+# (batch, heads, kv heads, seqlen_q, seqlen_k, head dim): odd lengths both ways, GQA / MQA,
+# key blocks that see no query (causal, more keys than queries), the layouts' views
+PERSISTENT_SHAPES = [(5, 4, 1, 333, 517, 64), (3, 4, 2, 700, 301, 128), (2, 6, 3, 1000, 1000, 64),
+                     (2, 2, 2, 129, 1531, 96), (1, 8, 8, 2048, 2048, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [1, 2], ids=["round-robin", "counter"])
+@pytest.mark.parametrize("programs", [3, 132], ids=lambda n: f"{n}programs")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))
+def test_gpu_hopper_bwd_persistent(shape, causal, programs, mode, monkeypatch):
+    """The persistent build (hopper_bwd.PERSISTENT, forced; key blocks round robin or from the
+    counter) on ``programs`` programs, so each walks many key blocks (the Q / dO ring, the dS
+    and dQ tiles' turns and K / V's barrier carried across them): every gradient by the 3x
+    rule, and the kernel launched persistent."""
+    from diyfa._launcher import ReplayCache
+
+    _hopper_only(monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "_REPLAYS", ReplayCache())  # every call launches
+    monkeypatch.setattr(hopper_bwd, "PERSISTENT", mode)
+    monkeypatch.setattr(hopper_bwd, "_sm_count", lambda device: programs)
+    launched = []
+    bwd_args = hopper_bwd.bwd_args
+
+    def spy(*args, **kwargs):
+        grid, kernel_args, warps = bwd_args(*args, **kwargs)
+        launched.append((grid, kernel_args["PERSISTENT"], kernel_args["items"]))
+        return grid, kernel_args, warps
+
+    monkeypatch.setattr(hopper_bwd, "bwd_args", spy)
+    b, h, hk, sq, sk, d = shape
+    _run_and_check(*_inputs(b, h, hk, sq, sk, d, torch.bfloat16, device="cuda"), causal,
+                   backend="hopper")  # fmt: skip
+    assert launched and all(mode_ == mode and grid[0] == min(programs, items)
+                            for grid, mode_, items in launched)  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
