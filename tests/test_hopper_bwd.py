@@ -388,7 +388,7 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
     monkeypatch.setattr(portable, "_dq_launch", fake_dq)
     if not deterministic:
-        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
+        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, **kw: res.zero_())
     dq, dk, dv = hopper_bwd.hopper_backward(do, q, k, v, out, lse2, problem)
     block_m = hopper_bwd.BWD_CONFIGS[128][0]
     args = seen["args"]
@@ -498,7 +498,7 @@ def test_d64_plain_attention_takes_128_row_steps(causal, monkeypatch):
         args["dq_desc"].base.fill_(2.0)
 
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
-    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
+    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, **kw: res.zero_())
     dq, _, _ = hopper_bwd.hopper_backward(do, q, k, v, out, torch.randn(b, h, sq), problem,
                                           atomic_dq=True)  # fmt: skip
     args = seen["args"]
@@ -560,7 +560,7 @@ def test_host_path_builds_the_packed_launch(deterministic, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
     monkeypatch.setattr(portable, "_dq_launch", fake_dq)
     monkeypatch.setattr(hopper_bwd, "delta",
-                        lambda o4, do4, launched, res, acc: seen.update(delta=res) or res.zero_())
+                        lambda o4, do4, launched, res, **kw: seen.update(delta=res) or res.zero_())
     lse2 = torch.randn(h, total)
     dq, dk, dv = hopper_bwd.hopper_backward(torch.randn_like(q), q, k, v, torch.randn_like(q),
                                             lse2, p)  # fmt: skip
@@ -606,7 +606,7 @@ def test_host_path_passes_the_variants(monkeypatch):
                                   alibi_slopes=slopes, sinks=torch.zeros(h))  # fmt: skip
     seen = {}
     monkeypatch.setattr(hopper_bwd, "launch", lambda fn, grid, args, *a: seen.update(args))
-    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
+    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, **kw: res.zero_())
     do = torch.randn(q.shape, dtype=q.dtype, generator=g)
     out = torch.randn(q.shape, dtype=q.dtype, generator=g)
     hopper_bwd.hopper_backward(do, q, k, k.clone(), out, torch.randn(b, h, sq, generator=g),
