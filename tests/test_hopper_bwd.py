@@ -388,7 +388,7 @@ def test_host_path_builds_the_launch(deterministic, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
     monkeypatch.setattr(portable, "_dq_launch", fake_dq)
     if not deterministic:
-        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, **kw: res.zero_())
+        monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
     dq, dk, dv = hopper_bwd.hopper_backward(do, q, k, v, out, lse2, problem)
     block_m = hopper_bwd.BWD_CONFIGS[128][0]
     args = seen["args"]
@@ -498,7 +498,7 @@ def test_d64_plain_attention_takes_128_row_steps(causal, monkeypatch):
         args["dq_desc"].base.fill_(2.0)
 
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
-    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, **kw: res.zero_())
+    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
     dq, _, _ = hopper_bwd.hopper_backward(do, q, k, v, out, torch.randn(b, h, sq), problem,
                                           atomic_dq=True)  # fmt: skip
     args = seen["args"]
@@ -560,7 +560,7 @@ def test_host_path_builds_the_packed_launch(deterministic, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
     monkeypatch.setattr(portable, "_dq_launch", fake_dq)
     monkeypatch.setattr(hopper_bwd, "delta",
-                        lambda o4, do4, launched, res, **kw: seen.update(delta=res) or res.zero_())
+                        lambda o4, do4, launched, res, acc: seen.update(delta=res) or res.zero_())
     lse2 = torch.randn(h, total)
     dq, dk, dv = hopper_bwd.hopper_backward(torch.randn_like(q), q, k, v, torch.randn_like(q),
                                             lse2, p)  # fmt: skip
@@ -606,7 +606,7 @@ def test_host_path_passes_the_variants(monkeypatch):
                                   alibi_slopes=slopes, sinks=torch.zeros(h))  # fmt: skip
     seen = {}
     monkeypatch.setattr(hopper_bwd, "launch", lambda fn, grid, args, *a: seen.update(args))
-    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, **kw: res.zero_())
+    monkeypatch.setattr(hopper_bwd, "delta", lambda o4, do4, launched, res, acc: res.zero_())
     do = torch.randn(q.shape, dtype=q.dtype, generator=g)
     out = torch.randn(q.shape, dtype=q.dtype, generator=g)
     hopper_bwd.hopper_backward(do, q, k, k.clone(), out, torch.randn(b, h, sq, generator=g),
@@ -720,44 +720,6 @@ def test_gpu_hopper_bwd_causal_grid_in_sections(d, deterministic, monkeypatch):
     _run_and_check(*_inputs(5, 4, 1, 333, 517, d, torch.bfloat16, device="cuda"), True,
                    backend="hopper", deterministic=deterministic)  # fmt: skip
     assert sections and set(sections) == {5}
-
-
-# (batch, heads, kv heads, seqlen_q, seqlen_k, head dim): odd lengths both ways, GQA / MQA,
-# key blocks that see no query (causal, more keys than queries), the layouts' views
-PERSISTENT_SHAPES = [(5, 4, 1, 333, 517, 64), (3, 4, 2, 700, 301, 128), (2, 6, 3, 1000, 1000, 64),
-                     (2, 2, 2, 129, 1531, 96), (1, 8, 8, 2048, 2048, 128)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", [1, 2], ids=["round-robin", "counter"])
-@pytest.mark.parametrize("programs", [3, 132], ids=lambda n: f"{n}programs")
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))
-def test_gpu_hopper_bwd_persistent(shape, causal, programs, mode, monkeypatch):
-    """The persistent build (hopper_bwd.PERSISTENT, forced; key blocks round robin or from the
-    counter) on ``programs`` programs, so each walks many key blocks (the Q / dO ring, the dS
-    and dQ tiles' turns and K / V's barrier carried across them): every gradient by the 3x
-    rule, and the kernel launched persistent."""
-    from diyfa._launcher import ReplayCache
-
-    _hopper_only(monkeypatch)
-    monkeypatch.setattr(hopper_bwd, "_REPLAYS", ReplayCache())  # every call launches
-    monkeypatch.setattr(hopper_bwd, "PERSISTENT", mode)
-    monkeypatch.setattr(hopper_bwd, "_sm_count", lambda device: programs)
-    launched = []
-    bwd_args = hopper_bwd.bwd_args
-
-    def spy(*args, **kwargs):
-        grid, kernel_args, warps = bwd_args(*args, **kwargs)
-        launched.append((grid, kernel_args["PERSISTENT"], kernel_args["items"]))
-        return grid, kernel_args, warps
-
-    monkeypatch.setattr(hopper_bwd, "bwd_args", spy)
-    b, h, hk, sq, sk, d = shape
-    _run_and_check(*_inputs(b, h, hk, sq, sk, d, torch.bfloat16, device="cuda"), causal,
-                   backend="hopper")  # fmt: skip
-    assert launched and all(mode_ == mode and grid[0] == min(programs, items)
-                            for grid, mode_, items in launched)  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -117,7 +117,6 @@ every sequence's gradients are its own.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -151,11 +150,8 @@ from diyfa.attention.hopper_fwd import (
     SHORT_WORK_D64,
     _desc,
     _dropout,
-    _get_tile,
     _key_group,
-    _put_tile,
     _seq,
-    _stage,
     _tanh,
     _tile2d,
     alibi_flag,
@@ -168,7 +164,6 @@ from diyfa.attention.hopper_fwd import (
 )
 from diyfa.attention.hopper_fwd import supports as forward_supports
 from diyfa.attention.problem import Problem
-from diyfa.device import kernel_limits
 
 SUB_N = 64  # keys per consumer warpgroup: one m64 wgmma
 CONSUMERS = 2
@@ -434,18 +429,14 @@ ATOMIC_D64_KEYS = 2048
 # Device code
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_delta(O, DO, DELTA, ACC, COUNTER, stride_ob, stride_oh, stride_os, stride_od,
+def _bwd_delta(O, DO, DELTA, ACC, stride_ob, stride_oh, stride_os, stride_od,
                stride_dob, stride_doh, stride_dos, stride_dod, heads, seqlen_q, acc_rows,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ACC_DIM: tl.constexpr,
-               BLOCK: tl.constexpr, ZERO_COUNTER: tl.constexpr):
+               BLOCK: tl.constexpr):
     """delta = rowsum(dO * O) in fp32 for BLOCK rows of one (batch, head); DELTA is (batch,
     heads, seqlen_q) contiguous. With ACC_DIM > 0 it also zeroes those rows of the atomic
     dQ's fp32 workspace ACC, (batch, heads, acc_rows, ACC_DIM) contiguous, acc_rows >=
-    seqlen_q (the grid covers acc_rows): one launch fewer than a separate fill; ZERO_COUNTER,
-    the persistent kernel's int32 work counter too (program (0, 0))."""
-    if ZERO_COUNTER:
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(COUNTER, 0)
+    seqlen_q (the grid covers acc_rows): one launch fewer than a separate fill."""
     off_bh = tl.program_id(0)  # batch x heads on axis 0 (CUDA allows 2^31 - 1 there)
     off_b = (off_bh // heads).to(tl.int64)
     off_h = (off_bh % heads).to(tl.int64)
@@ -504,8 +495,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon.jit
 def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
                 TILES, section, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                WINDOW: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr = 0,
-                item=0, items=0):
+                WINDOW: gl.constexpr, VARLEN: gl.constexpr):
     """(first key, tensor batch index, sequence, kv head, first query block, query blocks per
     head, first query row, first key row, seqlen_q, seqlen_k, causal offset) of this
     program; keys and query rows are counted from the sequence's start. Packed sequences
@@ -516,7 +506,7 @@ def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset,
     key j only if j <= i + causal_offset), those wholly above the band; with a left window
     (j >= i + left_offset), those wholly below it. Otherwise program p of the 1-D grid:
     (batch, kv head) rows in sections of ``section`` rows, each section key block by key
-    block (``place_work``); PERSISTENT: work item ``item`` of ``items`` in that order."""
+    block (``place_work``)."""
     if VARLEN:
         item = gl.program_id(0)
         off_b = gl.load(TILES + 2 * item)
@@ -525,16 +515,11 @@ def _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset,
     else:
         # Program p of the 1-D grid: the (batch, kv head) rows in sections of ``section``,
         # each section key block by key block (section 1: row by row, key blocks in order)
-        w = gl.program_id(0)
-        total = gl.num_programs(0)
-        if PERSISTENT:
-            w = item
-            total = items
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
-        rows = total // num_n
+        rows = gl.num_programs(0) // num_n
         per = section * num_n
-        first = w // per * section
-        within = w - first * num_n
+        first = gl.program_id(0) // per * section
+        within = gl.program_id(0) - first * num_n
         size = gl.minimum(section, rows - first)
         blk = within // size
         n0 = blk * BLOCK_N
@@ -577,22 +562,20 @@ def _stats_async(LSE, DELTA, lse_smem, delta_smem, bar, rows, seqlen_rows, tb, h
 
 
 @gluon.jit
-def _load_item(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs, v_bufs,
-               lse_bufs, delta_bufs, kv_ready, ready, empty, heads, kv_group, seqlen_q,
-               seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K, TILES, section, it,
-               item, items, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
-               PERSISTENT: gl.constexpr):
-    """One key block's loads (work item ``item``; the caller has waited for K and V's
-    buffers): its K and V (each consumer's 64-key half), then Q, dO, LSE and delta of every
-    (query head of the group, query block) step through the ring, ``it`` counting the
-    program's steps; returns ``it`` past this block's."""
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
+                k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready,
+                ready, empty, heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset,
+                left_offset, CU_Q, CU_K, TILES, section, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                VARLEN: gl.constexpr):
+    """The loader warp: this program's K and V (each consumer's 64-key half), then Q, dO,
+    LSE and delta of every (query head of the group, query block) step through the ring."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     SUB_N: gl.constexpr = k_bufs.type.shape[3]
     CONSUMERS: gl.constexpr = k_bufs.type.shape[0]
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     n0, tb, _b, off_hk, m_lo, num_m, q_start, k_start, seqlen_rows, _sk, _co = _kv_program(
         heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
-        section, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN, PERSISTENT, item, items)
+        section, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN)
     offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
     mbarrier.expect(kv_ready.index(0),
                     CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
@@ -605,13 +588,12 @@ def _load_item(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_b
     # division by num_m per step, as in the consumers).
     off_h = off_hk * kv_group
     mi = 0
-    it0 = it
-    for it in range(it0, it0 + kv_group * num_m):
+    for it in range(kv_group * num_m):
         row0 = (m_lo + mi) * BLOCK_M
-        s, phase = _stage(it, STAGES)
+        s = it % STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first
         # lap's waits on "empty" pass at once.
-        mbarrier.wait(empty.index(s), phase ^ 1)
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         _stats_async(LSE, DELTA, lse_bufs.index(s), delta_bufs.index(s), ready.index(s),
                      row0 + offs, seqlen_rows, tb, heads, off_h, seqlen_q, total_q, q_start,
                      VARLEN)  # fmt: skip
@@ -624,48 +606,6 @@ def _load_item(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_b
         if mi == num_m:
             mi = 0
             off_h += 1
-    return it0 + kv_group * num_m
-
-
-@gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
-                k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, item_slot,
-                ready, empty, heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset,
-                left_offset, CU_Q, CU_K, TILES, section, COUNTER, items, CAUSAL: gl.constexpr,
-                WINDOW: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The loader warp: this program's key block (:func:`_load_item`), or, PERSISTENT, work
-    item program_id and then those the atomic ``COUNTER`` hands out (plus the grid) while
-    they last, each once both consumers have released the K and V before (``kv_empty``), its
-    number passed to them through ``item_slot`` (``items``: none left)."""
-    if PERSISTENT:
-        lap = 0
-        it = 0
-        w = gl.program_id(0)
-        while w < items:
-            # (a fresh mbarrier: the first wait passes at once)
-            mbarrier.wait(kv_empty.index(0), (lap & 1) ^ 1)
-            if PERSISTENT == 2:
-                _put_tile(item_slot.index(0), w)
-            it = _load_item(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs,
-                            k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty,
-                            heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset,
-                            left_offset, CU_Q, CU_K, TILES, section, it, w, items, CAUSAL,
-                            WINDOW, VARLEN, PERSISTENT)  # fmt: skip
-            lap += 1
-            if PERSISTENT == 2:
-                w = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
-            else:
-                w += gl.num_programs(0)
-        if PERSISTENT == 2:
-            mbarrier.wait(kv_empty.index(0), (lap & 1) ^ 1)
-            _put_tile(item_slot.index(0), items)
-            mbarrier.arrive(kv_ready.index(0))  # no bytes: "nothing left"
-    else:
-        _load_item(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
-                   v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, heads, kv_group,
-                   seqlen_q, seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K, TILES,
-                   section, gl.to_tensor(0), 0, 0, CAUSAL, WINDOW, VARLEN,
-                   PERSISTENT)  # fmt: skip
 
 
 @gluon.jit
@@ -848,31 +788,25 @@ def _split_tile(ds_ready, dq_bufs, it, C: gl.constexpr, CONSUMERS: gl.constexpr,
     consumer's fp32 tile ``it % 2``; returns that tile's index in ``dq_bufs``."""
     SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
     gl.static_assert(SPLIT == CONSUMERS, "a column half per consumer")
-    b, phase = _stage(it, 2)
     if not NAMED:  # (NAMED: the consumers met on a named barrier already)
-        mbarrier.wait(ds_ready.index(b), phase)
+        mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
     tma.store_wait(1)
     gl.thread_barrier()
-    return C * SPLIT + b  # its two tiles in turn
+    return C * SPLIT + it % 2  # its two tiles in turn
 
 
 @gluon.jit
-def _consumer_item(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
-                   v_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, ready, empty, ds_ready, done,
-                   heads, kv_group,
-                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
-                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep, it, item, items,
-                   CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                   DQ_ROWS: gl.constexpr, C: gl.constexpr, DROPOUT: gl.constexpr,
-                   PERSISTENT: gl.constexpr):
-    """Consumer warpgroup C on one key block (work item ``item``): keys [n0 + 64 C, n0 + 64
-    C + 64), ``it`` counting the program's steps (returned past this block's). PERSISTENT:
-    the caller has waited for the block's K and V; K and V are released to the loader once
-    the steps are done (``kv_empty``), and dK / dV leave through this consumer's own fp32 dQ
-    tiles (the next block's K and V load meanwhile)."""
+def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
+                  v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads,
+                  kv_group,
+                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
+                  stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
+                  qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
+                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+                  CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+                  DQ_ROWS: gl.constexpr, C: gl.constexpr, DROPOUT: gl.constexpr):
+    """Consumer warpgroup C: keys [n0 + 64 C, n0 + 64 C + 64) of the program's block."""
     BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
     SUB_N: gl.constexpr = k_bufs.type.shape[3]
@@ -900,8 +834,7 @@ def _consumer_item(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
 
     n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
-                    TILES, section, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN,
-                    PERSISTENT, item, items))
+                    TILES, section, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN))
     key0 = n0 + C * SUB_N
     offs_k = key0 + gl.arange(0, SUB_N, layout=key_layout)
     # Steps that need a mask: past the last key (this consumer's keys run off the end),
@@ -912,8 +845,7 @@ def _consumer_item(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
     v_smem = _tile2d(v_bufs, C)
     dk = gl.zeros([SUB_N, HEAD_DIM], gl.float32, layout=d_layout)
     dv = gl.zeros([SUB_N, HEAD_DIM], gl.float32, layout=d_layout)
-    if not PERSISTENT:
-        mbarrier.wait(kv_ready.index(0), 0)
+    mbarrier.wait(kv_ready.index(0), 0)
     # Step it: query head off_h, query block m_lo + mi, advanced at the step's end (a
     # division by num_m per step sat on the softmax's path: ncu, 2026-11-24).
     off_h = off_hk * kv_group
@@ -921,16 +853,15 @@ def _consumer_item(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
     if DROPOUT:  # the forward's mask, drawn again: this consumer's keys' groups
         drop_keys = (_key_group(offs_k) << 1) | (offs_k & 1)
         drop_scale = 1.0 / dropout_keep
-    it0 = it
-    for it in range(it0, it0 + kv_group * num_m):
+    for it in range(kv_group * num_m):
         row0 = (m_lo + mi) * BLOCK_M
         offs_m = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
         slope2 = 0.0
         if ALIBI:  # the (sequence, head)'s slope times log2(e)
             slope2 = gl.load(SLOPES + off_b * stride_slopes_b + off_h) * 1.4426950408889634
 
-        s, phase = _stage(it, STAGES)
-        mbarrier.wait(ready.index(s), phase)
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         # The block's row statistics came with Q and dO (the loader's cp.async). Rows past
         # seqlen_q come zero-filled, as do their Q and dO (TMA): P^T = 1 there but dO = 0
         # and delta = dP^T = 0, so they add nothing to dV, dK or dQ. A row that saw no key in
@@ -991,14 +922,14 @@ def _consumer_item(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
         ds16 = (pt * dpt).to(dtype)
         if DQ_ATOMIC:
             # This consumer's 64 rows of the step's (128 keys, BLOCK_M) dS^T, for dQ below.
-            ds_all = ds_bufs.index(_stage(it, 2)[0])
+            ds_all = ds_bufs.index(it % 2)
             ds_all.slice(C * SUB_N, SUB_N, dim=0).store(ds16)
             fence_async_shared()
             if NAMED:
                 named_barrier(DS_BARRIER, 2 * 128)
             else:
                 gl.thread_barrier()  # every thread's rows are written before the arrival
-                mbarrier.arrive(ds_ready.index(_stage(it, 2)[0]))
+                mbarrier.arrive(ds_ready.index(it % 2))
         dsa = gl.convert_layout(ds16, a_layout)
         if MODE == 3 or MODE == 4:
             # (DQ_FA3_ORDER) The column-half split below in FlashAttention-3's order: this
@@ -1064,22 +995,7 @@ def _consumer_item(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
     # Epilogue: a packed sequence's last block by masked stores, every other one by TMA.
     # (The plain kernel passes a literal False: a run-time flag there, even one always
     # false, fails Triton 3.6's lowering to LLVM with both stores under one branch.)
-    if PERSISTENT:
-        # Every product that read K or V is done (both consumers' arrivals free them); dK
-        # and dV go out through this consumer's two fp32 dQ tiles (16 KB each; dK / dV's
-        # 16-bit tile is 8 or 16 KB) once its last reduce-adds have read them.
-        mbarrier.arrive(kv_empty.index(0))
-        tma.store_wait(0)
-        SPLIT: gl.constexpr = dq_bufs.type.shape[0] // CONSUMERS
-        stage_k = dq_bufs.index(C * SPLIT)._reinterpret(dtype, [1] + dk_desc.block_type.shape,
-                                                        dk_desc.layout)  # fmt: skip
-        stage_v = dq_bufs.index(C * SPLIT + 1)._reinterpret(
-            dtype, [1] + dv_desc.block_type.shape, dv_desc.layout)  # fmt: skip
-        _store_dkdv(dk, dv, _tile2d(stage_k, 0), _tile2d(stage_v, 0), stage_k, stage_v, done,
-                    dk_desc, dv_desc, DK, DV, stride_dks, stride_dkh, stride_dvs, stride_dvh,
-                    head_dim, sm_scale, tb, off_hk, k_start, key0, seqlen_k, False, 0,
-                    0)  # fmt: skip
-    elif VARLEN:
+    if VARLEN:
         _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, DK, DV,
                     stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb,
                     off_hk, k_start, key0, seqlen_k, key_tail, DQ_ATOMIC, C)  # fmt: skip
@@ -1087,114 +1003,48 @@ def _consumer_item(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_b
         _store_dkdv(dk, dv, k_smem, v_smem, k_bufs, v_bufs, done, dk_desc, dv_desc, DK, DV,
                     stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, sm_scale, tb,
                     off_hk, k_start, key0, seqlen_k, False, DQ_ATOMIC, C)  # fmt: skip
-    return it0 + kv_group * num_m
-
-
-@gluon.jit
-def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
-                  v_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, item_slot, ready, empty,
-                  ds_ready, done, heads, kv_group,
-                  seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
-                  stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-                  qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep, items,
-                  CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                  DQ_ROWS: gl.constexpr, C: gl.constexpr, DROPOUT: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
-    """Consumer warpgroup C: the program's key block (:func:`_consumer_item`), or,
-    PERSISTENT, the loader's work items (``item_slot``, read once their K and V are in;
-    ``items``: none left)."""
-    if PERSISTENT == 1:
-        it = 0
-        grid = gl.num_programs(0)
-        for lap in range(0, gl.cdiv(items - gl.program_id(0), grid)):
-            mbarrier.wait(kv_ready.index(0), lap & 1)
-            it = _consumer_item(
-                dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
-                v_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, ready, empty, ds_ready, done,
-                heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK,
-                DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-                qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                alibi_offset, dropout_seed, dropout_thresh, dropout_keep, it,
-                gl.program_id(0) + lap * grid, items, CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI,
-                VARLEN, DQ_ROWS, C, DROPOUT, PERSISTENT)  # fmt: skip
-    elif PERSISTENT:
-        lap = 0
-        it = 0
-        mbarrier.wait(kv_ready.index(0), 0)
-        w = _get_tile(item_slot.index(0))
-        while w < items:
-            it = _consumer_item(
-                dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
-                v_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, ready, empty, ds_ready, done,
-                heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK,
-                DV, stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
-                qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                alibi_offset, dropout_seed, dropout_thresh, dropout_keep, it, w, items, CAUSAL,
-                DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, C, DROPOUT,
-                PERSISTENT)  # fmt: skip
-            lap += 1
-            mbarrier.wait(kv_ready.index(0), lap & 1)
-            w = _get_tile(item_slot.index(0))
-    else:
-        _consumer_item(
-            dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-            ds_bufs, dq_bufs, kv_ready, kv_empty, ready, empty, ds_ready, done, heads,
-            kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
-            stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset, qk_scale,
-            sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
-            dropout_seed, dropout_thresh, dropout_keep, gl.to_tensor(0), 0, 0, CAUSAL,
-            DQ_ATOMIC, WINDOW,
-            SOFTCAP, ALIBI, VARLEN, DQ_ROWS, C, DROPOUT, PERSISTENT)  # fmt: skip
 
 
 @gluon.jit
 def _bwd_consumer0(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                    v_bufs,
-                   ds_bufs, dq_bufs, kv_ready, kv_empty, item_slot, ready, empty, ds_ready, done,
-                   heads, kv_group,
+                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                    seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep, items,
+                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                   DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr):
+                   DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs,
-                  ds_bufs, dq_bufs, kv_ready, kv_empty, item_slot, ready, empty, ds_ready, done,
-                  heads, kv_group,
+                  ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep, items, CAUSAL,
-                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 0, DROPOUT,
-                  PERSISTENT)  # fmt: skip
+                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL,
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 0, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
 def _bwd_consumer1(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                    v_bufs,
-                   ds_bufs, dq_bufs, kv_ready, kv_empty, item_slot, ready, empty, ds_ready, done,
-                   heads, kv_group,
+                   ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                    seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                    stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                    qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep, items,
+                   alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
                    CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, WINDOW: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                   DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr):
+                   DQ_ROWS: gl.constexpr, DROPOUT: gl.constexpr):
     _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs, k_bufs,
                   v_bufs,
-                  ds_bufs, dq_bufs, kv_ready, kv_empty, item_slot, ready, empty, ds_ready, done,
-                  heads, kv_group,
+                  ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready, done, heads, kv_group,
                   seqlen_q, seqlen_k, total_q, CU_Q, CU_K, TILES, section, DK, DV,
                   stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                   qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep, items, CAUSAL,
-                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 1, DROPOUT,
-                  PERSISTENT)  # fmt: skip
+                  alibi_offset, dropout_seed, dropout_thresh, dropout_keep, CAUSAL,
+                  DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, 1, DROPOUT)  # fmt: skip
 
 
 @gluon.jit
@@ -1208,8 +1058,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      VARLEN: gl.constexpr, DQ_ROWS: gl.constexpr,
-                     DROPOUT: gl.constexpr = False, COUNTER=0, items=0,
-                     PERSISTENT: gl.constexpr = 0):
+                     DROPOUT: gl.constexpr = False):
     """Grid (cdiv(seqlen_k, 128) * batch * kv_heads,) in ``section``'s order (``_kv_program``;
     packed sequences: below), launched with num_warps=4 (consumer 0); the partitions add 4
     warps (consumer 1) and 1 loader warp.
@@ -1224,10 +1073,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     heads, dim), strides stride_dk* / stride_dv*; ``head_dim`` the real head dim), since a
     TMA store would write the next sequence's rows. The variants (WINDOW, SOFTCAP, ALIBI;
     sinks need nothing here: they are in the LSE; DROPOUT, the forward's mask drawn again,
-    ``hopper_fwd._dropout``) as the forward's ``variant_args`` sets them. PERSISTENT (plain
-    batches, the split atomic dQ: :func:`persistent`): a grid of at most one program per SM,
-    each taking the ``items`` key blocks of the grid above in turn from the int32 ``COUNTER``
-    (zeroed by the delta kernel)."""
+    ``hopper_fwd._dropout``) as the forward's ``variant_args`` sets them."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     SUB_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -1255,12 +1101,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    # PERSISTENT: K and V released by both consumers; the work item their buffers hold
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    item_slot = gl.allocate_shared_memory(gl.int32, [1, 1],
-                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     mbarrier.init(kv_ready.index(0), count=1)
-    mbarrier.init(kv_empty.index(0), count=2)  # one arrival per consumer
     mbarrier.init(ds_ready.index(0), count=2)  # one arrival per consumer
     mbarrier.init(ds_ready.index(1), count=2)
     mbarrier.init(done.index(0), count=2)
@@ -1271,28 +1112,25 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DEL
     # members would reach the partitions as run-time values.)
     gl.warp_specialize([
         (_bwd_consumer0, (dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs,
-                          k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, item_slot,
-                          ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                          total_q, CU_Q, CU_K, TILES, section, DK, DV,
+                          k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready,
+                          done, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
+                          TILES, section, DK, DV,
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                          alibi_offset, dropout_seed, dropout_thresh, dropout_keep, items,
-                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, DROPOUT,
-                          PERSISTENT)),
+                          alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, DROPOUT)),
         (_bwd_consumer1, (dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bufs,
-                          k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, item_slot,
-                          ready, empty, ds_ready, done, heads, kv_group, seqlen_q, seqlen_k,
-                          total_q, CU_Q, CU_K, TILES, section, DK, DV,
+                          k_bufs, v_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, ds_ready,
+                          done, heads, kv_group, seqlen_q, seqlen_k, total_q, CU_Q, CU_K,
+                          TILES, section, DK, DV,
                           stride_dks, stride_dkh, stride_dvs, stride_dvh, head_dim, causal_offset,
                           qk_scale, sm_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b,
-                          alibi_offset, dropout_seed, dropout_thresh, dropout_keep, items,
-                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, DROPOUT,
-                          PERSISTENT)),
+                          alibi_offset, dropout_seed, dropout_thresh, dropout_keep,
+                          CAUSAL, DQ_ATOMIC, WINDOW, SOFTCAP, ALIBI, VARLEN, DQ_ROWS, DROPOUT)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_bufs, do_bufs, k_bufs,
-                       v_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, item_slot, ready,
-                       empty, heads, kv_group, seqlen_q, seqlen_k, total_q, causal_offset,
-                       left_offset, CU_Q, CU_K, TILES, section, COUNTER, items, CAUSAL, WINDOW,
-                       VARLEN, PERSISTENT)),
+                       v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, heads, kv_group,
+                       seqlen_q, seqlen_k, total_q, causal_offset, left_offset, CU_Q, CU_K,
+                       TILES, section, CAUSAL, WINDOW, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -1353,17 +1191,14 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
              softmax_scale: float, causal: bool, dq_atomic: bool,
              config: tuple | None = None, qk_scale: float | None = None,
              variants: dict | None = None,
-             packed: dict | None = None, counter: torch.Tensor | None = None,
-             sm_count: int = 132) -> tuple[tuple, dict, int]:
+             packed: dict | None = None) -> tuple[tuple, dict, int]:
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views; ``dq_acc``
     is the fp32 workspace (atomic dQ) or any tensor (kernel dQ: not read). ``qk_scale`` and
     ``variants`` as :func:`~diyfa.attention.hopper_fwd.variant_args` gives them with
     ``backward=True`` (default: softmax_scale * log2(e), no variant); the sinks' entries are
     dropped (the LSE
     holds them). ``packed`` (packed sequences: the views are batch-of-one): the sequence
-    count, longest lengths and the VARLEN kernel arguments (:func:`hopper_backward`).
-    ``counter``: a zeroed int32 (the delta kernel zeroes it) for the persistent build, which
-    runs where :func:`persistent` says so, on at most ``sm_count`` programs."""
+    count, longest lengths and the VARLEN kernel arguments (:func:`hopper_backward`)."""
     b, h, sq, d = q4.shape
     sk = k4.shape[2]
     if packed is not None:
@@ -1407,26 +1242,7 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
     args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
     grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], band,
                       lse2.device, row_bytes)  # fmt: skip
-    args.update(COUNTER=lse2, items=0, PERSISTENT=0)
-    if counter is not None and persistent(dq_mode, packed is not None):
-        args.update(COUNTER=counter, items=grid[0], PERSISTENT=PERSISTENT)
-        grid = (min(grid[0], sm_count),)
     return grid, args, 4
-
-
-# The persistent build (the kernel's PERSISTENT): at most one program per SM, each taking the
-# grid's key blocks in turn from an atomic counter, the next block's K and V loading while the
-# consumers store the last one's dK and dV (through their fp32 dQ tiles, free by then) and the
-# Q / dO ring running on across blocks; without it, each key block's program waits for its K
-# and V after the one before it has left the SM. Plain batches with the split atomic dQ
-# (modes 2-4: each consumer owns two dQ tiles); packed sequences and the turns keep a program
-# per key block.
-PERSISTENT = 0  # 1: the key blocks round robin (program p takes p, p + grid, ...); 2: counter
-
-
-def persistent(dq_mode: int, packed: bool) -> bool:
-    """Whether :func:`bwd_args` builds the persistent kernel (given a counter)."""
-    return bool(PERSISTENT) and dq_mode in (2, 3, 4) and not packed
 
 
 # The order of a causal call's programs: its (batch, kv head) rows in sections whose Q, dO
@@ -1438,6 +1254,12 @@ def persistent(dq_mode: int, packed: bool) -> bool:
 # ORDER_NONCAUSAL: the same sections for calls without the band.
 ORDER_L2_BYTES = 40 * 2**20
 ORDER_NONCAUSAL = False
+# (A persistent grid, at most one program per SM walking these key blocks in turn, the next
+# block's K and V loading while the consumers stored dK / dV through their fp32 dQ tiles, was
+# built and measured slower on 2026-11-26 (commits acef859..6a9f124, reverted;
+# docs/attention.md, "A persistent backward"): blocks from an atomic counter 0.81x / 0.77x at
+# d128 causal 2k / 4k (the item read from shared memory is not uniform to ptxas: spills in
+# the step loop), 0.99-1.01x at d64; blocks round robin 0.91x at d64 2k.)
 
 
 def l2_row_bytes(q4, do4, kv_heads: int, seqlen_q: int, dq_atomic) -> int:
@@ -1520,22 +1342,18 @@ def compile_bwd_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     flags, pack = compile_setup(head_dim, dtype, variants, packed, causal)
     if packed:
         q, kv, stats, dq_acc = q[:1], kv[:1], stats[0], dq_acc[:1]
-    counter = torch.zeros(1, dtype=torch.int32)
     _, args, num_warps = bwd_args(q, kv, kv, q, kv, kv, stats, stats, dq_acc, 0, 0.1, causal,
-                                  dq_atomic, config, variants=flags, packed=pack,
-                                  counter=counter)  # fmt: skip
+                                  dq_atomic, config, variants=flags, packed=pack)  # fmt: skip
     return compile_for_sm90(_attn_bwd_hopper, args, num_warps)
 
 
 def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
-          res: torch.Tensor | None = None, acc: torch.Tensor | None = None,
-          counter: torch.Tensor | None = None) -> torch.Tensor:
+          res: torch.Tensor | None = None, acc: torch.Tensor | None = None) -> torch.Tensor:
     """rowsum(dO * O) in fp32, (batch, heads, seqlen_q), for (batch, heads, seqlen, dim)
     views of any strides (one Triton kernel; runs in the interpreter too), into ``res``
     (contiguous) when given. ``acc``: the atomic dQ's fp32 workspace, (batch, heads, rows >=
-    seqlen_q, padded dim) contiguous, which the same kernel zeroes, as it does ``counter``
-    (an int32, the persistent kernel's). ``launched``: a list that gets the GPU launch's (fn,
-    kernel, grid, args), for a Replay."""
+    seqlen_q, padded dim) contiguous, which the same kernel zeroes. ``launched``: a list that
+    gets the GPU launch's (fn, kernel, grid, args), for a Replay."""
     b, h, sq, d = out4.shape
     if res is None:
         res = torch.empty((b, h, sq), dtype=torch.float32, device=out4.device)
@@ -1544,9 +1362,7 @@ def delta(out4: torch.Tensor, do4: torch.Tensor, launched: list | None = None,
         return res
     block = 64
     so, sdo = out4.stride(), do4.stride()
-    args = dict(O=out4, DO=do4, DELTA=res, ACC=res if acc is None else acc,
-                COUNTER=res if counter is None else counter, ZERO_COUNTER=counter is not None,
-                stride_ob=so[0],
+    args = dict(O=out4, DO=do4, DELTA=res, ACC=res if acc is None else acc, stride_ob=so[0],
                 stride_oh=so[1], stride_os=so[2], stride_od=so[3], stride_dob=sdo[0],
                 stride_doh=sdo[1], stride_dos=sdo[2], stride_dod=sdo[3], heads=h, seqlen_q=sq,
                 acc_rows=acc_rows, HEAD_DIM=d, HEAD_DIM_PAD=max(16, next_power_of_2(d)),
@@ -1606,15 +1422,10 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     launch_config = config or default_config(p, variants)
     block_m = launch_config[0]
     stats = torch.empty_like(lse2) if delta_out is None else delta_out  # delta = rowsum(dO * O)
-    counter = None
     if atomic_dq:  # the fp32 dQ workspace the kernel's TMA reduce-adds go to
         shape = ((1, p.heads, p.total_q, dpad) if varlen else
                  (p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad))  # fmt: skip
-        # (zeroed by delta, with the persistent kernel's work counter behind it)
-        flat = torch.empty(math.prod(shape) + 1, dtype=torch.float32, device=q.device)
-        dq_acc = flat[:-1].view(shape)
-        if not varlen and dpad < 256:
-            counter = flat[-1:].view(torch.int32)
+        dq_acc = torch.empty(shape, dtype=torch.float32, device=q.device)  # zeroed by delta
     else:  # (the kernel reads nothing through it)
         dq_acc = stats
     permuted = dq_rows_permuted(atomic_dq, varlen)
@@ -1627,8 +1438,6 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         roles["dq"] = dq
         if atomic_dq:
             roles["dq_acc"] = dq_acc
-        if counter is not None:
-            roles["counter"] = counter
         replay = _REPLAYS.get(key)
         if replay is not None and replay.run(roles):
             return dq, dk, dv
@@ -1638,7 +1447,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         # kernel for dK and dV only.
         launched.append(portable._dq_launch(do, q, k, v, out, lse2, dq, stats, p))
     else:
-        delta(o4, do4, launched, res=stats, acc=dq_acc, counter=counter)
+        delta(o4, do4, launched, res=stats, acc=dq_acc)
     dk4, dv4 = view(dk), view(dv)
     packed = None
     if varlen:  # dK / dV's last block of a sequence by masked stores: their (total, h, d) form
@@ -1660,8 +1469,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
         fn = _attn_bwd_hopper
         grid, args, num_warps = bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, stats, dq_acc, upper,
                                          p.softmax_scale, causal, atomic_dq, launch_config,
-                                         qk_scale, variants, packed, counter,
-                                         _sm_count(q.device))  # fmt: skip
+                                         qk_scale, variants, packed)  # fmt: skip
     kernel = launch(fn, grid, args, {}, num_warps, 1)
     launched.append((fn, kernel, grid, args))
     if atomic_dq:
@@ -1672,11 +1480,6 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
 
 
 _REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
-
-
-def _sm_count(device: torch.device) -> int:
-    """The persistent grid's bound: the device's SM count (an H100's 132 off the GPU)."""
-    return kernel_limits(device.index)["sm_count"] if device.type == "cuda" else 132
 
 
 def _finish(dq4: torch.Tensor, dq_acc: torch.Tensor, scale: float, permuted: bool = False,
