@@ -1259,7 +1259,7 @@ ORDER_NONCAUSAL = False
 # built and measured slower on 2026-11-26 (commits acef859..6a9f124, reverted;
 # docs/attention.md, "A persistent backward"): blocks from an atomic counter 0.81x / 0.77x at
 # d128 causal 2k / 4k (the item read from shared memory is not uniform to ptxas: spills in
-# the step loop), 0.99-1.01x at d64; blocks round robin 0.91x at d64 2k.)
+# the step loop), 0.96-1.01x at d64; blocks round robin 0.91x at d64 2k.)
 
 
 def l2_row_bytes(q4, do4, kv_heads: int, seqlen_q: int, dq_atomic) -> int:
