@@ -550,6 +550,11 @@ ORDER_CHAIN = gl.constexpr(16)  # Config.chain
 # next tile's first block is under way, not before it starts the next tile. Two Q buffers per
 # consumer only: with one, the next tile's Q would wait for the buffer.
 ORDER_DEFER_STORE = gl.constexpr(32)
+# FROZEN_MAX: each row's max is taken from a tile's first block only (FROZEN_HEADROOM above
+# it), then kept: the later blocks run the fixed-max softmax (no row max, no alpha, no O
+# rescale), as softcap's fixed max does.
+ORDER_FROZEN = gl.constexpr(64)
+FROZEN_HEADROOM = gl.constexpr(64.0)
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -608,7 +613,8 @@ def _row_sums(p):
 def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, left_offset,
                   qk_scale, tanh_scale, slope2, alibi_offset, need_mask,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, LAZY: gl.constexpr = 0.0):
+                  ALIBI: gl.constexpr, P_SHIFT: gl.constexpr, LAZY: gl.constexpr = 0.0,
+                  FIXED: gl.constexpr = False):
     """Online softmax of one block of scores ``s`` (raw q.k; qk_scale > 0, so a masked -inf
     stays -inf when scaled): returns (p, m, l, alpha), where alpha = 2^(m_old - m_new)
     rescales what was accumulated before. The variants, in the portable kernel's order:
@@ -667,7 +673,7 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         if WINDOW:
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
-    if SOFTCAP == 2:
+    if SOFTCAP == 2 or FIXED:
         p = gl.exp2(s * qk_scale - m_i[:, None])
         return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
@@ -1022,6 +1028,8 @@ def _open_tile(q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, g, lo, row0, 
         s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
         qk_scale_t, tanh_scale, slope2, alibi_offset,
         (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI, P_SHIFT, LAZY)
+    if P_SHIFT < 0:  # FROZEN (the max kept from here on): a row with no key yet takes 0
+        m_i = gl.where(m_i == float("-inf"), 0.0, m_i)
     if DROPOUT:  # (the row sums l keep every probability; P V only the kept ones)
         p = _dropout(p, _query_group(offs_m), lo * BLOCK_N, drop_bh, dropout_seed,
                      dropout_thresh, False)  # fmt: skip
@@ -1098,6 +1106,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # (head dims of 128 and more: a thread holds LAZY_PACK or more of O's values)
     LAZY: gl.constexpr = (LAZY_RESCALE if (ORDER & ORDER_LAZY) and not FP8
                           and HEAD_DIM_V >= 2 * LAZY_PACK else 0.0)  # fmt: skip
+    FROZEN: gl.constexpr = (ORDER & ORDER_FROZEN) != 0 and not FP8 and SOFTCAP != 2
+    # the first block's max FROZEN_HEADROOM above the true one (p <= 2^-64 there)
+    P_OPEN: gl.constexpr = P_SHIFT - FROZEN_HEADROOM if FROZEN else P_SHIFT
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -1167,7 +1178,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 offs_m, m_i, l_i, seqlen_k_t, causal_offset_t, left_offset, qk_scale_t,
                 tanh_scale, slope2, alibi_offset, first_masked, left_masked,
                 off_b * heads + off_h, dropout_seed, dropout_thresh, s_layout, CONSUMERS, C,
-                CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, ORDER, P_SHIFT, LAZY, QK_IMPRECISE,
+                CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, ORDER, P_OPEN, LAZY, QK_IMPRECISE,
                 QK_HALVES)
             if not LATE_P:
                 p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
@@ -1193,7 +1204,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     m_i, l_i, seqlen_k_t, causal_offset_t, left_offset, qk_scale_t, tanh_scale,
                     slope2, alibi_offset, first_masked, left_masked, drop_bh, dropout_seed,
                     dropout_thresh, s_layout, CONSUMERS, C, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    DROPOUT, ORDER, P_SHIFT, LAZY, QK_IMPRECISE, QK_HALVES)
+                    DROPOUT, ORDER, P_OPEN, LAZY, QK_IMPRECISE, QK_HALVES)
                 if not LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
             if DEFER:  # the tile before's O store has had this tile's first block to run
@@ -1230,7 +1241,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     left_offset,
                     qk_scale_t, tanh_scale, slope2, alibi_offset,
                     (j >= first_masked) | (j < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                    P_SHIFT, LAZY)
+                    P_SHIFT, LAZY, FROZEN)
                 if DROPOUT:
                     p = _dropout(p, drop_rows, j * BLOCK_N, drop_bh, dropout_seed,
                                  dropout_thresh, False)  # fmt: skip
@@ -1246,7 +1257,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 mbarrier.arrive(v_empty.index(prev))  # nor V_{j-1}
                 if not LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
-                if SOFTCAP == 2:  # (a fixed max: alpha is 1)
+                if SOFTCAP == 2 or FROZEN:  # (a fixed max: alpha is 1)
                     pass
                 elif LAZY > 0:
                     acc = _rescale(acc, gl.convert_layout(alpha, orow_layout))
@@ -1310,7 +1321,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s, m_i2, l_i2, lo2 * BLOCK_N, offs_m2, row02, seqlen_k2, causal_offset2,
                     left_offset, qk_scale2, tanh_scale, slope22, alibi_offset,
                     (lo2 >= first_masked2) | (lo2 < left_masked2), CAUSAL, WINDOW, SOFTCAP,
-                    ALIBI, P_SHIFT, LAZY)
+                    ALIBI, P_OPEN, LAZY)
+                if FROZEN:
+                    m_next = gl.where(m_next == float("-inf"), 0.0, m_next)
                 if DROPOUT:
                     p_next = _dropout(p_next, _query_group(offs_m2), lo2 * BLOCK_N,
                                       off_b2 * heads + off_h2, dropout_seed, dropout_thresh,
@@ -1333,7 +1346,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     offs_m2, m_i2, l_i2, seqlen_k2, causal_offset2, left_offset, qk_scale2,
                     tanh_scale, slope22, alibi_offset, first_masked2, left_masked2,
                     off_b2 * heads + off_h2, dropout_seed, dropout_thresh, s_layout, CONSUMERS, C,
-                    CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, ORDER, P_SHIFT, LAZY, QK_IMPRECISE,
+                    CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, ORDER, P_OPEN, LAZY, QK_IMPRECISE,
                     QK_HALVES)
                 if not LATE_P:
                     p16_next = _p_operand(p_next, p_smem, dtype, p_layout, FP8)
@@ -1599,6 +1612,16 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
     return desc
 
 
+# Rows' maxima from each tile's first block only (ORDER_FROZEN), for bf16 plain attention.
+FROZEN_MAX = False
+
+
+def frozen_max(dtype: torch.dtype, variants: dict | None) -> bool:
+    """Whether a call runs with ORDER_FROZEN (:data:`FROZEN_MAX`): bf16 (whose P keeps its
+    precision down to 2^-126), plain attention."""
+    return bool(FROZEN_MAX and dtype == torch.bfloat16 and not variants)
+
+
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
                 num_sms: int, config: tuple | None = None, variants: dict | None = None,
                 packed: dict | None = None, fp8: dict | None = None):
@@ -1640,7 +1663,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 ORDER=(ORDER_PIN.value * (cfg.pin == 1) + ORDER_PIN_GLOBAL.value * (cfg.pin == 2)
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
                        + ORDER_LAZY.value * bool(cfg.lazy)
-                       + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)),
+                       + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
+                       + ORDER_FROZEN.value * frozen_max(q4.dtype, variants)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
                 DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip
