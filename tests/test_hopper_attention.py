@@ -456,6 +456,52 @@ def test_gpu_hopper_lazy_rescale_when_the_max_grows(dtype, d, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("jump", [40.0, 400.0], ids=["kept", "redone"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, monkeypatch):
+    """hopper_fwd.FROZEN_MAX: each row's max comes from its tile's first block (plus
+    FROZEN_HEADROOM), later blocks add 2^(score - that max). Two keys past the first block
+    score about ``jump`` and jump / 2 nats above every key of it (q and those keys share a
+    direction): at 40 nats the probabilities stay finite (up to 2^-6) and the call's second
+    launch does nothing (flag 0); at 400 nats they overflow, the tile flags its rows and the
+    second launch (the running max) redoes the call (flag 1). Out against float64 by the 2x
+    rule, the LSE within 1e-3 of the largest float64 LSE plus 1e-4, either way."""
+    from diyfa.attention import hopper_fwd as hf
+
+    monkeypatch.setattr(hf, "FROZEN_MAX", True)
+    g = torch.Generator(device="cuda").manual_seed(d + 2 * causal + int(jump))
+    b, h, hk, sq, sk = 2, 4, 2, 300, 1000
+    u = torch.randn(d, device="cuda", generator=g)
+    u /= u.norm()
+    alpha = math.sqrt(jump * math.sqrt(d))
+    q = 0.3 * torch.randn(b, h, sq, d, device="cuda", generator=g) + alpha * u
+    k = 0.3 * torch.randn(b, hk, sk, d, device="cuda", generator=g)
+    k[:, :, 700] += alpha * u
+    k[:, :, 900] += 0.7 * alpha * u
+    v = torch.randn(b, hk, sk, d, device="cuda", generator=g)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    p = check_inputs(q, k, v, causal=causal, softmax_scale=None, layout="bhsd",
+                     align="bottom_right")  # fmt: skip
+    out = torch.empty_like(q)
+    lse2 = torch.empty(b, h, sq, device="cuda")
+    grid, args, warps = hf.hopper_args(q, k, v, out, lse2, p.causal_offset,
+                                       p.softmax_scale * 1.4426950408889634, causal,
+                                       torch.cuda.get_device_properties(0).multi_processor_count)
+    assert args["ORDER"] & hf.ORDER_FROZEN.value and args["COUNTER"].numel() == 3
+    hf._launch_call(grid, args, warps)
+    assert args["COUNTER"][1].item() == (1 if jump > 100 else 0)
+    ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal,
+                                 compute_dtype=torch.float64, return_lse=True)  # fmt: skip
+    pt = attention_ref(q, k, v, causal=causal, compute_dtype=torch.bfloat16).double()
+    err, pt_err = (out.double() - ref).abs().max().item(), (pt - ref).abs().max().item()
+    assert err <= 2 * pt_err, (err, pt_err)
+    lse = lse2.double() * math.log(2)
+    lse_err = (lse - ref_lse).abs().max().item()
+    assert lse_err <= 1e-3 * ref_lse.abs().max().item() + 1e-4, lse_err
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_hopper_16k(dtype, monkeypatch):
     _hopper_only(monkeypatch)

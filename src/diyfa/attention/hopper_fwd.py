@@ -985,6 +985,20 @@ def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_
 
 
 @gluon.jit
+def _flag_rows(acc, l_i, offs_m, seqlen_q_t, FLAG, orow_layout: gl.constexpr):
+    """ORDER_FROZEN: sets FLAG where a row of the tile (below ``seqlen_q_t``) has a row sum or
+    an output that is not finite (a later block's scores passed the first block's max by
+    more than the headroom allows, or P V overflowed), so the call runs again without the
+    frozen max (its second launch). (An output row whose sum overflows a finite fp32 flags
+    too: a needless second run, still right.)"""
+    l = gl.convert_layout(gl.sum(l_i, 1), orow_layout)
+    o = gl.sum(acc, 1)
+    nonfinite = (o * 0.0 + l * 0.0) != 0.0  # inf * 0 and NaN are NaN
+    rows = gl.convert_layout(offs_m, orow_layout)
+    gl.store(FLAG + rows * 0, 1, mask=nonfinite & (rows < seqlen_q_t))
+
+
+@gluon.jit
 def _release_q(q_empty, pend):
     """DEFER_O_STORE: once the TMA store of the tile before has read Q buffer ``pend`` (its
     O), the buffer goes back to the loader; -1: none pending. Returns -1."""
@@ -1068,7 +1082,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
-              stride_os, stride_oh, DESCALE, total_q, head_dim,
+              stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
               dropout_seed, dropout_thresh, dropout_keep,
               CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -1355,6 +1369,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
 
         if DEFER:  # (a tile without blocks)
             pend = _release_q(q_empty, pend)
+        if FROZEN:  # (the call's second launch redoes the call if any row is flagged)
+            _flag_rows(acc, l_i, offs_m, seqlen_q_t, FLAG, orow_layout)
         _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
                   offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
                   v_descale, dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8,
@@ -1401,7 +1417,7 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
-               stride_os, stride_oh, DESCALE, total_q,
+               stride_os, stride_oh, DESCALE, FLAG, total_q,
                head_dim, dropout_seed, dropout_thresh, dropout_keep,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -1412,7 +1428,7 @@ def _consumer0(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
-              stride_os, stride_oh, DESCALE, total_q, head_dim,
+              stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
               dropout_seed, dropout_thresh, dropout_keep,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
               0, DROPOUT)  # fmt: skip
@@ -1424,7 +1440,7 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
-               stride_os, stride_oh, DESCALE, total_q,
+               stride_os, stride_oh, DESCALE, FLAG, total_q,
                head_dim, dropout_seed, dropout_thresh, dropout_keep,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -1435,7 +1451,7 @@ def _consumer1(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
-              stride_os, stride_oh, DESCALE, total_q, head_dim,
+              stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
               dropout_seed, dropout_thresh, dropout_keep,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
               1, DROPOUT)  # fmt: skip
@@ -1447,7 +1463,7 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
                tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
                qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
                SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
-               stride_os, stride_oh, DESCALE, total_q,
+               stride_os, stride_oh, DESCALE, FLAG, total_q,
                head_dim, dropout_seed, dropout_thresh, dropout_keep,
                CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WINDOW: gl.constexpr,
                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -1458,7 +1474,7 @@ def _consumer2(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v
               tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k, causal_offset,
               qk_scale, left_offset, tanh_scale, SLOPES, stride_slopes_b, alibi_offset,
               SINK_LOGITS, CU_Q, CU_K, TILES, num_items, tile_group, O, stride_ob,
-              stride_os, stride_oh, DESCALE, total_q, head_dim,
+              stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
               dropout_seed, dropout_thresh, dropout_keep,
               CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER, DYNAMIC,
               2, DROPOUT)  # fmt: skip
@@ -1470,7 +1486,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                      stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES, num_items,
                      tile_group, O,
                      stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim, COUNTER,
-                     dropout_seed, dropout_thresh, dropout_keep,
+                     run_slot, counter_slot, dropout_seed, dropout_thresh, dropout_keep,
                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                      WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
@@ -1484,6 +1500,11 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
     (`_loader`). Launched with num_warps=4 (the first consumer); the partitions add 4 warps per
     further consumer and 1 loader warp. Descriptors are 4-D over (batch, heads, seqlen, dim)
     with blocks (1, 1, rows, padded dim)."""
+    if run_slot >= 0:  # a frozen-max call's second launch: only if a row was not finite
+        if gl.load(COUNTER + run_slot) == 0:
+            return
+    FLAG = COUNTER + 1  # (ORDER_FROZEN: set where a row came out not finite)
+    COUNTER += counter_slot
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS] + q_desc.block_type.shape,
                                        q_desc.layout)  # fmt: skip
@@ -1520,7 +1541,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
-                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          stride_ob, stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
                           dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC, DROPOUT)),
@@ -1529,7 +1550,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
-                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          stride_ob, stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
                           dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC, DROPOUT)),
@@ -1538,7 +1559,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
-                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          stride_ob, stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
                           dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC, DROPOUT)),
@@ -1555,7 +1576,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
-                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          stride_ob, stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
                           dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC, DROPOUT)),
@@ -1564,7 +1585,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
                           seqlen_k, causal_offset, qk_scale, left_offset, tanh_scale, SLOPES,
                           stride_slopes_b, alibi_offset, SINK_LOGITS, CU_Q, CU_K, TILES,
                           num_items, tile_group, O,
-                          stride_ob, stride_os, stride_oh, DESCALE, total_q, head_dim,
+                          stride_ob, stride_os, stride_oh, DESCALE, FLAG, total_q, head_dim,
                           dropout_seed, dropout_thresh, dropout_keep,
                           CAUSAL, CONSUMERS, WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, ORDER,
                           DYNAMIC, DROPOUT)),
@@ -1613,7 +1634,7 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 
 
 # Rows' maxima from each tile's first block only (ORDER_FROZEN), for bf16 plain attention.
-FROZEN_MAX = False
+FROZEN_MAX = True
 
 
 def frozen_max(dtype: torch.dtype, variants: dict | None) -> bool:
@@ -1665,8 +1686,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_LAZY.value * bool(cfg.lazy)
                        + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
                        + ORDER_FROZEN.value * frozen_max(q4.dtype, variants)),
-                Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device),
-                DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
+                Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device), run_slot=-1,
+                counter_slot=0, DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip
     if variants:
         args.update(variants)
@@ -1699,8 +1720,11 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
         # H200, causal, against one program per tile (same run as LONG_KEYS_CAUSAL): d64
         # 4096 keys 421.6 / 389.9 TFLOPS, 1024 315.3 / 243.2; d128 16k 640.6 / 629.9, 4096
         # 560.1 / 540.9, 1024 413.9 / 364.4; d256 16k 682.3 / 671.8, 4096 577.8 / 568.4.
-        args.update(DYNAMIC=True, COUNTER=torch.zeros(1, dtype=torch.int32,
-                                                      device=lse2.device))  # fmt: skip
+        args.update(DYNAMIC=True)
+    if dynamic or args["ORDER"] & ORDER_FROZEN.value:
+        # (zeroed per call: the tile counter; with the frozen max, its flag and the second
+        # launch's counter, _launch_call)
+        args["COUNTER"] = torch.zeros(counter_size(args), dtype=torch.int32, device=lse2.device)
     if packed is not None:
         # The lengths' values, read and checked here, once everything else is set up (the
         # packed call's host work after this read runs while the GPU waits).
@@ -1791,6 +1815,27 @@ def work_table(kind: str, cu_q: tuple, cu_k: tuple, block_m: int, block_n: int, 
 
 
 _NO_COUNTER: dict = {}
+
+
+def counter_size(args: dict) -> int:
+    """The int32s of a call's COUNTER (zeroed per call): none (0: the device's constant),
+    the tile counter (1), or with the frozen max (ORDER_FROZEN) the first launch's counter,
+    the flag it sets and the second launch's counter (3)."""
+    return 3 if args["ORDER"] & ORDER_FROZEN.value else int(bool(args["DYNAMIC"]))
+
+
+def _launch_call(grid, args: dict, num_warps: int) -> list:
+    """Launch a call set up by :func:`hopper_args`; its launches as Replay.record takes them.
+    A frozen-max call (ORDER_FROZEN) launches twice: the frozen build, which flags rows that
+    came out not finite (COUNTER[1]), then the running max's build over the same tiles, whose
+    programs return at once unless that flag is set (``run_slot``), so a flagged call is
+    redone whole."""
+    runs = [(grid, args)]
+    if args["ORDER"] & ORDER_FROZEN.value:
+        runs.append((grid, dict(args, ORDER=args["ORDER"] - ORDER_FROZEN.value, run_slot=1,
+                                counter_slot=2)))  # fmt: skip
+    return [(_attn_fwd_hopper, launch(_attn_fwd_hopper, g, a, {}, num_warps, 1), g, a)
+            for g, a in runs]  # fmt: skip
 
 
 def _no_counter(device) -> torch.Tensor:
@@ -2150,8 +2195,8 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         kept = _REPLAYS.get(key)
         if kept is not None:
             replay, counter = kept
-            if counter:  # the tile counter of causal calls, zeroed per call
-                roles["counter"] = torch.zeros(1, dtype=torch.int32, device=q.device)
+            if counter:  # (the tile counter of causal calls, the frozen max's flag: zeroed)
+                roles["counter"] = torch.zeros(counter, dtype=torch.int32, device=q.device)
             if replay.run(roles):
                 return out, lse2
     upper, qk_scale, causal, variants = variant_args(p)  # (plain attention: no flag)
@@ -2160,15 +2205,16 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout),
         bhsd_view(out, p.layout), lse2, upper, qk_scale, causal,
         kernel_limits(q.device.index)["sm_count"], config, variants, None, fp8)  # fmt: skip
-    kernel = launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
+    launches = _launch_call(grid, args, num_warps)
     if roles is not None and not compiling_only():
         constants = ()
-        if args["DYNAMIC"]:
+        counter = counter_size(args)
+        if counter:
             roles["counter"] = args["COUNTER"]
         else:
             constants = (args["COUNTER"],)  # never written: one per device
-        replay = Replay.record([(_attn_fwd_hopper, kernel, grid, args)], roles, constants)
-        _REPLAYS.put(key, None if replay is None else (replay, args["DYNAMIC"]))
+        replay = Replay.record(launches, roles, constants)
+        _REPLAYS.put(key, None if replay is None else (replay, counter))
     return out, lse2
 
 
@@ -2211,7 +2257,8 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
         # batch's lengths; so do a benchmark's repetitions) replays that call's launch
         # (_launcher.Replay): after the lengths' read only the replay is left to do.
         roles = dict(q=q, k=k, v=v, out=out, lse=lse2,
-                     counter=torch.zeros(1, dtype=torch.int32, device=q.device), cu_q=cu_q)
+                     counter=torch.zeros(3 if frozen_max(q.dtype, None) else 1,
+                                         dtype=torch.int32, device=q.device), cu_q=cu_q)
         if cu_k is not cu_q:
             roles["cu_k"] = cu_k
         key = (p.heads, p.kv_heads, p.head_dim, p.head_dim_v, p.dtype, p.causal,
@@ -2229,11 +2276,10 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
         view(q), view(k), view(v), view(out), lse2, 0, p.softmax_scale * LOG2E, p.causal,
         kernel_limits(q.device.index)["sm_count"], config, dropout_args(p) or None,
         packed)  # fmt: skip
-    kernel = launch(_attn_fwd_hopper, grid, args, {}, num_warps, 1)
+    launches = _launch_call(grid, args, num_warps)
     if roles is not None and args["DYNAMIC"] and not compiling_only():
         roles["counter"] = args["COUNTER"]
-        replay = Replay.record([(_attn_fwd_hopper, kernel, grid, args)], roles,
-                               (args["TILES"],))  # fmt: skip
+        replay = Replay.record(launches, roles, (args["TILES"],))
         if replay is not None:
             if kept is None:
                 kept = _ByLengths()
