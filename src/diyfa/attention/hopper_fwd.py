@@ -675,6 +675,12 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         s = gl.where(keep, s, float("-inf"))
     if SOFTCAP == 2 or FIXED:
         p = gl.exp2(s * qk_scale - m_i[:, None])
+        if FIXED:
+            # p cut to bf16 here (the low 16 bits cleared), so the row sums add what P V
+            # multiplies: a row's largest p is no power of 2 now (the running max's is 1),
+            # and its rounding would otherwise stay in O and not in l (a one-hot row off
+            # by 2^-9 of its value)
+            p = (p.to(gl.int32, bitcast=True) & -65536).to(gl.float32, bitcast=True)
         return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + row_term - P_SHIFT)
@@ -2188,7 +2194,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
-    key = replay_key("hopper-fwd", q, p) if config is None else None
+    key = replay_key("hopper-fwd", q, p, FROZEN_MAX) if config is None else None
     roles = None
     if key is not None:
         roles = own_roles(dict(q=q, k=k, v=v, out=out, lse=lse2), p)
@@ -2264,7 +2270,8 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
         key = (p.heads, p.kv_heads, p.head_dim, p.head_dim_v, p.dtype, p.causal,
                p.softmax_scale, p.seqlen_q, p.seqlen_k, p.total_q, k.shape[0], p.q_strides,
                p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
-               VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL)  # fmt: skip
+               VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
+               FROZEN_MAX)  # fmt: skip
         kept = _PACKED_REPLAYS.get(key)
         if kept is not None and kept.run(roles, lengths):  # (the wait)
             return out, lse2
