@@ -95,11 +95,8 @@ def test_hopper_kernel_compiles_and_fits(dtype):
             # chained tiles (12 without: the epilogue and the masked blocks' branch; the
             # K/V loop's SASS is the same), 84 with the causal mask's per-row limits
             # (unchained); measured faster all the same (hopper_fwd's HOPPER_CONFIGS_LONG,
-            # Config.chain). bf16 runs the frozen max (hopper_fwd.FROZEN_MAX): 112 bytes with
-            # chained tiles, none of them in the K/V loops (SASS, 2026-11-26), 11-14% faster.
-            # A bound, so that more shows up here.
-            frozen = dtype == "bfloat16"
-            assert spilled <= (84 if r["causal"] else 112 if frozen else 48), (where, r["ptxas"])
+            # Config.chain). A bound, so that more shows up here.
+            assert spilled <= (84 if r["causal"] else 48), (where, r["ptxas"])
         else:
             assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (where, r["ptxas"])
 
@@ -485,7 +482,10 @@ def test_gpu_hopper_lazy_rescale_when_the_max_grows(dtype, d, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("jump", [40.0, 400.0], ids=["kept", "redone"])
+@pytest.mark.parametrize("jump", [pytest.param(40.0, marks=pytest.mark.xfail(strict=True, reason=(
+    "frozen max, off by default: a one-hot row's largest p is no power of 2, so its bf16 "
+    "rounding is in O and not in l, 2^-9 of the value where PyTorch is exact (H200, "
+    "2026-11-26; docs/attention.md, 'The frozen max')"))), 400.0], ids=["kept", "redone"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, monkeypatch):

@@ -675,12 +675,6 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         s = gl.where(keep, s, float("-inf"))
     if SOFTCAP == 2 or FIXED:
         p = gl.exp2(s * qk_scale - m_i[:, None])
-        if FIXED:
-            # p cut to bf16 here (the low 16 bits cleared), so the row sums add what P V
-            # multiplies: a row's largest p is no power of 2 now (the running max's is 1),
-            # and its rounding would otherwise stay in O and not in l (a one-hot row off
-            # by 2^-9 of its value)
-            p = (p.to(gl.int32, bitcast=True) & -65536).to(gl.float32, bitcast=True)
         return p, m_i, l_i + _row_sums(p), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + row_term - P_SHIFT)
@@ -1639,8 +1633,15 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
     return desc
 
 
-# Rows' maxima from each tile's first block only (ORDER_FROZEN), for bf16 plain attention.
-FROZEN_MAX = True
+# Rows' maxima from each tile's first block only (ORDER_FROZEN), for bf16 plain attention:
+# later blocks run the fixed-max softmax, a flagged call is redone (_launch_call). Off: on the
+# H200 it ran 7-16% faster (d64 / d128, and the packed mix; d256 level;
+# benchmarks/results/2026-11-26_h200_fwd-frozen-max-*), but a one-hot row's largest p is
+# no power of 2 there, so its bf16 rounding stays in O and not in l: 2^-9 of the value where
+# PyTorch is exact (test_gpu_hopper_frozen_max_when_later_keys_score_higher). Making the row
+# sums add the rounded P cost what it saved (cut: the LSE biased by ~2^-9; rounded in
+# registers: 64-128 instructions a block; docs/attention.md, "The frozen max").
+FROZEN_MAX = False
 
 
 def frozen_max(dtype: torch.dtype, variants: dict | None) -> bool:
