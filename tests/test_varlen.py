@@ -367,8 +367,9 @@ def test_gpu_hopper_varlen_confines_bad_values():
     from diyfa.attention import hopper_fwd as hf
 
     q, k, v, cu_q, cu_k = _packed([100, 50], [70, 90], 4, 2, 128, torch.bfloat16, "cuda")
-    # (bf16 runs the frozen max, hopper_fwd.FROZEN_MAX: sequence 1's rows come out NaN, so the
-    # call's second launch redoes it all with the running max; the clean run takes that build)
+    # (with hopper_fwd.FROZEN_MAX on, bf16 runs the frozen max: sequence 1's rows come out NaN,
+    # so the call's second launch redoes it all with the running max; the clean run takes
+    # that build)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf, "FROZEN_MAX", False)
         clean = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 100, 90, backend="hopper")

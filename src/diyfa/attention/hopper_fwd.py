@@ -696,6 +696,8 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     # (l_i: the per-lane partial sums of _row_sums)
     alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
     l_i = l_i * alpha_l[:, None] + _row_sums(p)
+    if P_SHIFT < 0:  # a tile's first block under ORDER_FROZEN, whose max is kept: 0 where
+        m_new = m_use  # a row has no key (its later scores are -inf too: p = 0)
     return p, m_new, l_i, alpha
 
 
@@ -1042,8 +1044,6 @@ def _open_tile(q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, g, lo, row0, 
         s, m_i, l_i, lo * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t, left_offset,
         qk_scale_t, tanh_scale, slope2, alibi_offset,
         (lo >= first_masked) | (lo < left_masked), CAUSAL, WINDOW, SOFTCAP, ALIBI, P_SHIFT, LAZY)
-    if P_SHIFT < 0:  # FROZEN (the max kept from here on): a row with no key yet takes 0
-        m_i = gl.where(m_i == float("-inf"), 0.0, m_i)
     if DROPOUT:  # (the row sums l keep every probability; P V only the kept ones)
         p = _dropout(p, _query_group(offs_m), lo * BLOCK_N, drop_bh, dropout_seed,
                      dropout_thresh, False)  # fmt: skip
@@ -1336,8 +1336,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     left_offset, qk_scale2, tanh_scale, slope22, alibi_offset,
                     (lo2 >= first_masked2) | (lo2 < left_masked2), CAUSAL, WINDOW, SOFTCAP,
                     ALIBI, P_OPEN, LAZY)
-                if FROZEN:
-                    m_next = gl.where(m_next == float("-inf"), 0.0, m_next)
                 if DROPOUT:
                     p_next = _dropout(p_next, _query_group(offs_m2), lo2 * BLOCK_N,
                                       off_b2 * heads + off_h2, dropout_seed, dropout_thresh,
