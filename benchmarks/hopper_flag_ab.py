@@ -12,12 +12,12 @@ exact FLOPs for windows (the window's pairs), the published convention otherwise
 packed sequences per sequence; the backward 2.5x the forward).
 
 Cases (``--cases``, ``;``-separated): ``BxHxSxD[c]`` (the ``c``: causal), ``BxHxSxDwL`` (causal
-with a (L, 0) window), ``varlenD`` (the varlen suite's mix, 64k tokens: d128 16 / 4 heads, d64
-32 / 32; ``varlenDc`` causal).
+with a (L, 0) window), either followed by ``sC`` (softcap C), ``varlenD`` (the varlen suite's
+mix, 64k tokens: d128 16 / 4 heads, d64 32 / 32; ``varlenDc`` causal).
 
 Usage (device): python3 benchmarks/hopper_flag_ab.py --flag DEFER_O_STORE [--values 1,0]
     [--kind bwd] [--cases "1x16x8192x128w1023;varlen64"] [--rounds 3]
-    [--out $OUT/hopper_flag_ab.jsonl]
+    [--set OTHER_FLAG=1] [--out $OUT/hopper_flag_ab.jsonl]
 """
 
 from __future__ import annotations
@@ -72,7 +72,10 @@ def case(spec: str, kind: str = "fwd"):
                                backend="hopper")  # fmt: skip
         return spec, (backward(fn, q, k, v) if kind == "bwd" else
                       functools.partial(fn, q, k, v)), flops  # fmt: skip
-    window = None
+    label, window, extra = spec, None, {}
+    if "s" in spec:
+        spec, cap = spec.split("s")
+        extra["softcap"] = float(cap)
     causal = spec.endswith("c")
     if "w" in spec:
         spec_shape, left = spec.split("w")
@@ -84,11 +87,12 @@ def case(spec: str, kind: str = "fwd"):
                for _ in range(3))  # fmt: skip
     flops = attention_flops(b, h, s, s, d, causal=causal, window=window, mode=kind,
                             convention="exact" if window else "published")  # fmt: skip
-    extra = {} if window is None else {"window_size": window}
+    if window is not None:
+        extra["window_size"] = window
     fn = functools.partial(diyfa.flash_attention, causal=causal, layout="bshd",
                            backend="hopper", **extra)  # fmt: skip
-    return spec, (backward(fn, q, k, v) if kind == "bwd" else
-                  functools.partial(fn, q, k, v)), flops  # fmt: skip
+    return label, (backward(fn, q, k, v) if kind == "bwd" else
+                   functools.partial(fn, q, k, v)), flops  # fmt: skip
 
 
 def main() -> int:
@@ -100,12 +104,17 @@ def main() -> int:
     ap.add_argument("--values", default="1,0",
                     help="integers (numbers for a float attribute), the first the reference")
     ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="another module attribute held at an integer for the whole run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "hopper_flag_ab.jsonl"))  # fmt: skip
     a = ap.parse_args()
     module = hopper_fwd if a.kind == "fwd" else hopper_bwd
+    held = dict(item.split("=") for item in a.set)
+    for name, value in held.items():
+        setattr(module, name, type(getattr(module, name))(int(value)))
     before = getattr(module, a.flag)
     kind = type(before)
     values = [kind(float(x) if kind is float else int(x)) for x in a.values.split(",")]
@@ -117,7 +126,8 @@ def main() -> int:
     env = environment()
     rows = []
     with open(a.out, "w") as f:
-        f.write(json.dumps({"record": "run", **env, "kind": a.kind, "flag": a.flag}) + "\n")
+        f.write(json.dumps({"record": "run", **env, "kind": a.kind, "flag": a.flag,
+                            "held": held}) + "\n")
         for spec in a.cases.split(";"):
             label, fn, flops = case(spec, a.kind)
             outs = []

@@ -303,6 +303,26 @@ def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
     assert not args["ORDER"] & hf.ORDER_FROZEN.value and hf.counter_size(args) == 1
 
 
+@pytest.mark.parametrize("sums", [True, False])
+def test_tensor_core_row_sums_go_with_a_fixed_max(sums, monkeypatch):
+    """hopper_fwd.MMA_ROW_SUMS: O is divided by the tensor cores' sums of P's operand
+    (ORDER_MMA_SUMS) wherever the max is fixed (the frozen max, softcap's fixed max), and
+    nowhere else (the running max's largest p is 1: exact in 16 bits)."""
+    from diyfa.attention import hopper_fwd as hf
+
+    monkeypatch.setattr(hf, "MMA_ROW_SUMS", sums)
+    q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 300)
+
+    def order(frozen, **variants):
+        monkeypatch.setattr(hf, "FROZEN_MAX", frozen)
+        _, args, _ = hf.hopper_args(q, q, q, q, lse, 0, 0.1, True, 132, variants=variants)
+        return bool(args["ORDER"] & hf.ORDER_MMA_SUMS.value)
+
+    assert order(True) == sums and order(False, SOFTCAP=2, tanh_scale=0.1) == sums
+    assert not order(False) and not order(False, SOFTCAP=True, tanh_scale=0.1)
+
+
 def test_descriptors_address_the_bhsd_view():
     """4-D descriptors over (batch, heads, seqlen, dim) with the tensor's own strides, blocks
     of (1, 1, rows, padded head dim); the grid covers the query rows in tiles of
@@ -481,24 +501,30 @@ def test_gpu_hopper_lazy_rescale_when_the_max_grows(dtype, d, causal):
     assert lse_err <= 1e-3 * ref_lse[seen].abs().max().item() + 1e-4, lse_err
 
 
+ONE_HOT_FP32_SUMS = pytest.mark.xfail(strict=True, reason=(
+    "a fixed max with O divided by the fp32 sums (MMA_ROW_SUMS off): a one-hot row's largest "
+    "p is no power of 2, so its bf16 rounding is in O and not in l, 2^-9 of the value where "
+    "PyTorch is exact (H200, 2026-11-26; docs/attention.md, 'The frozen max')"))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("jump", [pytest.param(40.0, marks=pytest.mark.xfail(strict=True, reason=(
-    "frozen max, off by default: a one-hot row's largest p is no power of 2, so its bf16 "
-    "rounding is in O and not in l, 2^-9 of the value where PyTorch is exact (H200, "
-    "2026-11-26; docs/attention.md, 'The frozen max')"))), 400.0], ids=["kept", "redone"])
+@pytest.mark.parametrize("jump, sums", [(40.0, True), pytest.param(40.0, False, marks=(
+    ONE_HOT_FP32_SUMS)), (400.0, True)], ids=["kept", "kept-fp32-sums", "redone"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, monkeypatch):
+def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, sums, monkeypatch):
     """hopper_fwd.FROZEN_MAX: each row's max comes from its tile's first block (plus
     FROZEN_HEADROOM), later blocks add 2^(score - that max). Two keys past the first block
     score about ``jump`` and jump / 2 nats above every key of it (q and those keys share a
-    direction): at 40 nats the probabilities stay finite (up to 2^-6) and the call's second
-    launch does nothing (flag 0); at 400 nats they overflow, the tile flags its rows and the
-    second launch (the running max) redoes the call (flag 1). Out against float64 by the 2x
-    rule, the LSE within 1e-3 of the largest float64 LSE plus 1e-4, either way."""
+    direction), so the rows are nearly one-hot: at 40 nats the probabilities stay finite (up
+    to 2^-6) and the call's second launch does nothing (flag 0); at 400 nats they overflow,
+    the tile flags its rows and the second launch (the running max) redoes the call (flag
+    1). Out against float64 by the 2x rule, the LSE within 1e-3 of the largest float64 LSE
+    plus 1e-4, either way; ``sums``: hopper_fwd.MMA_ROW_SUMS (off, the one-hot rows fail)."""
     from diyfa.attention import hopper_fwd as hf
 
     monkeypatch.setattr(hf, "FROZEN_MAX", True)
+    monkeypatch.setattr(hf, "MMA_ROW_SUMS", sums)
     g = torch.Generator(device="cuda").manual_seed(d + 2 * causal + int(jump))
     b, h, hk, sq, sk = 2, 4, 2, 300, 1000
     u = torch.randn(d, device="cuda", generator=g)
@@ -518,6 +544,7 @@ def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, mon
                                        p.softmax_scale * 1.4426950408889634, causal,
                                        torch.cuda.get_device_properties(0).multi_processor_count)
     assert args["ORDER"] & hf.ORDER_FROZEN.value and args["COUNTER"].numel() == 3
+    assert bool(args["ORDER"] & hf.ORDER_MMA_SUMS.value) == sums
     hf._launch_call(grid, args, warps)
     assert args["COUNTER"][1].item() == (1 if jump > 100 else 0)
     ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal,
@@ -527,6 +554,43 @@ def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, mon
     assert err <= 2 * pt_err, (err, pt_err)
     lse = lse2.double() * math.log(2)
     lse_err = (lse - ref_lse).abs().max().item()
+    assert lse_err <= 1e-3 * ref_lse.abs().max().item() + 1e-4, lse_err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sums", [True, pytest.param(False, marks=ONE_HOT_FP32_SUMS)],
+                         ids=["mma-sums", "fp32-sums"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_hopper_softcap_one_hot_rows(causal, sums, monkeypatch):
+    """Softcap's fixed max (SOFTCAP == 2, bf16, d128, softcap 50) on nearly one-hot rows:
+    one key scores about 46 nats (after the cap) above every other, so each row's largest p
+    is 2^(score - the fixed max), no power of 2. Out against float64 by the 2x rule (PyTorch
+    in bf16 is near exact there), the LSE within 1e-3 of the largest float64 LSE plus 1e-4;
+    ``sums``: hopper_fwd.MMA_ROW_SUMS (off, O is 2^-9 of its value off)."""
+    from diyfa.attention import hopper_fwd as hf
+
+    _hopper_only(monkeypatch)
+    monkeypatch.setattr(hf, "MMA_ROW_SUMS", sums)
+    g = torch.Generator(device="cuda").manual_seed(31 + causal)
+    b, h, hk, sq, sk, d, cap = 2, 4, 2, 300, 1000, 128, 50.0
+    u = torch.randn(d, device="cuda", generator=g)
+    u /= u.norm()
+    alpha = math.sqrt(80.0 * math.sqrt(d))  # raw score 80 nats: 50 tanh(1.6) = 46 after the cap
+    q = 0.3 * torch.randn(b, h, sq, d, device="cuda", generator=g) + alpha * u
+    k = 0.3 * torch.randn(b, hk, sk, d, device="cuda", generator=g)
+    k[:, :, 850] += alpha * u
+    v = torch.randn(b, hk, sk, d, device="cuda", generator=g)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    p = check_inputs(q, k, v, causal=causal, softmax_scale=None, layout="bhsd",
+                     align="bottom_right", softcap=cap)  # fmt: skip
+    assert hf.softcap_fixed_max(p)
+    out, lse = diyfa.flash_attention(q, k, v, causal=causal, softcap=cap, return_lse=True)
+    ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal, softcap=cap,
+                                 compute_dtype=torch.float64, return_lse=True)  # fmt: skip
+    pt = attention_ref(q, k, v, causal=causal, softcap=cap, compute_dtype=torch.bfloat16).double()
+    err, pt_err = (out.double() - ref).abs().max().item(), (pt - ref).abs().max().item()
+    assert err <= 2 * pt_err, (err, pt_err)
+    lse_err = (lse.double() - ref_lse).abs().max().item()
     assert lse_err <= 1e-3 * ref_lse.abs().max().item() + 1e-4, lse_err
 
 
