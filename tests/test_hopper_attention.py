@@ -304,20 +304,20 @@ def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
 
 
 @pytest.mark.parametrize("sums", [True, False])
-def test_tensor_core_row_sums_go_with_a_fixed_max(sums, monkeypatch):
-    """hopper_fwd.MMA_ROW_SUMS: O is divided by the tensor cores' sums of P's operand
-    (ORDER_MMA_SUMS) wherever the max is fixed (the frozen max, softcap's fixed max), and
+def test_rounded_row_sums_go_with_a_fixed_max(sums, monkeypatch):
+    """hopper_fwd.ROUNDED_SUMS: the row sums add P's rounded bf16 operand
+    (ORDER_ROUNDED_SUMS) wherever the max is fixed (the frozen max, softcap's fixed max), and
     nowhere else (the running max's largest p is 1: exact in 16 bits)."""
     from diyfa.attention import hopper_fwd as hf
 
-    monkeypatch.setattr(hf, "MMA_ROW_SUMS", sums)
+    monkeypatch.setattr(hf, "ROUNDED_SUMS", sums)
     q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16)
     lse = torch.empty(2, 4, 300)
 
     def order(frozen, **variants):
         monkeypatch.setattr(hf, "FROZEN_MAX", frozen)
         _, args, _ = hf.hopper_args(q, q, q, q, lse, 0, 0.1, True, 132, variants=variants)
-        return bool(args["ORDER"] & hf.ORDER_MMA_SUMS.value)
+        return bool(args["ORDER"] & hf.ORDER_ROUNDED_SUMS.value)
 
     assert order(True) == sums and order(False, SOFTCAP=2, tanh_scale=0.1) == sums
     assert not order(False) and not order(False, SOFTCAP=True, tanh_scale=0.1)
@@ -502,7 +502,7 @@ def test_gpu_hopper_lazy_rescale_when_the_max_grows(dtype, d, causal):
 
 
 ONE_HOT_FP32_SUMS = pytest.mark.xfail(strict=True, reason=(
-    "a fixed max with O divided by the fp32 sums (MMA_ROW_SUMS off): a one-hot row's largest "
+    "a fixed max with the row sums of the fp32 p (ROUNDED_SUMS off): a one-hot row's largest "
     "p is no power of 2, so its bf16 rounding is in O and not in l, 2^-9 of the value where "
     "PyTorch is exact (H200, 2026-11-26; docs/attention.md, 'The frozen max')"))
 
@@ -520,11 +520,11 @@ def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, sum
     to 2^-6) and the call's second launch does nothing (flag 0); at 400 nats they overflow,
     the tile flags its rows and the second launch (the running max) redoes the call (flag
     1). Out against float64 by the 2x rule, the LSE within 1e-3 of the largest float64 LSE
-    plus 1e-4, either way; ``sums``: hopper_fwd.MMA_ROW_SUMS (off, the one-hot rows fail)."""
+    plus 1e-4, either way; ``sums``: hopper_fwd.ROUNDED_SUMS (off, the one-hot rows fail)."""
     from diyfa.attention import hopper_fwd as hf
 
     monkeypatch.setattr(hf, "FROZEN_MAX", True)
-    monkeypatch.setattr(hf, "MMA_ROW_SUMS", sums)
+    monkeypatch.setattr(hf, "ROUNDED_SUMS", sums)
     g = torch.Generator(device="cuda").manual_seed(d + 2 * causal + int(jump))
     b, h, hk, sq, sk = 2, 4, 2, 300, 1000
     u = torch.randn(d, device="cuda", generator=g)
@@ -544,7 +544,7 @@ def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, sum
                                        p.softmax_scale * 1.4426950408889634, causal,
                                        torch.cuda.get_device_properties(0).multi_processor_count)
     assert args["ORDER"] & hf.ORDER_FROZEN.value and args["COUNTER"].numel() == 3
-    assert bool(args["ORDER"] & hf.ORDER_MMA_SUMS.value) == sums
+    assert bool(args["ORDER"] & hf.ORDER_ROUNDED_SUMS.value) == sums
     hf._launch_call(grid, args, warps)
     assert args["COUNTER"][1].item() == (1 if jump > 100 else 0)
     ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal,
@@ -559,18 +559,18 @@ def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, sum
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sums", [True, pytest.param(False, marks=ONE_HOT_FP32_SUMS)],
-                         ids=["mma-sums", "fp32-sums"])
+                         ids=["rounded-sums", "fp32-sums"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_hopper_softcap_one_hot_rows(causal, sums, monkeypatch):
     """Softcap's fixed max (SOFTCAP == 2, bf16, d128, softcap 50) on nearly one-hot rows:
     one key scores about 46 nats (after the cap) above every other, so each row's largest p
     is 2^(score - the fixed max), no power of 2. Out against float64 by the 2x rule (PyTorch
     in bf16 is near exact there), the LSE within 1e-3 of the largest float64 LSE plus 1e-4;
-    ``sums``: hopper_fwd.MMA_ROW_SUMS (off, O is 2^-9 of its value off)."""
+    ``sums``: hopper_fwd.ROUNDED_SUMS (off: O is 2^-9 of its value off)."""
     from diyfa.attention import hopper_fwd as hf
 
     _hopper_only(monkeypatch)
-    monkeypatch.setattr(hf, "MMA_ROW_SUMS", sums)
+    monkeypatch.setattr(hf, "ROUNDED_SUMS", sums)
     g = torch.Generator(device="cuda").manual_seed(31 + causal)
     b, h, hk, sq, sk, d, cap = 2, 4, 2, 300, 1000, 128, 50.0
     u = torch.randn(d, device="cuda", generator=g)

@@ -410,29 +410,6 @@ def _mma(a, b, acc, use_acc: gl.constexpr, IMPRECISE: gl.constexpr):
 
 
 @gluon.jit
-def _pv(p16, v_smem, acc, ones, l_mma, PV_IMPRECISE: gl.constexpr, SUMS: gl.constexpr):
-    """Issues O += P V; SUMS (ORDER_MMA_SUMS) first P's row sums, l_mma += P @ ones (a
-    (BLOCK_N, 8) block of ones: wgmma's narrowest N, every column the same sum), from the
-    same registers. Returns the two tokens (``l_mma`` itself without SUMS)."""
-    if SUMS:
-        lp = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0,
-                                                        parent=l_mma.type.layout, k_width=2))
-        l_mma = warpgroup_mma(lp, ones, l_mma, use_acc=True, is_async=True)
-    return _mma(p16, v_smem, acc, True, PV_IMPRECISE), l_mma
-
-
-@gluon.jit
-def _pv_wait(acc_tok, l_tok, p16, v_smem, SUMS: gl.constexpr):
-    """Waits for :func:`_pv`'s products: (O, the row sums)."""
-    if SUMS:
-        acc, l_mma, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, p16, v_smem))
-    else:
-        acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
-        l_mma = l_tok
-    return acc, l_mma
-
-
-@gluon.jit
 def _p_operand(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
     """P as P @ V's A operand: in registers, in the operands' dtype; fp8 (whose P comes 2^8
     times larger, _softmax_step's P_SHIFT) through shared memory (Triton 3.6 cannot keep an
@@ -578,17 +555,14 @@ ORDER_DEFER_STORE = gl.constexpr(32)
 # rescale), as softcap's fixed max does.
 ORDER_FROZEN = gl.constexpr(64)
 FROZEN_HEADROOM = gl.constexpr(64.0)
-# MMA_ROW_SUMS, with a fixed max (ORDER_FROZEN, or softcap's SOFTCAP == 2): O is divided by
-# row sums the tensor cores take of P's 16-bit operand itself (P @ ones, _pv), not by the
-# fp32 sums of the exponentials (which still give the LSE). A fixed max leaves a row's
-# largest p short of 1, so its 16-bit rounding (up to 2^-9 of it) went into O but not into l:
-# a nearly one-hot row came out 2^-9 of its value off, where PyTorch's is exact. Divided by
-# the sums of the same rounded p, O is a weighted mean of V whose weights sum to 1.
-ORDER_MMA_SUMS = gl.constexpr(128)
-# ORDER_ROUNDED_SUMS (MMA_ROW_SUMS = 2): the same consistency in registers: P rounded to bf16 by
-# the one conversion P V's operand takes anyway, the row sums (O's and the LSE's) of the
-# rounded values (_rounded_p: a shift and a mask a pair of scores).
-ORDER_ROUNDED_SUMS = gl.constexpr(256)
+# ROUNDED_SUMS, with a fixed max (ORDER_FROZEN, or softcap's SOFTCAP == 2): the row sums add
+# P rounded to bf16 (P V's operand, from the one conversion it takes anyway), not the fp32
+# exponentials (_rounded_p: a shift and a mask a pair of scores). A fixed max leaves a row's
+# largest p short of 1 (the running max's is exactly 1), so its bf16 rounding, up to 2^-9 of
+# it, went into O and not into l: a nearly one-hot row came out 2^-9 of its value off, where
+# PyTorch is exact. Divided by the sums of the same rounded p, O is a mean of V whose weights
+# sum to 1.
+ORDER_ROUNDED_SUMS = gl.constexpr(128)
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -967,17 +941,16 @@ def _tile_state(t, num_m, heads, kv_group, batch_heads, seqlen_q, seqlen_k, caus
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, l_mma, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start,
-              row0, offs_m,
+def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
+              offs_m,
               seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh, v_descale,
               dropout_keep, row_layout: gl.constexpr, orow_layout: gl.constexpr,
               o_layout: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
-              DROPOUT: gl.constexpr, DEFER: gl.constexpr = False, SUMS: gl.constexpr = False):
+              DROPOUT: gl.constexpr, DEFER: gl.constexpr = False):
     """O / l through this consumer's Q buffer (every S of the tile is done) by TMA, which
-    clips rows past seqlen_q and columns past the head dim; LSE (base 2) per row. SUMS: O is
-    divided by the tensor cores' sums of P's operand (``l_mma``, :func:`_pv`), the LSE still
-    comes from ``l_i``. The caller then lets the loader bring a later tile's Q into the
-    buffer; with DEFER it first waits for the store itself (:func:`_release_q`), later."""
+    clips rows past seqlen_q and columns past the head dim; LSE (base 2) per row. The caller
+    then lets the loader bring a later tile's Q into the buffer; with DEFER it first waits for
+    the store itself (:func:`_release_q`), later."""
     SUB_M: gl.constexpr = q_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
     HEAD_DIM_V: gl.constexpr = acc.shape[1]
@@ -986,11 +959,7 @@ def _epilogue(acc, m_i, l_i, l_mma, q_bufs, qb, o_desc, LSE, O, off_b, off_h, he
     l_i = gl.convert_layout(gl.sum(l_i, 1), row_layout)
     empty = l_i == 0.0
     lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
-    if SUMS:  # (every column of l_mma holds the row's sum; 0 where l_i is)
-        l_o = gl.convert_layout(gl.max(l_mma, 1), orow_layout)
-        l_o = gl.where(l_o == 0.0, 1.0, l_o)
-    else:
-        l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+    l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
     if DROPOUT:  # the kept probabilities' 1 / (1 - dropout_p)
         l_o = l_o * dropout_keep
     if VARLEN:
@@ -1108,12 +1077,12 @@ def _open_tile(q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb, g, lo, row0, 
 
 
 @gluon.jit
-def _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, ones, l_mma, g, n, seqlen_k_t,
+def _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, g, n, seqlen_k_t,
                 p_layout: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr,
                 VARLEN: gl.constexpr, FP8: gl.constexpr, ORDER: gl.constexpr,
-                LATE_P: gl.constexpr, PV_IMPRECISE: gl.constexpr, SUMS: gl.constexpr):
+                LATE_P: gl.constexpr, PV_IMPRECISE: gl.constexpr):
     """A tile's last P V (block ``n`` - 1, ring step ``g``; ``p16`` its operand, or with
-    LATE_P made here from ``p``); returns O and (SUMS) P's row sums (:func:`_pv`)."""
+    LATE_P made here from ``p``); returns O."""
     BLOCK_N: gl.constexpr = v_bufs.type.shape[3] if not FP8 else v_bufs.type.shape[4]
     STAGES: gl.constexpr = v_bufs.type.shape[0]
     last, phase = _stage(g, STAGES)
@@ -1125,12 +1094,12 @@ def _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, ones, l_mma, g, n
         p16 = _p_operand(p, p_smem, v_bufs.dtype, p_layout, FP8)
     if ORDER & ORDER_PINGPONG:
         _pingpong(C, CONSUMERS, False)
-    acc_tok, l_tok = _pv(p16, v_smem, acc, ones, l_mma, PV_IMPRECISE, SUMS)
+    acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
     if ORDER & ORDER_PINGPONG:
         _pingpong(C, CONSUMERS, True)
-    acc, l_mma = _pv_wait(acc_tok, l_tok, p16, v_smem, SUMS)
+    acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
     mbarrier.arrive(v_empty.index(last))
-    return acc, l_mma
+    return acc
 
 
 @gluon.jit
@@ -1180,11 +1149,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     FROZEN: gl.constexpr = (ORDER & ORDER_FROZEN) != 0 and not FP8 and SOFTCAP != 2
     # the first block's max FROZEN_HEADROOM above the true one (p <= 2^-64 there)
     P_OPEN: gl.constexpr = P_SHIFT - FROZEN_HEADROOM if FROZEN else P_SHIFT
-    # ORDER_MMA_SUMS: O's row sums from the tensor cores (_pv), with a fixed max
-    SUMS: gl.constexpr = (ORDER & ORDER_MMA_SUMS) != 0 and (FROZEN or SOFTCAP == 2) and not FP8
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 8, MMA_K])
-    # ORDER_ROUNDED_SUMS: the row sums of P's bf16 operand, in registers (_rounded_p)
+    # ORDER_ROUNDED_SUMS: the row sums of P's bf16 operand (_rounded_p), with a fixed max
     ROUND: gl.constexpr = ((ORDER & ORDER_ROUNDED_SUMS) != 0 and (FROZEN or SOFTCAP == 2)
                            and dtype == gl.bfloat16 and not FP8 and not DROPOUT)  # fmt: skip
     P_DTYPE: gl.constexpr = dtype if ROUND else gl.float32  # (the softmax's p)
@@ -1210,16 +1175,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     LATE_P: gl.constexpr = CONSUMERS == 3
     pin = gl.allocate_shared_memory(gl.float32, [SUB_M, 4],
                                     gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    if SUMS:  # P @ ones' B operand, K-major as K^T is (8 rows of BLOCK_N, read transposed)
-        ones_t = gl.allocate_shared_memory(
-            dtype, [8, BLOCK_N], gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype))
-        ones_t.store(gl.full([8, BLOCK_N], 1.0, dtype,
-                             gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
-        fence_async_shared()
-        gl.thread_barrier()  # every warp of the warpgroup has written its part
-        ones = ones_t.permute((1, 0))
-    else:
-        ones = pin
     if ALIBI == 3:  # _alibi_columns' operands: the keys' columns once, the slope per tile
         AUG_K: gl.constexpr = 16
         aug_layout: gl.constexpr = gl.BlockedLayout([1, AUG_K], [32, 1], [4, 1], [1, 0])
@@ -1257,7 +1212,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             CU_K, TILES, tile_group, DESCALE, lap, aug_q, dtype, s_layout, CAUSAL, CONSUMERS,
             WINDOW, SOFTCAP, ALIBI, SINKS, VARLEN, FP8, C, Q_BUFS, P_SHIFT, SUB_M, BLOCK_N)
         acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-        l_mma = gl.zeros([SUB_M, 8], gl.float32, layout=l_layout)
         p = gl.zeros([SUB_M, BLOCK_N], P_DTYPE, s_layout)
         p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
         if t < total:
@@ -1281,7 +1235,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 tile_group, DESCALE, lap, aug_q, dtype, s_layout, CAUSAL, CONSUMERS, WINDOW,
                 SOFTCAP, ALIBI, SINKS, VARLEN, FP8, C, Q_BUFS, P_SHIFT, SUB_M, BLOCK_N)
             acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-            l_mma = gl.zeros([SUB_M, 8], gl.float32, layout=l_layout)
             if not DYNAMIC:
                 mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
         q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
@@ -1321,10 +1274,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s_tok = _alibi_columns(s_tok, aug_q, aug_k, j * BLOCK_N, row0, alibi_offset,
                                            SUB_M)  # fmt: skip
                     s_tok2 = s_tok
-                acc_tok, l_tok = _pv(p16, v_smem, acc, ones, l_mma, PV_IMPRECISE, SUMS)
+                acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, True)
-                s = _wait_s(s_tok, s_tok2, q_smem, k_t, 1 + SUMS, QK_HALVES)
+                s = _wait_s(s_tok, s_tok2, q_smem, k_t, 1, QK_HALVES)
                 mbarrier.arrive(k_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
                 p, m_i, l_i, alpha = _softmax_step(
@@ -1344,7 +1297,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     pin.store(l_i)
                 if ORDER & ORDER_PIN_GLOBAL:
                     _pin(l_i, LSE, seqlen_k_t)
-                acc, l_mma = _pv_wait(acc_tok, l_tok, p16, v_smem, SUMS)
+                acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(v_empty.index(prev))  # nor V_{j-1}
                 if not LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
@@ -1355,10 +1308,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 else:
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             if not CHAIN:  # (LATE_P: P's operand made in _close_tile)
-                acc, l_mma = _close_tile(v_bufs, v_ready, v_empty, p, p if LATE_P else p16,
-                                         p_smem, acc, ones, l_mma, it + n - 1 - lo, n, seqlen_k_t,
-                                         p_layout, CONSUMERS, C, VARLEN, FP8, ORDER, LATE_P,
-                                         PV_IMPRECISE, SUMS)  # fmt: skip
+                acc = _close_tile(v_bufs, v_ready, v_empty, p, p if LATE_P else p16, p_smem, acc,
+                                  it + n - 1 - lo, n, seqlen_k_t, p_layout, CONSUMERS, C, VARLEN,
+                                  FP8, ORDER, LATE_P, PV_IMPRECISE)  # fmt: skip
                 it += n - lo
         if CHAIN:
             # The next work item (its Q was loaded during this tile: two Q buffers), its
@@ -1404,10 +1356,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s_tok = _alibi_columns(s_tok, aug_q, aug_k, lo2 * BLOCK_N, row02,
                                            alibi_offset, SUB_M)  # fmt: skip
                     s_tok2 = s_tok
-                acc_tok, l_tok = _pv(p16, v_smem, acc, ones, l_mma, PV_IMPRECISE, SUMS)
+                acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, True)
-                s = _wait_s(s_tok, s_tok2, q_smem2, k_t, 1 + SUMS, QK_HALVES)
+                s = _wait_s(s_tok, s_tok2, q_smem2, k_t, 1, QK_HALVES)
                 mbarrier.arrive(k_empty.index(s_idx))
                 p_next, m_next, l_next, _alpha = _softmax_step(
                     s, m_i2, l_i2, lo2 * BLOCK_N, offs_m2, row02, seqlen_k2, causal_offset2,
@@ -1422,15 +1374,14 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     pin.store(l_next)
                 if ORDER & ORDER_PIN_GLOBAL:
                     _pin(l_next, LSE, seqlen_k2)
-                acc, l_mma = _pv_wait(acc_tok, l_tok, p16, v_smem, SUMS)
+                acc, _p, _vs = warpgroup_mma_wait(0, deps=(acc_tok, p16, v_smem))
                 mbarrier.arrive(v_empty.index(last))
                 if not LATE_P:
                     p16_next = _p_operand(p_next, p_smem, dtype, p_layout, FP8)
             elif this_one:
-                acc, l_mma = _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, ones,
-                                         l_mma, it + n - 1 - lo, n, seqlen_k_t, p_layout,
-                                         CONSUMERS, C, VARLEN, FP8, ORDER, LATE_P, PV_IMPRECISE,
-                                         SUMS)  # fmt: skip
+                acc = _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc,
+                                  it + n - 1 - lo, n, seqlen_k_t, p_layout, CONSUMERS, C, VARLEN,
+                                  FP8, ORDER, LATE_P, PV_IMPRECISE)  # fmt: skip
             elif next_one:
                 p_next, m_next, l_next = _open_tile(
                     q_bufs, k_bufs, k_ready, k_empty, aug_q, aug_k, qb2, it + blocks, lo2, row02,
@@ -1448,10 +1399,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             pend = _release_q(q_empty, pend)
         if FROZEN:  # (the call's second launch redoes the call if any row is flagged)
             _flag_rows(acc, l_i, offs_m, seqlen_q_t, FLAG, orow_layout)
-        _epilogue(acc, m_i, l_i, l_mma, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start,
-                  row0, offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
+        _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
+                  offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
                   v_descale, dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8,
-                  DROPOUT, DEFER, SUMS)
+                  DROPOUT, DEFER)
         if DEFER:
             pend = qb
         else:
@@ -1479,7 +1430,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             p = p_next
             p16 = p16_next
             acc = gl.zeros([SUB_M, HEAD_DIM_V], gl.float32, layout=o_layout)
-            l_mma = gl.zeros([SUB_M, 8], gl.float32, layout=l_layout)
         elif DYNAMIC:  # (lap counts this tile already)
             mbarrier.wait(q_ready.index((lap % Q_BUFS) * CONSUMERS + C), (lap // Q_BUFS) & 1)
             t = _get_tile(tile_ids.index(lap % Q_BUFS))
@@ -1716,13 +1666,13 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 # H200 it ran 7-16% faster (d64 / d128, and the packed mix; d256 level;
 # benchmarks/results/2026-11-26_h200_fwd-frozen-max-*), but a one-hot row's largest p is
 # no power of 2 there, so its bf16 rounding stays in O and not in l: 2^-9 of the value where
-# PyTorch is exact (test_gpu_hopper_frozen_max_when_later_keys_score_higher). Making the row
-# sums add the rounded P cost what it saved (cut: the LSE biased by ~2^-9; rounded in
-# registers: 64-128 instructions a block; docs/attention.md, "The frozen max").
+# PyTorch is exact (test_gpu_hopper_frozen_max_when_later_keys_score_higher). Row sums that
+# add the rounded P (ROUNDED_SUMS) fix that and cost most of the gain: 0.98-1.11x of the
+# running max (by the tensor cores, P @ ones, no better; docs/attention.md, "The frozen max").
 FROZEN_MAX = False
-# O divided by the tensor cores' sums of P's rounded operand wherever the max is fixed
-# (ORDER_MMA_SUMS: the frozen max, softcap's fixed max).
-MMA_ROW_SUMS = 1
+# Row sums of P's rounded bf16 operand wherever the max is fixed (ORDER_ROUNDED_SUMS: the
+# frozen max, softcap's fixed max).
+ROUNDED_SUMS = True
 
 
 def frozen_max(dtype: torch.dtype, variants: dict | None) -> bool:
@@ -1779,8 +1729,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                 dropout_keep=1.0)  # fmt: skip
     if variants:
         args.update(variants)
-    if MMA_ROW_SUMS and (args["ORDER"] & ORDER_FROZEN.value or args["SOFTCAP"] == 2):
-        args["ORDER"] += (ORDER_MMA_SUMS if MMA_ROW_SUMS == 1 else ORDER_ROUNDED_SUMS).value
+    if ROUNDED_SUMS and (args["ORDER"] & ORDER_FROZEN.value or args["SOFTCAP"] == 2):
+        args["ORDER"] += ORDER_ROUNDED_SUMS.value
     if fp8 is not None:
         so = o4.stride()
         args.update(v_desc=_desc(fp8["vt"], head_dim_pad(o4.shape[3]), block_n),
@@ -2278,7 +2228,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
-    key = replay_key("hopper-fwd", q, p, FROZEN_MAX, MMA_ROW_SUMS) if config is None else None
+    key = replay_key("hopper-fwd", q, p, FROZEN_MAX, ROUNDED_SUMS) if config is None else None
     roles = None
     if key is not None:
         roles = own_roles(dict(q=q, k=k, v=v, out=out, lse=lse2), p)
@@ -2355,7 +2305,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
                p.softmax_scale, p.seqlen_q, p.seqlen_k, p.total_q, k.shape[0], p.q_strides,
                p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
                VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
-               FROZEN_MAX, MMA_ROW_SUMS)  # fmt: skip
+               FROZEN_MAX, ROUNDED_SUMS)  # fmt: skip
         kept = _PACKED_REPLAYS.get(key)
         if kept is not None and kept.run(roles, lengths):  # (the wait)
             return out, lse2
