@@ -487,7 +487,8 @@ def test_softcap_fixed_max_rule():
     with softcap * log2(e) <= SOFTCAP_FIXED_MAX_LIMIT (the probabilities' range, 2^(64 - 2R)
     .. 2^64, inside bf16's and fp32's normal numbers), at padded head dims of 128 and more
     (d64 measured slower with it), without ALiBi or sinks (their terms are not bounded by
-    the cap); fp16, d64 and the backward keep the running max / the flag as it was."""
+    the cap) or dropout (its row sums cannot add P's rounded operand); fp16, d64 and the
+    backward keep the running max / the flag as it was."""
     from diyfa.attention import hopper_fwd as hf
 
     base = dataclasses.replace(_problem(causal=True), softcap=30.0)
@@ -499,7 +500,8 @@ def test_softcap_fixed_max_rule():
     slopes = torch.ones(base.heads)
     assert base.head_dim == 128 and hf.softcap_fixed_max(dataclasses.replace(base, head_dim=72))
     for other in (dict(softcap=limit * 1.001), dict(dtype=torch.float16),
-                  dict(alibi_slopes=slopes), dict(sinks=slopes), dict(head_dim=64)):
+                  dict(alibi_slopes=slopes), dict(sinks=slopes), dict(head_dim=64),
+                  dict(dropout_p=0.1)):
         p = dataclasses.replace(base, **other)
         assert not hf.softcap_fixed_max(p), other
         assert hf.variant_args(p)[3]["SOFTCAP"] is True, other

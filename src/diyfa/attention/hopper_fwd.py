@@ -2140,13 +2140,15 @@ SOFTCAP_FIXED_MAX_LIMIT = 92.0
 def softcap_fixed_max(p: Problem) -> bool:
     """Whether the forward runs softcap with the fixed max (SOFTCAP == 2): bf16, a padded
     head dim of 128 or more, softcap * log2(e) <= SOFTCAP_FIXED_MAX_LIMIT, no ALiBi, no
-    sinks."""
+    sinks, no dropout (whose P is dropped in fp32, so its row sums could not add P's rounded
+    operand: ROUNDED_SUMS)."""
     return _softcap_fixed_max(p.dtype, p.head_dim, p.softcap,
-                              p.alibi_slopes is not None or p.sinks is not None)  # fmt: skip
+                              p.alibi_slopes is not None or p.sinks is not None
+                              or p.dropout_p > 0)  # fmt: skip
 
 
 def _softcap_fixed_max(dtype: torch.dtype, head_dim: int, softcap: float, unbounded: bool):
-    """:func:`softcap_fixed_max`'s rule (``unbounded``: ALiBi or sinks)."""
+    """:func:`softcap_fixed_max`'s rule (``unbounded``: ALiBi, sinks or dropout)."""
     return (SOFTCAP_FIXED_MAX and dtype == torch.bfloat16 and head_dim_pad(head_dim) >= 128
             and not unbounded and 0 < softcap * LOG2E <= SOFTCAP_FIXED_MAX_LIMIT)  # fmt: skip
 
@@ -2186,7 +2188,7 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
     if "ALIBI" in flags:
         flags["ALIBI"] = alibi_flag(head_dim_pad(head_dim), False, kind, "SOFTCAP" in flags)
     if "SOFTCAP" in flags and _softcap_fixed_max(kind, head_dim, 30.0,
-                                                 bool({"ALIBI", "SINKS"} & set(flags))):
+                                                 bool({"ALIBI", "SINKS", "DROPOUT"} & set(flags))):
         flags["SOFTCAP"] = 2
     if "DROPOUT" in flags:
         flags.update(dropout_seed=2**40 + 3, dropout_thresh=portable.dropout_threshold(0.1),
