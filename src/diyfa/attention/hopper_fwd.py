@@ -1150,8 +1150,9 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # the first block's max FROZEN_HEADROOM above the true one (p <= 2^-64 there)
     P_OPEN: gl.constexpr = P_SHIFT - FROZEN_HEADROOM if FROZEN else P_SHIFT
     # ORDER_ROUNDED_SUMS: the row sums of P's bf16 operand (_rounded_p), with a fixed max
+    # (dropout drops P in fp32: the host gives it no fixed max, softcap_fixed_max)
     ROUND: gl.constexpr = ((ORDER & ORDER_ROUNDED_SUMS) != 0 and (FROZEN or SOFTCAP == 2)
-                           and dtype == gl.bfloat16 and not FP8 and not DROPOUT)  # fmt: skip
+                           and dtype == gl.bfloat16 and not DROPOUT)  # fmt: skip
     P_DTYPE: gl.constexpr = dtype if ROUND else gl.float32  # (the softmax's p)
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
