@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -78,6 +79,12 @@ def test_hopper_kernel_compiles_and_fits(dtype):
         assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{kinds[dtype]}" in ptx, where
         assert f"wgmma.mma_async.sync.aligned.m64n{r['d']}k16.f32.{kinds[dtype]}" in ptx, where
         assert "cp.async.bulk.tensor.4d.shared::cluster.global" in ptx, where  # TMA loads
+        # Q K^T's A operand from registers in d64 builds of two consumers (Q_IN_REGS), from
+        # shared memory elsewhere (at d64 S is m64n128, P V m64n64: only S's match)
+        s_from_regs = re.search(rf"m64n{block_n}k16\.f32\.{kinds[dtype]}\.{kinds[dtype]}"
+                                r"\s*\{[^}]*\},\s*\{", ptx)  # fmt: skip
+        if r["d"] == 64:
+            assert bool(s_from_regs) == (consumers == 2), where
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx, where
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{l_regs};" in ptx, where
         # No wgmma serialised by ptxas (its note C7515: an accumulator's registers written

@@ -563,6 +563,7 @@ FROZEN_HEADROOM = gl.constexpr(64.0)
 # PyTorch is exact. Divided by the sums of the same rounded p, O is a mean of V whose weights
 # sum to 1.
 ORDER_ROUNDED_SUMS = gl.constexpr(128)
+ORDER_Q_REGS = gl.constexpr(256)  # Q K^T's A operand from registers (Q_IN_REGS)
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -1154,6 +1155,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     ROUND: gl.constexpr = ((ORDER & ORDER_ROUNDED_SUMS) != 0 and (FROZEN or SOFTCAP == 2)
                            and dtype == gl.bfloat16 and not DROPOUT)  # fmt: skip
     P_DTYPE: gl.constexpr = dtype if ROUND else gl.float32  # (the softmax's p)
+    Q_REGS: gl.constexpr = (ORDER & ORDER_Q_REGS) != 0 and not FP8
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     # fp8: P's shared-memory operand (_p_operand); a token buffer otherwise
     P_M: gl.constexpr = SUB_M if FP8 else 16
     P_N: gl.constexpr = BLOCK_N if FP8 else 32
@@ -1239,6 +1242,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
             if not DYNAMIC:
                 mbarrier.wait(q_ready.index(qb), (lap // Q_BUFS) & 1)
         q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
+        if Q_REGS:  # Q K^T's A operand from registers after the tile's first block
+            q_op = q_smem.load(q_layout)
+        else:
+            q_op = q_smem
         # (dropout: the rows' groups and the pair's (batch, head))
         drop_rows = _query_group(offs_m)
         drop_bh = off_b * heads + off_h
@@ -1268,7 +1275,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, False)
-                s_tok, s_tok2 = _issue_s(q_smem, k_t,
+                s_tok, s_tok2 = _issue_s(q_op, k_t,
                                          gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout),
                                          HEAD_DIM, QK_IMPRECISE, QK_HALVES)  # fmt: skip
                 if ALIBI == 3:
@@ -1278,7 +1285,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, True)
-                s = _wait_s(s_tok, s_tok2, q_smem, k_t, 1, QK_HALVES)
+                s = _wait_s(s_tok, s_tok2, q_op, k_t, 1, QK_HALVES)
                 mbarrier.arrive(k_empty.index(s_idx))  # K_j is no longer read
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
                 p, m_i, l_i, alpha = _softmax_step(
@@ -1674,6 +1681,23 @@ FROZEN_MAX = False
 # Row sums of P's rounded bf16 operand wherever the max is fixed (ORDER_ROUNDED_SUMS: the
 # frozen max, softcap's fixed max).
 ROUNDED_SUMS = True
+# Q K^T's A operand (Q) from registers, loaded once a tile (ORDER_Q_REGS), for 16-bit d64
+# builds of two consumers (16 registers a thread; 32 at d128, 64 at d256). H200, bf16, one
+# process, 3-5 interleaved rounds (benchmarks/hopper_flag_ab.py --flag Q_IN_REGS; the first
+# run flipped every build, benchmarks/results/2026-11-26_h200_fwd-q-regs-ab_37db03e-wip.txt,
+# the second d64's two-consumer ones, ..._fwd-q-regs-d64-ab_37db03e-wip.txt), median ms
+# from shared memory / registers: d64 8 x 32 x 2048 causal 0.3632 / 0.3615, 4 x 32 x 4096
+# causal 0.6717 / 0.6710 (first run 0.6708 / 0.6542), 16 x 32 x 1024 0.3293 / 0.3218
+# (0.3335 / 0.3257), causal 0.2196 / 0.2186, 1 x 16 x 8192 with a (1023, 0) window 0.1070 /
+# 0.1041, 32 x 16 x 512 causal 0.0850 / 0.0843; d128 (two consumers) 1-7% slower everywhere
+# (1 x 16 x 16k 3.343 / 3.449, causal 8192 0.4482 / 0.4822); d64 three consumers 36% slower
+# (4 x 32 x 4096 1.112 / 1.515: 320 bytes spilled at 160 registers).
+Q_IN_REGS = True
+
+
+def q_in_registers(head_dim_padded: int, cfg: Config, fp8) -> bool:
+    """Whether the kernel keeps Q in registers for Q K^T (:data:`Q_IN_REGS`)."""
+    return Q_IN_REGS and head_dim_padded == 64 and cfg.consumers == 2 and fp8 is None
 
 
 def frozen_max(dtype: torch.dtype, variants: dict | None) -> bool:
@@ -1724,7 +1748,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
                        + ORDER_LAZY.value * bool(cfg.lazy)
                        + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
-                       + ORDER_FROZEN.value * frozen_max(q4.dtype, variants)),
+                       + ORDER_FROZEN.value * frozen_max(q4.dtype, variants)
+                       + ORDER_Q_REGS.value * q_in_registers(head_dim_pad(d), cfg, fp8)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device), run_slot=-1,
                 counter_slot=0, DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip
