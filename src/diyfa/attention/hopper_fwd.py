@@ -1884,10 +1884,15 @@ _NO_COUNTER: dict = {}
 
 
 def counter_size(args: dict) -> int:
-    """The int32s of a call's COUNTER (zeroed per call): none (0: the device's constant),
-    the tile counter (1), or with the frozen max (ORDER_FROZEN) the first launch's counter,
-    the flag it sets and the second launch's counter (3)."""
-    return 3 if args["ORDER"] & ORDER_FROZEN.value else int(bool(args["DYNAMIC"]))
+    """The int32s of the COUNTER of a call set up by :func:`hopper_args` (zeroed per call)."""
+    return _counter_ints(bool(args["ORDER"] & ORDER_FROZEN.value), bool(args["DYNAMIC"]))
+
+
+def _counter_ints(frozen: bool, dynamic: bool) -> int:
+    """The int32s of a call's COUNTER: none (0: the device's constant), the tile counter of a
+    call whose tiles are handed out (``dynamic``: 1), or with the frozen max (ORDER_FROZEN)
+    the first launch's counter, the flag it sets and the second launch's counter (3)."""
+    return 3 if frozen else int(dynamic)
 
 
 def _launch_call(grid, args: dict, num_warps: int) -> list:
@@ -2325,7 +2330,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
         # batch's lengths; so do a benchmark's repetitions) replays that call's launch
         # (_launcher.Replay): after the lengths' read only the replay is left to do.
         roles = dict(q=q, k=k, v=v, out=out, lse=lse2,
-                     counter=torch.zeros(3 if frozen_max(q.dtype, None) else 1,
+                     counter=torch.zeros(_counter_ints(frozen_max(q.dtype, None), True),
                                          dtype=torch.int32, device=q.device), cu_q=cu_q)
         if cu_k is not cu_q:
             roles["cu_k"] = cu_k
