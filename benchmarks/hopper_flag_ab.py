@@ -1,7 +1,8 @@
 """A/B of one module flag of the Hopper forward or backward, in one process on an sm90 GPU.
 
 ``--kind fwd`` flips a ``hopper_fwd`` attribute (e.g. ``DEFER_O_STORE``), ``--kind bwd`` a
-``hopper_bwd`` one. Each case runs through the public entry points (``diyfa.flash_attention``
+``hopper_bwd`` one; ``--module checks`` one of ``checks`` (e.g. ``REMEMBER_LENGTHS``). Each
+case runs through the public entry points (``diyfa.flash_attention``
 / ``flash_attention_varlen``, ``backend="hopper"``, bf16; the backward as
 ``torch.autograd.grad`` of one forward's output, atomic dQ) with the flag at each value in
 turn (the kept launches forgotten at every switch, ``_launcher.forget_replays``): the outputs
@@ -35,7 +36,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
 
 import diyfa  # noqa: E402
 from diyfa._launcher import forget_replays  # noqa: E402
-from diyfa.attention import hopper_bwd, hopper_fwd  # noqa: E402
+from diyfa.attention import checks, hopper_bwd, hopper_fwd  # noqa: E402
 from diyfa.bench.results import environment  # noqa: E402
 from diyfa.bench.suites import varlen_mix  # noqa: E402
 from diyfa.flops import attention_flops  # noqa: E402
@@ -101,6 +102,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kind", choices=("fwd", "bwd"), default="fwd")
     ap.add_argument("--flag", required=True, help="a hopper_fwd (hopper_bwd) module attribute")
+    ap.add_argument("--module", choices=("hopper_fwd", "hopper_bwd", "checks"), default=None,
+                    help="the flag's module (default: hopper_fwd, or hopper_bwd for --kind bwd)")
     ap.add_argument("--values", default="1,0",
                     help="integers (numbers for a float attribute), the first the reference")
     ap.add_argument("--cases", default=CASES)
@@ -111,7 +114,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "hopper_flag_ab.jsonl"))  # fmt: skip
     a = ap.parse_args()
-    module = hopper_fwd if a.kind == "fwd" else hopper_bwd
+    module = {"hopper_fwd": hopper_fwd, "hopper_bwd": hopper_bwd, "checks": checks}[
+        a.module or ("hopper_fwd" if a.kind == "fwd" else "hopper_bwd")]
     held = dict(item.split("=") for item in a.set)
     for name, value in held.items():
         setattr(module, name, type(getattr(module, name))(int(value)))

@@ -232,6 +232,48 @@ def test_checked_lengths_are_kept_and_bad_ones_raise_every_time():
                                    7, 8, "max_seqlen_k")  # fmt: skip
 
 
+def test_packed_lengths_are_remembered_by_tensor_and_version(monkeypatch):
+    """checks.HostLengths copies a cu_seqlens tensor's values only if it has not read that
+    tensor before at the same version (PyTorch moves it on every in-place write): a tensor
+    read before and unchanged is neither copied nor waited for (``_fresh`` empty); an
+    in-place write, another tensor with the same values, REMEMBER_LENGTHS off or an
+    inference tensor are read afresh; lengths that fail their check are never remembered."""
+    from diyfa.attention import checks
+
+    def lengths(cu, total=7, longest=5):
+        return checks.HostLengths([("cu_seqlens_q", cu, total, longest, "max_seqlen_q"),
+                                   ("cu_seqlens_k", cu, total, longest, "max_seqlen_k")])
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    first = lengths(cu)
+    assert len(first._fresh) == 2 and first.values() == ((0, 3, 7), (0, 3, 7))
+    again = lengths(cu)
+    assert again._fresh == [] and again._event is None
+    assert again.values() == ((0, 3, 7), (0, 3, 7))
+    cu[1] = 2  # in place: the version moves
+    moved = lengths(cu)
+    assert len(moved._fresh) == 2 and moved.values() == ((0, 2, 7), (0, 2, 7))
+    assert lengths(cu.clone())._fresh != []
+    cu[1] = 9  # not non-decreasing: raises on every call, never remembered
+    for _ in range(2):
+        bad = lengths(cu)
+        assert bad._fresh != []
+        with pytest.raises(ValueError, match="non-decreasing"):
+            bad.values()
+    cu[1] = 3
+    lengths(cu).values()
+    with pytest.raises(ValueError, match="max_seqlen_q=3 is less than the longest"):
+        lengths(cu, longest=3).values()  # remembered values are checked against each call
+    monkeypatch.setattr(checks, "REMEMBER_LENGTHS", False)
+    assert lengths(cu)._fresh != []
+    monkeypatch.setattr(checks, "REMEMBER_LENGTHS", True)
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+        for _ in range(2):
+            read = lengths(frozen)
+            assert read._fresh != [] and read.values() == ((0, 3, 7), (0, 3, 7))
+
+
 def test_packed_replays_prepare_the_last_lengths_first():
     """hopper_fwd._ByLengths: the replay used last is prepared before the lengths' wait and
     launched if the lengths are its own; other lengths take their own replay (run); unknown
@@ -322,6 +364,43 @@ def test_varlen_lengths_are_checked_before_any_launch(family, bad, monkeypatch):
     out, lse2 = torch.zeros(7, 4, 128, dtype=torch.bfloat16), torch.zeros(4, 7)
     with pytest.raises(ValueError, match=match):
         fam.backward(out, q, k, v, out, lse2, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hopper", "portable"])
+def test_gpu_varlen_remembered_lengths_queue_without_waiting(backend):
+    """With a cu_seqlens tensor read before and unchanged, a packed call queues its kernels
+    without waiting for the GPU: it returns while a long kernel queued before it still runs
+    (and gives the same output as with a fresh read); after an in-place write to the tensor
+    the call waits for its copy again and runs the new lengths (bitwise what a new tensor of
+    them gives; the Hopper forward's work list comes from the host's copy)."""
+    if backend == "hopper" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper forward needs sm90")
+    q, k, v, cu_q, cu_k = _packed([300, 1000, 77], [500, 1000, 90], 8, 2, 128, torch.bfloat16,
+                                  device="cuda")  # fmt: skip
+    q, k, v = (t.detach() for t in (q, k, v))
+
+    def run():
+        return diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 1000, 1000, causal=True,
+                                            backend=backend)  # fmt: skip
+
+    first = run()
+    torch.cuda.synchronize()
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(500_000_000)  # ~0.3 s of one SM
+    busy.record()
+    out = run()
+    assert not busy.query(), "the call waited for the GPU"
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    cu_q.copy_(torch.tensor([0, 700, 1300, 1377], dtype=torch.int32))  # in place
+    torch.cuda._sleep(500_000_000)
+    busy.record()
+    moved = run()
+    assert busy.query(), "the call did not wait for the new lengths"
+    fresh = diyfa.flash_attention_varlen(q, k, v, cu_q.clone(), cu_k, 1000, 1000, causal=True,
+                                         backend=backend)  # fmt: skip
+    assert torch.equal(moved, fresh) and not torch.equal(moved, first)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor  # (loaded by torch itself)
@@ -378,25 +380,32 @@ class HostLengths:
     first launch (``dispatch.Family``; the Hopper forward as late as it can, after its
     launch is set up): reading them in the checks made the GPU sit idle through all the
     host work between that read and the launch (0.2-0.3 ms per packed forward on the H200's
-    host, 2026-11-24)."""
+    host, 2026-11-24). A cu_seqlens tensor read before and not written since (by PyTorch's
+    version counter: :data:`REMEMBER_LENGTHS`) is not copied again: nothing to wait for."""
 
-    __slots__ = ("_reads", "_event", "_values")
+    __slots__ = ("_reads", "_event", "_values", "_fresh")
 
     def __init__(self, reads: list):
         """``reads``: (name, cu tensor, packed rows, max_seqlen, its name) for q, then k."""
         self._event = None
         self._values = None
-        device = reads[0][1].device
-        if device.type == "cuda":
-            staged = []
-            for name, cu, total, max_seqlen, max_name in reads:
-                buf = torch.empty(cu.shape, dtype=cu.dtype, pin_memory=True)
-                buf.copy_(cu, non_blocking=True)
-                staged.append((name, buf, total, max_seqlen, max_name))
-            reads = staged
+        self._fresh = []  # (cu, its stamp, host copy): to remember once checked
+        staged = []
+        for name, cu, total, max_seqlen, max_name in reads:
+            stamp = _stamp(cu)
+            host = _remembered(cu, stamp)
+            if host is None:
+                if cu.device.type == "cuda":
+                    host = torch.empty(cu.shape, dtype=cu.dtype, pin_memory=True)
+                    host.copy_(cu, non_blocking=True)
+                else:
+                    host = cu.clone()
+                self._fresh.append((cu, stamp, host))
+            staged.append((name, host, total, max_seqlen, max_name))
+        if any(cu.device.type == "cuda" for cu, _, _ in self._fresh):
             self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(device))  # (the copies' stream)
-        self._reads = tuple(reads)
+            self._event.record(torch.cuda.current_stream(reads[0][1].device))  # (the copies')
+        self._reads = tuple(staged)
 
     def values(self) -> tuple[tuple, tuple]:
         """(cu_seqlens_q values, cu_seqlens_k values), checked; ValueError if they do not fit
@@ -405,7 +414,48 @@ class HostLengths:
             if self._event is not None:
                 self._event.synchronize()
             self._values = tuple(_checked_values(*read) for read in self._reads)
+            for cu, stamp, host in self._fresh:
+                _remember(cu, stamp, host)
+            self._fresh = []
         return self._values
+
+
+# A cu_seqlens tensor's values read before, by the tensor: id -> (a weak reference to it, its
+# stamp (PyTorch's version counter, which every in-place write through PyTorch moves, and its
+# address) when the copy was queued, the host copy). A model's layers take one batch's
+# cu_seqlens tensor in turn, a benchmark's repetitions too: with the tensor unchanged, a
+# packed call queues its kernels with no wait for the GPU to drain first (the wait and the
+# host work after it left the GPU idle: ~0.1-0.3 ms per packed forward on the H200's host).
+# Writes PyTorch does not see (a custom kernel's, through ``.data``) leave the stamp as it was:
+# give such a tensor to diyfa afresh (a new tensor, or REMEMBER_LENGTHS False, env
+# DIYFA_REMEMBER_LENGTHS=0). Inference-mode tensors keep no version counter: read every call.
+REMEMBER_LENGTHS = os.environ.get("DIYFA_REMEMBER_LENGTHS", "1") != "0"
+_REMEMBERED: dict = {}
+_REMEMBERED_KEPT = 32
+
+
+def _stamp(cu: torch.Tensor) -> tuple | None:
+    """What must not have moved for ``cu``'s remembered values to hold: (version, address);
+    None where none is kept (REMEMBER_LENGTHS off, inference tensors)."""
+    if not REMEMBER_LENGTHS or cu.is_inference():
+        return None
+    return (cu._version, cu.data_ptr())
+
+
+def _remembered(cu: torch.Tensor, stamp: tuple | None):
+    """The host copy of ``cu``'s values read at this ``stamp``, or None."""
+    entry = None if stamp is None else _REMEMBERED.get(id(cu))
+    if entry is None or entry[0]() is not cu or entry[1] != stamp:
+        return None
+    return entry[2]
+
+
+def _remember(cu: torch.Tensor, stamp: tuple | None, host: torch.Tensor) -> None:
+    if stamp is None:
+        return
+    if len(_REMEMBERED) >= _REMEMBERED_KEPT:
+        _REMEMBERED.clear()
+    _REMEMBERED[id(cu)] = (weakref.ref(cu), stamp, host)
 
 
 # Lengths checked before: (their bytes, packed rows, max_seqlen) -> the values tuple. A
