@@ -136,3 +136,39 @@ def test_sinks_pass_through():
     tail = diyfa.flash_attention(q[1:, :, 2:], k[1:, :, 2:], v[1:, :, 2:], causal=True,
                                  sinks=sinks).transpose(1, 2)  # fmt: skip
     assert torch.allclose(out[1, 2:], tail[0], atol=1e-6)
+
+
+def test_padding_mask_unpadded_once_per_mask(monkeypatch):
+    """Every layer gets the same padding mask: its unpadding (indices, cumulative lengths) is
+    computed once and reused while the mask is unchanged (by its version counter), and the
+    cu_seqlens tensors reused are then not read back again; an in-place change of the mask
+    is seen (the output follows it)."""
+    from diyfa.attention import checks
+    from diyfa.integrations import transformers as tf
+
+    calls = []
+    cu_seqlens = tf._cu_seqlens
+    monkeypatch.setattr(tf, "_cu_seqlens", lambda m: calls.append(1) or cu_seqlens(m))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 6, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(2, 2, 6, 16, generator=g).to(DEVICE) for _ in range(2))
+    mask = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+    mask[1, :2] = False
+    module = torch.nn.Module()
+    first = tf.attention_forward(module, q, k, v, mask)[0]
+    assert len(calls) == 2  # (queries, keys)
+    fresh = []
+    init = checks.HostLengths.__init__
+
+    def spy(self, reads):
+        init(self, reads)
+        fresh.append(self)
+
+    monkeypatch.setattr(checks.HostLengths, "__init__", spy)
+    again = tf.attention_forward(module, q, k, v, mask)[0]
+    assert len(calls) == 2 and torch.equal(again, first)
+    assert fresh and fresh[-1]._fresh == []  # the kept cu_seqlens: nothing copied
+    mask[1, :2] = True  # in place: unpadded afresh
+    whole = tf.attention_forward(module, q, k, v, mask)[0]
+    assert len(calls) == 4
+    assert torch.equal(whole, tf.attention_forward(module, q, k, v, None)[0])

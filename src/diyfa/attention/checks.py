@@ -392,8 +392,8 @@ class HostLengths:
         self._fresh = []  # (cu, its stamp, host copy): to remember once checked
         staged = []
         for name, cu, total, max_seqlen, max_name in reads:
-            stamp = _stamp(cu)
-            host = _remembered(cu, stamp)
+            stamp = version_stamp(cu)
+            host = recall(cu, stamp)
             if host is None:
                 if cu.device.type == "cuda":
                     host = torch.empty(cu.shape, dtype=cu.dtype, pin_memory=True)
@@ -415,7 +415,7 @@ class HostLengths:
                 self._event.synchronize()
             self._values = tuple(_checked_values(*read) for read in self._reads)
             for cu, stamp, host in self._fresh:
-                _remember(cu, stamp, host)
+                keep(cu, stamp, host)
             self._fresh = []
         return self._values
 
@@ -434,28 +434,31 @@ _REMEMBERED: dict = {}
 _REMEMBERED_KEPT = 32
 
 
-def _stamp(cu: torch.Tensor) -> tuple | None:
-    """What must not have moved for ``cu``'s remembered values to hold: (version, address);
-    None where none is kept (REMEMBER_LENGTHS off, inference tensors)."""
-    if not REMEMBER_LENGTHS or cu.is_inference():
+def version_stamp(t: torch.Tensor) -> tuple | None:
+    """What must not have moved for values derived from ``t`` to hold: (PyTorch's version
+    counter, address); None where nothing is remembered (REMEMBER_LENGTHS off, inference
+    tensors)."""
+    if not REMEMBER_LENGTHS or t.is_inference():
         return None
-    return (cu._version, cu.data_ptr())
+    return (t._version, t.data_ptr())
 
 
-def _remembered(cu: torch.Tensor, stamp: tuple | None):
-    """The host copy of ``cu``'s values read at this ``stamp``, or None."""
-    entry = None if stamp is None else _REMEMBERED.get(id(cu))
-    if entry is None or entry[0]() is not cu or entry[1] != stamp:
+def recall(t: torch.Tensor, stamp: tuple | None, tag=None):
+    """The value kept for ``t`` (and ``tag``) at this ``stamp`` (:func:`keep`), or None."""
+    entry = None if stamp is None else _REMEMBERED.get((id(t), tag))
+    if entry is None or entry[0]() is not t or entry[1] != stamp:
         return None
     return entry[2]
 
 
-def _remember(cu: torch.Tensor, stamp: tuple | None, host: torch.Tensor) -> None:
+def keep(t: torch.Tensor, stamp: tuple | None, value, tag=None) -> None:
+    """Remember ``value``, derived from ``t`` as it was at ``stamp``, by the tensor (a weak
+    reference: a new tensor at the same address is another one) and ``tag``."""
     if stamp is None:
         return
     if len(_REMEMBERED) >= _REMEMBERED_KEPT:
         _REMEMBERED.clear()
-    _REMEMBERED[id(cu)] = (weakref.ref(cu), stamp, host)
+    _REMEMBERED[(id(t), tag)] = (weakref.ref(t), stamp, value)
 
 
 # Lengths checked before: (their bytes, packed rows, max_seqlen) -> the values tuple. A

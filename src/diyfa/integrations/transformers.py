@@ -19,7 +19,9 @@ How a call runs: without padding, one ``diyfa.flash_attention`` call, causal bot
 (so a prefill, a chunk of new tokens against a cache, and one-token decoding are all the
 same call); with padding, the real tokens are packed and run through
 ``diyfa.flash_attention_varlen`` (no work on padding; padded query rows come out as
-zeros), then scattered back. Model options: ``scaling``, ``sliding_window`` (a window of W
+zeros), then scattered back; the unpadding is worked out once per padding mask (every layer
+gets the same tensor) and kept while the mask is unchanged, so only the first layer waits
+for the GPU. Model options: ``scaling``, ``sliding_window`` (a window of W
 tokens, the query's own included: window_size (W - 1, 0), as transformers' flash-attention
 path passes it), ``softcap`` (Gemma 2's logit softcapping), ``s_aux`` (gpt-oss's attention
 sinks, differentiable), ``dropout`` while the module trains (diyfa's Philox dropout).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import torch
 
 import diyfa
+from diyfa.attention import checks
 
 NAME = "diyfa"
 
@@ -47,6 +50,28 @@ def _cu_seqlens(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     lengths = mask.sum(1, dtype=torch.int32)
     cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     return cu, int(lengths.max().item()) if lengths.numel() else 0
+
+
+def _unpadding(attention_mask: torch.Tensor, sq: int, sk: int) -> tuple:
+    """(query rows, key rows, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k) of the
+    real tokens under a (batch, kv_len) padding mask, for ``sq`` queries (the last ones) and
+    ``sk`` keys. Every layer of a forward gets the same mask tensor: its unpadding (with
+    four host reads, which wait for the GPU) is kept by the tensor and its version counter
+    (``checks.keep``), so the layers after the first reuse it, and diyfa then finds their
+    cu_seqlens tensors already read (no copy, no wait at all)."""
+    stamp = checks.version_stamp(attention_mask)
+    kept = checks.recall(attention_mask, stamp, ("unpadding", sq, sk))
+    if kept is not None:
+        return kept
+    mask_k = attention_mask[:, -sk:].bool()
+    mask_q = mask_k[:, -sq:]
+    index_q = mask_q.flatten().nonzero().flatten()
+    index_k = mask_k.flatten().nonzero().flatten()
+    cu_q, max_q = _cu_seqlens(mask_q)
+    cu_k, max_k = _cu_seqlens(mask_k)
+    unpadding = (index_q, index_k, cu_q, max(max_q, 1), cu_k, max(max_k, 1))
+    checks.keep(attention_mask, stamp, unpadding, ("unpadding", sq, sk))
+    return unpadding
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -76,17 +101,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             f"attn_implementation='diyfa' takes a 2-D (batch, kv_len) padding mask (from its "
             f"registered mask function), got shape {tuple(attention_mask.shape)} for batch {b} "
             f"and {sk} keys (custom 4-D masks and static caches are not supported)")
-    mask_k = attention_mask[:, -sk:].bool()
-    mask_q = mask_k[:, -sq:]
-    index_q = mask_q.flatten().nonzero().flatten()
-    index_k = mask_k.flatten().nonzero().flatten()
-    cu_q, max_q = _cu_seqlens(mask_q)
-    cu_k, max_k = _cu_seqlens(mask_k)
+    index_q, index_k, cu_q, max_q, cu_k, max_k = _unpadding(attention_mask, sq, sk)
     q = _unpad(query.transpose(1, 2), index_q)
     k = _unpad(key.transpose(1, 2), index_k)
     v = _unpad(value.transpose(1, 2), index_k)
-    packed = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max(max_q, 1), max(max_k, 1),
-                                          **options)  # fmt: skip
+    packed = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options)
     dv = packed.shape[-1]  # the value head dim (MLA-style models: not q's)
     out = packed.new_zeros(b * sq, h, dv).index_copy(0, index_q, packed)
     return out.view(b, sq, h, dv), None
