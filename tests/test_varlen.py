@@ -237,7 +237,8 @@ def test_packed_lengths_are_remembered_by_tensor_and_version(monkeypatch):
     tensor before at the same version (PyTorch moves it on every in-place write): a tensor
     read before and unchanged is neither copied nor waited for (``_fresh`` empty); an
     in-place write, another tensor with the same values, REMEMBER_LENGTHS off or an
-    inference tensor are read afresh; lengths that fail their check are never remembered."""
+    inference tensor are read afresh; lengths that fail their check are never remembered; a
+    freed tensor's entry goes with it."""
     from diyfa.attention import checks
 
     def lengths(cu, total=7, longest=5):
@@ -272,6 +273,12 @@ def test_packed_lengths_are_remembered_by_tensor_and_version(monkeypatch):
         for _ in range(2):
             read = lengths(frozen)
             assert read._fresh != [] and read.values() == ((0, 3, 7), (0, 3, 7))
+    gone = torch.tensor([0, 2, 7], dtype=torch.int32, device=DEVICE)
+    lengths(gone).values()
+    key = (id(gone), None)
+    assert key in checks._REMEMBERED
+    del gone  # freed: forgotten with it
+    assert key not in checks._REMEMBERED
 
 
 def test_packed_replays_prepare_the_last_lengths_first():

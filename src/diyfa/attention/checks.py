@@ -453,12 +453,20 @@ def recall(t: torch.Tensor, stamp: tuple | None, tag=None):
 
 def keep(t: torch.Tensor, stamp: tuple | None, value, tag=None) -> None:
     """Remember ``value``, derived from ``t`` as it was at ``stamp``, by the tensor (a weak
-    reference: a new tensor at the same address is another one) and ``tag``."""
+    reference: a new tensor at the same address is another one) and ``tag``; forgotten when
+    ``t`` is freed (a padding mask's unpadding holds device tensors)."""
     if stamp is None:
         return
     if len(_REMEMBERED) >= _REMEMBERED_KEPT:
         _REMEMBERED.clear()
-    _REMEMBERED[(id(t), tag)] = (weakref.ref(t), stamp, value)
+    key = (id(t), tag)
+
+    def forget(ref, key=key):
+        entry = _REMEMBERED.get(key)
+        if entry is not None and entry[0] is ref:
+            del _REMEMBERED[key]
+
+    _REMEMBERED[key] = (weakref.ref(t, forget), stamp, value)
 
 
 # Lengths checked before: (their bytes, packed rows, max_seqlen) -> the values tuple. A
