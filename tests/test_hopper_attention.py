@@ -763,8 +763,12 @@ def test_packed_work_tables_match_a_tile_by_tile_count(monkeypatch):
                         table, n = kv_table(cu_q, cu_k, block_n, block_m, causal, "cpu")
                         want = _kv_blocks_by_hand(cu_q, cu_k, block_n, block_m, causal, by_seq)
                         assert table.dtype == torch.int32 and n == len(want)
-                        assert table.view(-1, 2).tolist() == want, (cu_q, cu_k, block_n,
-                                                                    causal, by_seq)
+                        assert table[:2 * n].view(-1, 2).tolist() == want, (
+                            cu_q, cu_k, block_n, causal, by_seq)
+                        # then each sequence's first row in the dQ workspace (hopper_fwd.dq_rows)
+                        assert table[2 * n:].tolist() == [
+                            sum(-(-n_q // 8) * 8 for n_q in lens_q[:i])
+                            for i in range(len(lens_q) + 1)]  # fmt: skip
     cu = (0, 300, 1000)
     first = tile_table(cu, cu, 128, True, "cpu", True)[0]
     assert tile_table(list(cu), list(cu), 128, True, "cpu", True)[0] is first  # kept

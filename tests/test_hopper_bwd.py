@@ -570,12 +570,16 @@ def test_host_path_builds_the_packed_launch(deterministic, monkeypatch):
     # heaviest block, heaviest first (causal: query blocks 5, 3, 2 to visit in sequence 2,
     # 1 in sequences 0 and 3); by weight alone: 2.0, 2.1, 0.0, 2.2, 3.0.
     assert seen["grid"] == (5, hk)
-    assert args["TILES"].tolist() == [2, 0, 2, 1, 2, 2, 0, 0, 3, 0]  # (sequence, block)
+    # (sequence, block) pairs, then the sequences' first rows in the atomic dQ workspace,
+    # each on a multiple of 8 (hopper_fwd.dq_rows)
+    starts = [0, 104, 104, 368, 376]
+    assert args["TILES"].tolist() == [2, 0, 2, 1, 2, 2, 0, 0, 3, 0] + starts
     monkeypatch.setattr(hopper_bwd, "VARLEN_BY_SEQUENCE", False)
     hopper_bwd.hopper_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), lse2, p)
-    assert seen["args"]["TILES"].tolist() == [2, 0, 2, 1, 0, 0, 2, 2, 3, 0]
+    assert seen["args"]["TILES"].tolist() == [2, 0, 2, 1, 0, 0, 2, 2, 3, 0] + starts
     assert args["VARLEN"] is True and args["CAUSAL"] is True
-    assert args["DQ_ROWS"] is False  # (packed blocks start anywhere in the workspace)
+    # (the atomic dQ's rows permuted within groups of 8, as for batches)
+    assert args["DQ_ROWS"] is (not deterministic)
     assert args["seqlen_q"] == 260 and args["seqlen_k"] == 260 and args["total_q"] == total
     assert args["CU_Q"] is p.cu_seqlens_q and args["CU_K"] is p.cu_seqlens_k
     assert list(args["q_desc"].shape) == [1, h, total, d]
@@ -587,7 +591,7 @@ def test_host_path_builds_the_packed_launch(deterministic, monkeypatch):
     if deterministic:
         assert (dq == 3.0).all() and not args["DQ_ATOMIC"]
     else:
-        assert args["dq_desc"].base.shape == (1, h, total, 128)
+        assert args["dq_desc"].base.shape == (1, h, 376, 128)
         assert (dq == 1.0).all()  # 2.0 x the scale
 
 
@@ -813,3 +817,27 @@ def test_finish_puts_the_permuted_rows_back(seqlen_q, layout):
     dq.fill_(float("nan"))  # (nothing left from the call before)
     hopper_bwd._finish(got, true, 0.5, permuted=False)  # the plain order: rows as they are
     assert torch.equal(got, (true[:, :, :seqlen_q, :d] * 0.5).to(torch.bfloat16))
+
+
+def test_finish_puts_packed_sequences_rows_back():
+    """Packed sequences' atomic dQ workspace (hopper_fwd.dq_rows): each sequence's rows from a
+    multiple of 8, permuted within groups of 8 from there; _finish puts every sequence's rows
+    back at its cu_seqlens rows of the packed dQ (empty sequences, partial groups), scaled
+    and cast, and leaves the padding rows unread."""
+    from diyfa.attention.hopper_fwd import dq_rows
+
+    h, d, dpad, lens = 3, 40, 64, [13, 0, 8, 70, 1]
+    cu = torch.tensor([0, 13, 13, 21, 91, 92], dtype=torch.int32)
+    starts, rows = dq_rows(cu.tolist())
+    assert starts.tolist() == [0, 16, 16, 24, 96, 104] and rows == 104
+    g = torch.Generator().manual_seed(0)
+    true = torch.randn(1, h, sum(lens), dpad, generator=g)
+    ws = torch.full((1, h, rows, dpad), float("nan"))
+    for s, n in enumerate(lens):
+        r = torch.arange(n)
+        ws[:, :, starts[s] + r // 8 * 8 + r % 4 * 2 + r % 8 // 4] = true[:, :, cu[s] + r]
+    table = torch.tensor([7, 7] + starts.tolist(), dtype=torch.int32)  # (one pair, then starts)
+    dq = torch.empty(sum(lens), h, d, dtype=torch.bfloat16)
+    got = dq.unsqueeze(0).transpose(1, 2)
+    hopper_bwd._finish(got, ws, 0.5, permuted=True, packed=(cu, table, len(lens), max(lens)))
+    assert torch.equal(got, (true[..., :d] * 0.5).to(torch.bfloat16))

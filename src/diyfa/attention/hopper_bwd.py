@@ -157,6 +157,7 @@ from diyfa.attention.hopper_fwd import (
     alibi_flag,
     bhsd_view,
     cu_host,
+    dq_rows,
     head_dim_pad,
     named_barrier,
     variant_args,
@@ -257,9 +258,11 @@ DS_BARRIER = gl.constexpr(14)  # its id (hopper_fwd.named_barrier; the forward's
 # 2 x 32 x 8192 478, 467 against 455, 451 TFLOPS; not kept.)
 # The atomic dQ's fp32 tiles go to shared memory with their rows permuted within groups of 8
 # (row 8a + 4b + c at 8a + 2c + b: conflict-free 8-byte stores into the 128-byte swizzle; the
-# workspace keeps that order and _finish undoes it). Not for packed sequences, whose blocks
-# start anywhere in the workspace.
+# workspace keeps that order and _finish undoes it). Packed sequences (DQ_ROWS_PACKED): their
+# blocks start anywhere in the packed rows, so each sequence's rows start on a multiple of 8
+# in the workspace instead (hopper_fwd.dq_rows; head dims up to 128: this kernel's).
 DQ_ROWS_PERMUTED = True
+DQ_ROWS_PACKED = True
 # Head dims above 128 (hopper_bwd256's kernel): the deterministic path (the portable dQ
 # kernel, then the kernel for dK / dV) is the default there even without ``deterministic``,
 # measured faster than the kernel's own atomic dQ at every point (H200, bf16, one process,
@@ -287,7 +290,7 @@ NONCAUSAL_AS_CAUSAL = True
 
 def dq_rows_permuted(dq_atomic: bool, packed: bool) -> bool:
     """Whether the kernel writes the atomic dQ workspace with its rows permuted (_finish)."""
-    return DQ_ROWS_PERMUTED and dq_atomic and not packed
+    return DQ_ROWS_PERMUTED and dq_atomic and (not packed or DQ_ROWS_PACKED)
 
 
 def auto_mode(p: Problem) -> str | None:
@@ -458,25 +461,41 @@ def _bwd_delta(O, DO, DELTA, ACC, stride_ob, stride_oh, stride_os, stride_od,
 
 @triton.jit
 def _dq_finish(ACC, DQ, stride_qb, stride_qh, stride_qs, stride_qd, heads, seqlen_q, acc_rows,
-               scale, HEAD_DIM: tl.constexpr, ACC_DIM: tl.constexpr, PERMUTED: tl.constexpr,
-               BLOCK: tl.constexpr):
+               scale, CU_Q, STARTS, starts_at, HEAD_DIM: tl.constexpr, ACC_DIM: tl.constexpr,
+               PERMUTED: tl.constexpr, BLOCK: tl.constexpr, PACKED: tl.constexpr):
     """dQ from the atomic mode's fp32 workspace ACC ((batch, heads, acc_rows, ACC_DIM)
     contiguous): scaled, cast to DQ's dtype and stored through DQ's strides, BLOCK rows of
     one (batch, head). PERMUTED: the workspace holds row 8a + 4b + c of each group of 8 at
-    8a + 2c + b (dq_rows_permuted), read back from there."""
-    off_bh = tl.program_id(0)
-    off_b = (off_bh // heads).to(tl.int64)
-    off_h = (off_bh % heads).to(tl.int64)
+    8a + 2c + b (dq_rows_permuted), read back from there. PACKED (grid (heads, blocks,
+    sequences); ACC and DQ batch-of-one): sequence s's rows CU_Q[s].. of DQ from its rows
+    STARTS[starts_at + s].. of the workspace (multiples of 8: hopper_fwd.dq_rows)."""
+    if PACKED:
+        off_b = 0
+        off_h = tl.program_id(0).to(tl.int64)
+        seq = tl.program_id(2)
+        q_start = tl.load(CU_Q + seq)
+        seqlen = tl.load(CU_Q + seq + 1) - q_start
+        acc_start = tl.load(STARTS + starts_at + seq)
+        off_bh = off_h
+    else:
+        off_bh = tl.program_id(0)
+        off_b = (off_bh // heads).to(tl.int64)
+        off_h = (off_bh % heads).to(tl.int64)
+        q_start = 0
+        seqlen = seqlen_q
+        acc_start = 0
     offs_m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     if PERMUTED:
         src = offs_m // 8 * 8 + offs_m % 4 * 2 + offs_m % 8 // 4
     else:
         src = offs_m
     offs_d = tl.arange(0, ACC_DIM)
-    mask = (offs_m < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    acc = tl.load(ACC + off_bh.to(tl.int64) * acc_rows * ACC_DIM + src[:, None] * ACC_DIM
-                  + offs_d[None, :], mask=mask, other=0.0)  # fmt: skip
-    tl.store(DQ + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs
+    mask = (offs_m < seqlen)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    acc = tl.load(ACC + off_bh.to(tl.int64) * acc_rows * ACC_DIM
+                  + (acc_start + src)[:, None].to(tl.int64) * ACC_DIM + offs_d[None, :],
+                  mask=mask, other=0.0)  # fmt: skip
+    tl.store(DQ + off_b * stride_qb + off_h * stride_qh
+             + (q_start + offs_m)[:, None].to(tl.int64) * stride_qs
              + offs_d[None, :] * stride_qd, (acc * scale).to(DQ.dtype.element_ty),
              mask=mask)  # fmt: skip
 
@@ -835,6 +854,12 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
     n0, tb, off_b, off_hk, m_lo, num_m, q_start, k_start, seqlen_q, seqlen_k, causal_offset = (
         _kv_program(heads, kv_group, seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K,
                     TILES, section, BLOCK_M, CONSUMERS * SUB_N, CAUSAL, WINDOW, VARLEN))
+    # (the query block's first row in the atomic dQ workspace: packed sequences with
+    # permuted rows start on a multiple of 8 there, listed after TILES' pairs: dq_rows)
+    dq_start = q_start
+    if VARLEN:
+        if DQ_ROWS:
+            dq_start = gl.load(TILES + 2 * gl.num_programs(0) + off_b)
     key0 = n0 + C * SUB_N
     offs_k = key0 + gl.arange(0, SUB_N, layout=key_layout)
     # Steps that need a mask: past the last key (this consumer's keys run off the end),
@@ -947,7 +972,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             # (mode 4: this consumer's rows, every column; else its column half, every row)
             part: gl.constexpr = C * (BLOCK_M // CONSUMERS) if MODE == 4 else 0
             _dq_add(dq, dq_bufs, tile, 0 if MODE == 4 else C, dq_desc, tb, off_h,
-                    q_start + row0 + part, DQ_ROWS)  # fmt: skip
+                    dq_start + row0 + part, DQ_ROWS)  # fmt: skip
             dk, _ds, _q = warpgroup_mma_wait(0, deps=(dk_tok, dsa, q_smem))
             mbarrier.arrive(empty.index(s))  # Q and dO of this stage are no longer read
         else:
@@ -964,7 +989,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
             # on, after the partner has passed step it + 1's ds_ready (so its step-it product
             # is done).
             tile = _split_tile(ds_ready, dq_bufs, it, C, CONSUMERS)
-            _dq_piece(ds_all, k_bufs, dq_bufs, tile, C, dq_desc, tb, off_h, q_start + row0,
+            _dq_piece(ds_all, k_bufs, dq_bufs, tile, C, dq_desc, tb, off_h, dq_start + row0,
                       h_layout, DQ_ROWS)  # fmt: skip
         elif MODE == 1:
             if it % 2 == C:
@@ -986,7 +1011,7 @@ def _bwd_consumer(dk_desc, dv_desc, lse_bufs, delta_bufs, dq_desc, q_bufs, do_bu
                 gl.thread_barrier()
                 for h in gl.static_range(SPLIT):
                     _dq_piece(ds_all, k_bufs, dq_bufs, C * SPLIT + h, h, dq_desc, tb, off_h,
-                              q_start + row0, h_layout, DQ_ROWS)  # fmt: skip
+                              dq_start + row0, h_layout, DQ_ROWS)  # fmt: skip
         mi += 1
         if mi == num_m:
             mi = 0
@@ -1422,13 +1447,17 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     launch_config = config or default_config(p, variants)
     block_m = launch_config[0]
     stats = torch.empty_like(lse2) if delta_out is None else delta_out  # delta = rowsum(dO * O)
+    # (packed sequences' permuted rows: this kernel's only, each sequence from a multiple of 8)
+    permuted = dq_rows_permuted(atomic_dq, varlen) and not (varlen and dpad == 256)
     if atomic_dq:  # the fp32 dQ workspace the kernel's TMA reduce-adds go to
-        shape = ((1, p.heads, p.total_q, dpad) if varlen else
+        rows = p.total_q
+        if varlen and permuted:
+            rows = dq_rows(cu_host(p)[0])[1]
+        shape = ((1, p.heads, rows, dpad) if varlen else
                  (p.batch, p.heads, cdiv(p.seqlen_q, block_m) * block_m, dpad))  # fmt: skip
         dq_acc = torch.empty(shape, dtype=torch.float32, device=q.device)  # zeroed by delta
     else:  # (the kernel reads nothing through it)
         dq_acc = stats
-    permuted = dq_rows_permuted(atomic_dq, varlen)
     key = None if config is not None else portable.replay_key(
         "hopper-bwd", q, p, do.stride(), do.dtype, atomic_dq, permuted)  # fmt: skip
     roles = None
@@ -1473,7 +1502,9 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     kernel = launch(fn, grid, args, {}, num_warps, 1)
     launched.append((fn, kernel, grid, args))
     if atomic_dq:
-        _finish(view(dq), dq_acc, p.softmax_scale, permuted, launched)
+        _finish(view(dq), dq_acc, p.softmax_scale, permuted, launched,
+                (p.cu_seqlens_q, args["TILES"], p.batch, p.seqlen_q) if varlen and permuted
+                else None)  # fmt: skip
     if roles is not None and not compiling_only() and None not in launched:
         _REPLAYS.put(key, Replay.record(launched, roles, tuple(_DQ_STANDINS.values())))
     return dq, dk, dv
@@ -1483,19 +1514,27 @@ _REPLAYS = ReplayCache()  # launches kept per signature (_launcher.Replay)
 
 
 def _finish(dq4: torch.Tensor, dq_acc: torch.Tensor, scale: float, permuted: bool = False,
-            launched: list | None = None) -> None:  # fmt: skip
+            launched: list | None = None, packed: tuple | None = None) -> None:  # fmt: skip
     """dQ from the atomic mode's fp32 workspace: scaled, cast and written into ``dq4``, dQ's
     (batch, heads, seqlen, dim) view (packed: (1, heads, total, dim)), by one Triton kernel
     (``_dq_finish``; the interpreter on the CPU); ``permuted``: the workspace holds row 8a +
     4b + c of each group of 8 at 8a + 2c + b (:func:`dq_rows_permuted`), put back here.
-    ``launched``: as for :func:`delta`."""
+    ``packed`` (packed sequences with permuted rows): (cu_seqlens_q, the work list whose
+    last batch + 1 entries are the sequences' first rows in the workspace (``dq_rows``),
+    the sequence count, the longest sequence). ``launched``: as for :func:`delta`."""
     b, h, sq, d = dq4.shape
     block = 64
     so = dq4.stride()
     args = dict(ACC=dq_acc, DQ=dq4, stride_qb=so[0], stride_qh=so[1], stride_qs=so[2],
                 stride_qd=so[3], heads=h, seqlen_q=sq, acc_rows=dq_acc.shape[2], scale=scale,
-                HEAD_DIM=d, ACC_DIM=dq_acc.shape[3], PERMUTED=permuted, BLOCK=block)  # fmt: skip
-    launch_recorded(_dq_finish, (b * h, cdiv(sq, block)), args, dq4.is_cuda, launched)
+                HEAD_DIM=d, ACC_DIM=dq_acc.shape[3], PERMUTED=permuted, BLOCK=block,
+                CU_Q=dq_acc, STARTS=dq_acc, starts_at=0, PACKED=False)  # fmt: skip
+    grid = (b * h, cdiv(sq, block))
+    if packed is not None:
+        cu_q, table, batch, longest = packed
+        args.update(CU_Q=cu_q, STARTS=table, starts_at=table.shape[0] - batch - 1, PACKED=True)
+        grid = (h, cdiv(longest, block), batch)
+    launch_recorded(_dq_finish, grid, args, dq4.is_cuda, launched)
 
 
 # --------------------------------------------------------------------------------------------

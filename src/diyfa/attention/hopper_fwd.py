@@ -1851,7 +1851,8 @@ def work_table(kind: str, cu_q: tuple, cu_k: tuple, block_m: int, block_n: int, 
     the H200's host, while the GPU waited: the checks' read of the lengths has drained it)
     and kept for the next call with the same lengths (the kernels only read them). ``kind``
     "q": the forward's query tiles (:func:`tile_table`); "kv": the backward's key blocks
-    (``hopper_bwd.kv_table``), weighed by the query blocks they visit."""
+    (``hopper_bwd.kv_table``), weighed by the query blocks they visit, followed by the
+    sequences' first rows in its dQ workspace (:func:`dq_rows`)."""
     import numpy as np
 
     cq, ck = np.asarray(cu_q, dtype=np.int64), np.asarray(cu_k, dtype=np.int64)
@@ -1877,7 +1878,22 @@ def work_table(kind: str, cu_q: tuple, cu_k: tuple, block_m: int, block_n: int, 
     else:
         order = np.lexsort((idx, b, neg))
     pairs = np.stack((b[order], idx[order]), axis=1).reshape(-1).astype(np.int32)
+    if kind == "kv":  # then each sequence's first row in the atomic dQ workspace (dq_rows)
+        pairs = np.concatenate((pairs, dq_rows(cu_q)[0].astype(np.int32)))
     return torch.from_numpy(pairs).to(device), len(order)
+
+
+def dq_rows(cu_q) -> tuple:
+    """The packed backward's atomic dQ workspace, whose rows are permuted within groups of 8
+    (``hopper_bwd.dq_rows_permuted``): each sequence's rows start on a multiple of 8. Returns
+    (the sequences' first rows there, batch + 1 of them as numpy int64, the workspace's
+    rows); the backward's work list (``work_table``'s "kv") carries the first ones after its
+    pairs."""
+    import numpy as np
+
+    cq = np.asarray(cu_q, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(-(-np.diff(cq) // 8) * 8)))
+    return starts, int(starts[-1])
 
 
 _NO_COUNTER: dict = {}
