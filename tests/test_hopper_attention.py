@@ -844,6 +844,30 @@ def test_tiles_chained_for_the_static_round_robin_only():
     assert hf.fp8_config(128).chain == 0
 
 
+def test_packed_calls_clear_foreign_rows_in_the_loader(monkeypatch):
+    """Packed sequences on three consumers (d64 from 2048 keys): the loader warp zeroes a
+    sequence's last V block's rows past its end before it marks the stage ready
+    (ORDER_FOREIGN_BY_LOADER, FOREIGN_BY_LOADER), so the consumers carry no clearing of their
+    own; two consumers (d128: slower so) and batched calls never set it, and with the flag off
+    the consumers clear as before. (GPU: test_gpu_hopper_varlen_confines_bad_values.)"""
+    from diyfa.attention import hopper_fwd as hf
+
+    lse = torch.empty(2, 16, 4096)
+    cu_host = ((0, 4000, 8192), (0, 4000, 8192))
+
+    def order(packed, d=64):
+        q4 = torch.empty(2, 16, 4096, d, dtype=torch.bfloat16)
+        pack = dict(batch=2, seqlen_q=4192, seqlen_k=4192, cu_host=cu_host,
+                    args=dict(VARLEN=True)) if packed else None  # fmt: skip
+        args = hf.hopper_args(q4, q4, q4, q4, lse, 0, 0.1, False, 132, None, None, pack)[1]
+        return args["ORDER"] & hf.ORDER_FOREIGN_BY_LOADER.value, args["CONSUMERS"]
+
+    assert order(True) == (hf.ORDER_FOREIGN_BY_LOADER.value, 3)
+    assert order(False)[0] == 0 and order(True, 128) == (0, 2)
+    monkeypatch.setattr(hf, "FOREIGN_BY_LOADER", False)
+    assert order(True)[0] == 0
+
+
 def test_o_store_wait_deferred_for_two_consumers():
     """DEFER_O_STORE (the consumers wait for a tile's O store once the next tile's first block
     is under way): hopper_args sets it for two consumers, causal or not, packed sequences

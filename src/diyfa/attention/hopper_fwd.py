@@ -312,22 +312,33 @@ def _seq(off_b, CU_Q, CU_K, seqlen_q, seqlen_k, causal_offset, VARLEN: gl.conste
 
 
 @gluon.jit
-def _clear_foreign_rows(v_smem, rows_left):
+def _clear_foreign_rows(v_smem, rows_left, LOADER: gl.constexpr = False):
     """Packed sequences: zero the rows of a V block from ``rows_left`` on, which belong to the
     next sequence (TMA clips only at the packed tensor's end). Their P is 0, but 0 x inf or
     NaN in P @ V would leak a neighbour's bad values into this sequence. Done in 16-row
     chunks, only for a block that runs past the sequence's end; both consumers may do it on
     the same stage at once: they write the same values, and each one's own writes precede
-    its product (fence, barrier)."""
+    its product (fence, barrier). LOADER: by the loader warp, in 8-row chunks (its 24
+    registers), before it marks the stage ready (ORDER_FOREIGN_BY_LOADER)."""
     ROWS: gl.constexpr = v_smem.type.shape[0]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    if LOADER:
+        CH: gl.constexpr = 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
+    else:
+        CH: gl.constexpr = 16
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # (the loader's chunks 64 columns wide at most)
+    COLS: gl.constexpr = v_smem.type.shape[1] if not LOADER else min(v_smem.type.shape[1], 64)
     if rows_left < ROWS:
-        for c in gl.static_range(ROWS // 16):
-            if c * 16 + 16 > rows_left:
-                chunk = v_smem.slice(c * 16, 16, dim=0)
-                v = chunk.load(layout)
-                r = c * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
-                chunk.store(gl.where((r < rows_left)[:, None], v, gl.zeros_like(v)))
+        for c in gl.static_range(ROWS // CH):
+            if c * CH + CH > rows_left:
+                for h in gl.static_range(v_smem.type.shape[1] // COLS):
+                    chunk = v_smem.slice(c * CH, CH, dim=0)
+                    if COLS < v_smem.type.shape[1]:
+                        chunk = chunk.slice(h * COLS, COLS, dim=1)
+                    v = chunk.load(layout)
+                    r = c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+                    chunk.store(gl.where((r < rows_left)[:, None], v, gl.zeros_like(v)))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -461,9 +472,9 @@ def _stage(g, STAGES: gl.constexpr):
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
             k_empty, v_empty, tile_ids, batch_heads, heads, kv_group, seqlen_q, seqlen_k,
             causal_offset, left_offset, CU_Q, CU_K, TILES, num_items, tile_group, COUNTER,
-            CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+            v_raw, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
             WINDOW: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
-            DYNAMIC: gl.constexpr):
+            DYNAMIC: gl.constexpr, ORDER: gl.constexpr):
     """The loader warp: for each tile of this program, each consumer's Q block (once the
     consumer has read the one before in that buffer: with two Q buffers per consumer the
     next tile's Q loads while this tile runs), then the tile's K/V blocks through the ring.
@@ -471,8 +482,13 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
     ``lap`` counts tiles: Q buffer set lap % Q_BUFS. The program's first work item is its
     program id; the next one the id plus the grid (static round robin) or (DYNAMIC) what an
     atomic counter hands out next, plus the grid. When none is left, the consumers are told
-    so through the next Q buffer set's slot (item ``total``)."""
+    so through the next Q buffer set's slot (item ``total``). Packed sequences with
+    ORDER_FOREIGN_BY_LOADER: a block that runs past its sequence's end lands on ``v_raw``, the
+    loader zeroes its V rows past the end (:func:`_clear_foreign_rows`, by this warp), and
+    only then marks the stage ready, so the consumers never see the next sequence's values."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+    FOREIGN: gl.constexpr = VARLEN and (ORDER & ORDER_FOREIGN_BY_LOADER) != 0
+    raw_phase = 0
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     SUB_M: gl.constexpr = q_bufs.type.shape[3]
     BLOCK_M: gl.constexpr = CONSUMERS * SUB_M
@@ -516,13 +532,25 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
             tma.async_copy_global_to_shared(k_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
                                             k_ready.index(s), k_bufs.index(s))  # fmt: skip
             mbarrier.wait(v_empty.index(s), phase)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            if FP8:  # V^T: (batch, kv heads, dim, seqlen) blocks of (dim, BLOCK_N)
-                tma.async_copy_global_to_shared(v_desc, [tb, off_hk, 0, k_start + j * BLOCK_N],
-                                                v_ready.index(s), v_bufs.index(s))  # fmt: skip
-            else:
+            rows_left = seqlen_k_t - j * BLOCK_N
+            if FOREIGN and rows_left < BLOCK_N:  # (the sequence's last block: cleared here)
+                mbarrier.expect(v_raw.index(0), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
-                                                v_ready.index(s), v_bufs.index(s))  # fmt: skip
+                                                v_raw.index(0), v_bufs.index(s))  # fmt: skip
+                mbarrier.wait(v_raw.index(0), raw_phase)
+                raw_phase ^= 1
+                _clear_foreign_rows(_tile2d(v_bufs, s), rows_left, True)
+                mbarrier.arrive(v_ready.index(s))
+            else:
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                if FP8:  # V^T: (batch, kv heads, dim, seqlen) blocks of (dim, BLOCK_N)
+                    tma.async_copy_global_to_shared(
+                        v_desc, [tb, off_hk, 0, k_start + j * BLOCK_N], v_ready.index(s),
+                        v_bufs.index(s))  # fmt: skip
+                else:
+                    tma.async_copy_global_to_shared(
+                        v_desc, [tb, off_hk, k_start + j * BLOCK_N, 0], v_ready.index(s),
+                        v_bufs.index(s))  # fmt: skip
             it += 1
         lap += 1
         if DYNAMIC:
@@ -564,6 +592,7 @@ FROZEN_HEADROOM = gl.constexpr(64.0)
 # sum to 1.
 ORDER_ROUNDED_SUMS = gl.constexpr(128)
 ORDER_Q_REGS = gl.constexpr(256)  # Q K^T's A operand from registers (Q_IN_REGS)
+ORDER_FOREIGN_BY_LOADER = gl.constexpr(512)  # FOREIGN_BY_LOADER
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -1089,7 +1118,7 @@ def _close_tile(v_bufs, v_ready, v_empty, p, p16, p_smem, acc, g, n, seqlen_k_t,
     last, phase = _stage(g, STAGES)
     mbarrier.wait(v_ready.index(last), phase)
     v_smem = _v_operand(v_bufs, last, FP8)
-    if VARLEN:
+    if VARLEN and not (ORDER & ORDER_FOREIGN_BY_LOADER):
         _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
     if LATE_P:
         p16 = _p_operand(p, p_smem, v_bufs.dtype, p_layout, FP8)
@@ -1347,7 +1376,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 last, last_phase = _stage(it + n - 1 - lo, STAGES)
                 mbarrier.wait(v_ready.index(last), last_phase)
                 v_smem = _v_operand(v_bufs, last, FP8)
-                if VARLEN:
+                if VARLEN and not (ORDER & ORDER_FOREIGN_BY_LOADER):
                     _clear_foreign_rows(v_smem, seqlen_k_t - (n - 1) * BLOCK_N)
                 if LATE_P:
                     p16 = _p_operand(p, p_smem, dtype, p_layout, FP8)
@@ -1560,6 +1589,9 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
     # consumer, read in the SASS, 2026-11-24.)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # v_raw: packed sequences' last V block lands here for the loader (ORDER_FOREIGN_BY_LOADER)
+    v_raw = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(v_raw.index(0), count=1)
     for i in gl.static_range(Q_BUFS * CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
@@ -1602,8 +1634,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, k_empty, v_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
-                       num_items, tile_group, COUNTER,
-                       CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC)),
+                       num_items, tile_group, COUNTER, v_raw,
+                       CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC, ORDER)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
@@ -1628,8 +1660,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, k_empty, v_empty, tile_ids, batch_heads, heads, kv_group,
                        seqlen_q, seqlen_k, causal_offset, left_offset, CU_Q, CU_K, TILES,
-                       num_items, tile_group, COUNTER,
-                       CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC)),
+                       num_items, tile_group, COUNTER, v_raw,
+                       CAUSAL, CONSUMERS, WINDOW, VARLEN, FP8, DYNAMIC, ORDER)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -1765,6 +1797,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     tiles = cdiv(sq, consumers * SUB_M) * b * h
     if packed is not None:
         args.update(packed["args"])
+        if FOREIGN_BY_LOADER and consumers == 3:
+            args["ORDER"] += ORDER_FOREIGN_BY_LOADER.value
     # A static round robin only without a band or packed sequences: it gives tiles of very
     # unequal work to the same programs (measured, causal: 454 against 618 TFLOPS at 16k,
     # d128), and an LPT order over every head (heaviest tiles of all heads first, snake
@@ -1821,6 +1855,16 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
 # groups of 32 lead without the band too: d128 655.4 against 643.3 for the whole list per
 # head (groups of 8: 639.0), d64 477.6 against 468.6 (465.7). So 32 for both.
 VARLEN_BY_SEQUENCE = True
+# Packed sequences on three consumers (d64): the V rows past a sequence's end in its last block
+# are zeroed by the loader warp before the stage is marked ready (the kernel's
+# ORDER_FOREIGN_BY_LOADER), not by every consumer before its last P V (a branch, a fence and a
+# barrier in each consumer's tile end: ptxas spilled 48 bytes in that build with them, none
+# without). H200, bf16, the varlen mix, one process, 5 rounds (benchmarks/hopper_flag_ab.py
+# --flag FOREIGN_BY_LOADER, benchmarks/results/2026-11-26_h200_fwd-foreign-by-loader-ab_*.txt),
+# median ms consumers / loader: d64 4.749 / 4.562, causal 2.678 / 2.660; at d128 (two
+# consumers, two stages: the loader's wait for the block shows) 3.454 / 3.634, causal 1.885 /
+# 1.900, so two consumers clear as before.
+FOREIGN_BY_LOADER = True
 # Packed sequences' O: by TMA for a consumer's 64 rows that all lie in the sequence (the
 # kernel's VARLEN == 2), a masked store for the rest; False: masked stores only (VARLEN == 1).
 VARLEN_O_TMA = True
@@ -2354,7 +2398,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
                p.softmax_scale, p.seqlen_q, p.seqlen_k, p.total_q, k.shape[0], p.q_strides,
                p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
                VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
-               FROZEN_MAX, ROUNDED_SUMS)  # fmt: skip
+               FROZEN_MAX, ROUNDED_SUMS, FOREIGN_BY_LOADER)  # fmt: skip
         kept = _PACKED_REPLAYS.get(key)
         if kept is not None and kept.run(roles, lengths):  # (the wait)
             return out, lse2
