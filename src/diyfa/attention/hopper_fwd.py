@@ -120,7 +120,10 @@ class Config(NamedTuple):
 # 0.8603; 16k 3.385 / 3.508; the varlen mix 3.541 / 3.586, causal 1.901 / 1.929; d64 (two
 # consumers) 16 x 32 x 1024 0.3276 / 0.3311, 4 x 32 x 4096 causal level, the window level;
 # but three consumers (d64 packed sequences, 192-row tiles) 4.914 / 4.855, causal 2.748 /
-# 2.713: two consumers only.
+# 2.713: two consumers only. Again at 9afb09c, after the packed calls' clearing moved to the
+# loader (benchmarks/results/2026-11-26_h200_fwd-defer-three-ab_9afb09c-wip.txt, 5 rounds):
+# level at three consumers (d64 mix 4.616 / 4.610, causal 2.724 / 2.724, 4 x 4096 1.119 /
+# 1.119, 16k 4.237 / 4.186, causal 2.220 / 2.226).
 DEFER_O_STORE = True
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
