@@ -828,7 +828,7 @@ def test_finish_puts_packed_sequences_rows_back():
 
     h, d, dpad, lens = 3, 40, 64, [13, 0, 8, 70, 1]
     cu = torch.tensor([0, 13, 13, 21, 91, 92], dtype=torch.int32)
-    starts, rows = dq_rows(cu.tolist())
+    starts, rows = dq_rows(tuple(cu.tolist()))
     assert starts.tolist() == [0, 16, 16, 24, 96, 104] and rows == 104
     g = torch.Generator().manual_seed(0)
     true = torch.randn(1, h, sum(lens), dpad, generator=g)

@@ -535,7 +535,7 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
             tma.async_copy_global_to_shared(k_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
                                             k_ready.index(s), k_bufs.index(s))  # fmt: skip
             mbarrier.wait(v_empty.index(s), phase)
-            rows_left = seqlen_k_t - j * BLOCK_N
+            rows_left = seqlen_k_t - j * BLOCK_N  # (FOREIGN: the block's rows in its sequence)
             if FOREIGN and rows_left < BLOCK_N:  # (the sequence's last block: cleared here)
                 mbarrier.expect(v_raw.index(0), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
@@ -1930,16 +1930,19 @@ def work_table(kind: str, cu_q: tuple, cu_k: tuple, block_m: int, block_n: int, 
     return torch.from_numpy(pairs).to(device), len(order)
 
 
-def dq_rows(cu_q) -> tuple:
+@functools.lru_cache(maxsize=64)
+def dq_rows(cu_q: tuple) -> tuple:
     """The packed backward's atomic dQ workspace, whose rows are permuted within groups of 8
     (``hopper_bwd.dq_rows_permuted``): each sequence's rows start on a multiple of 8. Returns
-    (the sequences' first rows there, batch + 1 of them as numpy int64, the workspace's
-    rows); the backward's work list (``work_table``'s "kv") carries the first ones after its
-    pairs."""
+    (the sequences' first rows there, batch + 1 of them as read-only numpy int64, the
+    workspace's rows); the backward's work list (``work_table``'s "kv") carries the first
+    ones after its pairs. Kept per lengths (the work list's and the workspace's size ask for
+    the same lengths on every packed backward)."""
     import numpy as np
 
     cq = np.asarray(cu_q, dtype=np.int64)
     starts = np.concatenate(([0], np.cumsum(-(-np.diff(cq) // 8) * 8)))
+    starts.setflags(write=False)
     return starts, int(starts[-1])
 
 
