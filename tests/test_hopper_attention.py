@@ -30,7 +30,7 @@ from .conftest import DEVICE, HAS_CUDA
 from .test_attention import _inputs, _run_and_check
 
 _COMPILE = """
-import json, os, subprocess, sys, tempfile, torch, triton
+import itertools, json, os, subprocess, sys, tempfile, torch, triton
 from diyfa.attention import hopper_fwd as hf
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = []
@@ -43,7 +43,10 @@ for d in (64, 128, 256):
             runs = []
             for hf.FP8_PROMOTION in (0, 4):  # the default and mode 4
                 runs.append((hf.fp8_mode(d), hf.fp8_config(d)))
-        for mode, cfg in dict.fromkeys(runs):
+        # bf16: the frozen max's build too (hopper_fwd.FROZEN_MAX, whose calls also launch
+        # the running max's build), at head dims 64 and 128 (compile_for_hopper: 4096 keys)
+        frozen = (False, True) if sys.argv[1] == "bfloat16" and d <= 128 else (False,)
+        for (mode, cfg), hf.FROZEN_MAX in itertools.product(dict.fromkeys(runs), frozen):
             hf.FP8_PROMOTION = mode
             k = hf.compile_for_hopper(d, getattr(torch, sys.argv[1]), causal, config=cfg, fp8=fp8)
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -51,7 +54,7 @@ for d in (64, 128, 256):
             done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                                   capture_output=True, text=True, check=True)
             out.append({"d": d, "causal": causal, "cfg": cfg, "mode": mode,
-                        "shared": k.metadata.shared,
+                        "frozen": hf.FROZEN_MAX, "shared": k.metadata.shared,
                         "ptx": k.asm["ptx"], "ptxas": done.stderr})
 print(json.dumps(out))
 """
@@ -73,7 +76,7 @@ def test_hopper_kernel_compiles_and_fits(dtype):
     kinds = {"bfloat16": "bf16", "float16": "f16"}
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
         consumers, block_n, stages, _, c_regs, l_regs = r["cfg"][:6]
-        where = f"d{r['d']} causal={r['causal']} config={r['cfg']}"
+        where = f"d{r['d']} causal={r['causal']} config={r['cfg']} frozen={r['frozen']}"
         assert r["shared"] <= 227 * 1024, where
         ptx = r["ptx"]
         assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{kinds[dtype]}" in ptx, where
@@ -102,8 +105,16 @@ def test_hopper_kernel_compiles_and_fits(dtype):
             # chained tiles (12 without: the epilogue and the masked blocks' branch; the
             # K/V loop's SASS is the same), 84 with the causal mask's per-row limits
             # (unchained); measured faster all the same (hopper_fwd's HOPPER_CONFIGS_LONG,
-            # Config.chain). A bound, so that more shows up here.
-            assert spilled <= (84 if r["causal"] else 48), (where, r["ptxas"])
+            # Config.chain); the frozen max's build 56 without the mask. A bound, so that
+            # more shows up here.
+            assert spilled <= (84 if r["causal"] else 56 if r["frozen"] else 48), (
+                where, r["ptxas"])
+        elif r["frozen"]:
+            # The frozen max's build (d64 / d128, two consumers): d128 40 bytes, 28 causal, of
+            # values stored at entry and reloaded once per tile, none in the K/V loop (the
+            # SASS read 2026-11-26: every reload outside the runs of MUFU.EX2 and HGMMA of the
+            # blocks' steps); measured faster all the same (hopper_fwd.FROZEN_MAX). A bound.
+            assert spilled <= 40, (where, r["ptxas"])
         else:
             assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], (where, r["ptxas"])
 
@@ -122,7 +133,7 @@ def test_hopper_fp8_kernel_compiles_and_fits():
     assert done.returncode == 0, done.stderr[-3000:]
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
         consumers, block_n = r["cfg"][:2]
-        where = f"d{r['d']} causal={r['causal']} config={r['cfg']}"
+        where = f"d{r['d']} causal={r['causal']} config={r['cfg']} frozen={r['frozen']}"
         assert r["shared"] <= 227 * 1024, where
         ptx = r["ptx"]
         assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3" in ptx, where
@@ -288,26 +299,36 @@ def test_backend_hopper_on_the_cpu_is_a_clear_error():
 
 
 def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
-    """hopper_fwd.FROZEN_MAX: bf16 plain attention (causal or not) runs the frozen build with
-    a zeroed 3-int COUNTER (its tile counter, the flag, the second launch's counter); fp16,
-    the variants and fp8 keep the running max (one int, or the device's constant)."""
+    """hopper_fwd.FROZEN_MAX: bf16 plain attention (causal or not) at padded head dims 64
+    and 128 from FROZEN_MIN_KEYS keys (2048 at d64, 4096 at d128; none at d256) runs the
+    frozen build with a zeroed 3-int COUNTER (its tile counter, the flag, the second
+    launch's counter); shorter keys, fp16, the variants and fp8 keep the running max (one
+    int, or the device's constant)."""
     from diyfa.attention import hopper_fwd as hf
 
     monkeypatch.setattr(hf, "FROZEN_MAX", True)
-    q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16)
     lse = torch.empty(2, 4, 300)
+
+    def frozen(d, sk, causal=True, dtype=torch.bfloat16, **variants):
+        q = torch.empty(2, 4, 300, d, dtype=dtype)
+        k = torch.empty(2, 4, sk, d, dtype=dtype)
+        _, args, _ = hf.hopper_args(q, k, k, q, lse, 0, 0.1, causal, 132, variants=variants)
+        on = bool(args["ORDER"] & hf.ORDER_FROZEN.value)
+        assert (hf.counter_size(args) == 3) == on
+        if on:
+            assert args["COUNTER"].tolist() == [0, 0, 0] and args["run_slot"] == -1
+        return on
+
     for causal in (False, True):
-        _, args, _ = hf.hopper_args(q, q, q, q, lse, 0, 0.1, causal, 132)
-        assert args["ORDER"] & hf.ORDER_FROZEN.value and hf.counter_size(args) == 3
-        assert args["COUNTER"].tolist() == [0, 0, 0] and args["run_slot"] == -1
-    _, args, _ = hf.hopper_args(q.half(), q.half(), q.half(), q.half(), lse, 0, 0.1, True, 132)
-    assert not args["ORDER"] & hf.ORDER_FROZEN.value and args["COUNTER"].tolist() == [0]
-    _, args, _ = hf.hopper_args(q, q, q, q, lse, 0, 0.1, False, 132,
-                                variants=dict(SOFTCAP=True, tanh_scale=0.1))  # fmt: skip
-    assert not args["ORDER"] & hf.ORDER_FROZEN.value and hf.counter_size(args) == 0
+        assert frozen(128, 4096, causal) and frozen(96, 5000, causal) and frozen(64, 2048, causal)
+        assert not frozen(128, 4095, causal) and not frozen(64, 2047, causal)
+        assert not frozen(256, 8192, causal) and not frozen(192, 8192, causal)
+    assert not frozen(128, 4096, dtype=torch.float16)
+    assert not frozen(128, 4096, False, SOFTCAP=True, tanh_scale=0.1)
+    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((128, 0),))
+    assert frozen(128, 300) and not frozen(64, 4096)
     monkeypatch.setattr(hf, "FROZEN_MAX", False)
-    _, args, _ = hf.hopper_args(q, q, q, q, lse, 0, 0.1, True, 132)
-    assert not args["ORDER"] & hf.ORDER_FROZEN.value and hf.counter_size(args) == 1
+    assert not frozen(128, 4096)
 
 
 @pytest.mark.parametrize("sums", [True, False])
@@ -318,6 +339,7 @@ def test_rounded_row_sums_go_with_a_fixed_max(sums, monkeypatch):
     from diyfa.attention import hopper_fwd as hf
 
     monkeypatch.setattr(hf, "ROUNDED_SUMS", sums)
+    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((128, 0),))
     q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16)
     lse = torch.empty(2, 4, 300)
 
@@ -344,12 +366,11 @@ def test_descriptors_address_the_bhsd_view():
     consumers, block_n, stages, per_sm = cfg[:4]
     tiles = -(-700 // (consumers * 64)) * 24
     grid, args, num_warps = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132)
-    # causal: persistent too, the tiles handed out by a counter that starts at zero (bf16:
-    # with the frozen max's flag and its second launch's counter, zero too)
+    # causal: persistent too, the tiles handed out by a counter that starts at zero (500
+    # keys: too few for the frozen max, whose flag and second launch's counter would follow)
     assert grid == (min(tiles, 132 * per_sm),) and num_warps == 4 and args["DYNAMIC"]
-    assert args["COUNTER"].tolist() == [0] * (3 if hf.FROZEN_MAX else 1)
-    assert args["COUNTER"].dtype == torch.int32
-    assert bool(args["ORDER"] & hf.ORDER_FROZEN.value) == hf.FROZEN_MAX
+    assert args["COUNTER"].tolist() == [0] and args["COUNTER"].dtype == torch.int32
+    assert not args["ORDER"] & hf.ORDER_FROZEN.value
     assert args["Q_BUFS"] == cfg.q_bufs
     grid, args2, _ = hf.hopper_args(q4, k4, k4, q4, lse, -200, 0.1, True, 132,
                                     cfg._replace(dynamic=0))  # fmt: skip
@@ -414,6 +435,37 @@ def test_gpu_hopper_matrix(shape, dtype, causal, monkeypatch):
     _hopper_only(monkeypatch)
     b, h, hk, sq, sk, d = shape
     _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal)
+
+
+def _spy_frozen(monkeypatch) -> list:
+    """Make every ``hopper_fwd`` launch record whether it ran the frozen max (the list
+    returned), and let the frozen max run at any length of head dims 64 and 128."""
+    from diyfa.attention import hopper_fwd as hf
+
+    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((64, 0), (128, 0)))
+    seen, launch = [], hf._launch_call
+
+    def spy(grid, args, num_warps):
+        seen.append(bool(args["ORDER"] & hf.ORDER_FROZEN.value))
+        return launch(grid, args, num_warps)
+
+    monkeypatch.setattr(hf, "_launch_call", spy)
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [s for s in HOPPER_SHAPES if s[5] <= 128],
+                         ids=lambda s: "b{}h{}hk{}q{}k{}d{}".format(*s))  # fmt: skip
+def test_gpu_hopper_matrix_frozen_max_at_any_length(shape, causal, monkeypatch):
+    """The frozen max (hopper_fwd.FROZEN_MAX: bf16, padded head dims 64 and 128) at every
+    length of the matrix, not only from FROZEN_MIN_KEYS keys: out and the gradients (the
+    backward reads the forward's LSE) against float64 by the 2x / 3x rule."""
+    _hopper_only(monkeypatch)
+    seen = _spy_frozen(monkeypatch)
+    b, h, hk, sq, sk, d = shape
+    _run_and_check(*_inputs(b, h, hk, sq, sk, d, torch.bfloat16, device="cuda"), causal)
+    assert seen and all(seen)
 
 
 def _every_config():
@@ -531,6 +583,7 @@ def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, jump, sum
     from diyfa.attention import hopper_fwd as hf
 
     monkeypatch.setattr(hf, "FROZEN_MAX", True)
+    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((64, 0), (128, 0)))
     monkeypatch.setattr(hf, "ROUNDED_SUMS", sums)
     g = torch.Generator(device="cuda").manual_seed(d + 2 * causal + int(jump))
     b, h, hk, sq, sk = 2, 4, 2, 300, 1000
@@ -907,6 +960,7 @@ def test_o_store_wait_deferred_in_the_compiled_kernel():
         "from diyfa.attention import hopper_fwd as hf\n"
         "from diyfa._compile import spill_bytes\n"
         "out = {}\n"
+        "hf.FROZEN_MAX = False\n"  # (the running max's build; the frozen one: 28 / 24 bytes)
         "for flag in (True, False):\n"
         "    hf.DEFER_O_STORE = flag\n"
         "    k = hf.compile_for_hopper(128, torch.bfloat16, True)\n"

@@ -300,8 +300,12 @@ def test_fp16_scores_near_the_fp16_maximum(peak, causal):
     pt, pt_lse = attention_ref(*ins32, causal=causal, compute_dtype=F32, return_lse=True)
     ref.backward(do.double())
     pt.backward(do.float())
-    _, slack_q, slack_k, _ = rounding_slack(*ins64, do, F16, causal=causal, softmax_scale=None,
-                                            window=None, softcap=0.0, layout="bhsd")
+    # (the allowances of rounding_slack: P's exponent is rounded at the size of the scores,
+    # ~4e4 here, where an fp32 ulp is 0.004: dq, dk and dv all carry it; dv's went unchecked
+    # until a CPU whose numpy rounds exp2 / log2 a little differently put it at 0.8%)
+    _, slack_q, slack_k, slack_v = rounding_slack(*ins64, do, F16, causal=causal,
+                                                  softmax_scale=None, window=None, softcap=0.0,
+                                                  layout="bhsd")  # fmt: skip
 
     def within(name, ours, pt, ref, factor, slack=0.0):
         """Error beyond half an fp16 ulp (fp16 results), four fp32 ulps (fp32 results: the
@@ -317,5 +321,5 @@ def test_fp16_scores_near_the_fp16_maximum(peak, causal):
     within("lse", lse[torch.isfinite(ref_lse)], pt_lse[torch.isfinite(ref_lse)],
            ref_lse[torch.isfinite(ref_lse)], 2)  # fmt: skip
     for name, g, p, r, s in zip(("dq", "dk", "dv"), (dq, dk, dv), ins32, ins64,
-                                (slack_q, slack_k, 0.0), strict=True):  # fmt: skip
+                                (slack_q, slack_k, slack_v), strict=True):  # fmt: skip
         within(name, g, p.grad, r.grad, 3, s)

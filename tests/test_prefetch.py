@@ -174,3 +174,37 @@ def test_gpu_backward_kernels_compile_on_the_worker(monkeypatch, head_dim, dtype
     assert bwd, f"no backward kernel compiled: {compiles}"
     for name, thread, warmup in bwd:
         assert thread.startswith("diyfa-prefetch") and warmup, (name, thread, warmup)
+
+
+@pytest.mark.gpu
+def test_gpu_frozen_max_second_build_compiles_ahead(monkeypatch):
+    """A frozen-max forward (hopper_fwd.FROZEN_MAX) launches two builds, the frozen one and
+    the running max's that redoes a flagged call: for a kind of problem this process has
+    not run, the second compiles on the ahead worker (prefetch.compile_ahead, Triton's
+    warmup) while this thread compiles the first, and the output is right (2x rule)."""
+    from collections import defaultdict
+
+    from triton import knobs
+
+    from diyfa.attention import hopper_fwd as hf
+
+    fn = hf._attn_fwd_hopper
+    monkeypatch.setattr(fn, "device_caches", defaultdict(fn.create_binder))
+    monkeypatch.setattr(_launcher, "_launchers", {})
+    monkeypatch.setattr(hf, "_REPLAYS", _launcher.ReplayCache())
+    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((128, 0),))
+    monkeypatch.setenv("DIYFA_PREFETCH_BACKWARD", "1")
+    compiles = []
+
+    def hook(*, fn, is_manual_warmup, **kw):  # Triton's JITHook: after each compile
+        compiles.append((fn.name, threading.current_thread().name, is_manual_warmup))
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
+    q, k, v = _inputs(1, 4, 2, 333, 517, 128, torch.bfloat16, device="cuda")
+    _run_and_check(q, k, v, False, grads=False, backend="hopper")
+    fwd = [(thread.startswith("diyfa-ahead"), warmup) for name, thread, warmup in compiles
+           if name == fn.__name__]  # fmt: skip
+    assert sorted(fwd) == [(False, False), (True, True)], compiles
+    compiles.clear()  # the next call of the kind: nothing to compile, nothing started
+    _run_and_check(q, k, v, False, grads=False, backend="hopper")
+    assert not [c for c in compiles if c[0] == fn.__name__], compiles

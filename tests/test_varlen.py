@@ -446,6 +446,24 @@ def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal, deterministi
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens_q, lens_k, h, hk, d", [
+    ([5, 0, 1700, 333, 1, 2048], [9, 3, 1700, 20, 0, 4100], 8, 2, 128),
+    ([1000, 64, 129, 7], [1000, 64, 300, 2500], 4, 4, 64),
+], ids=["d128-gqa-empty", "d64"])
+def test_gpu_hopper_varlen_frozen_max_at_any_length(lens_q, lens_k, h, hk, d, causal,
+                                                    monkeypatch):
+    """Packed bf16 sequences through the frozen max (hopper_fwd.FROZEN_MAX) whatever their
+    lengths: out and gradients against the per-sequence float64 reference."""
+    from .test_hopper_attention import _spy_frozen
+
+    seen = _spy_frozen(monkeypatch)
+    _run_and_check(lens_q, lens_k, h, hk, d, torch.bfloat16, causal, device="cuda",
+                   backend="hopper")  # fmt: skip
+    assert seen and all(seen)
+
+
+@pytest.mark.gpu
 def test_gpu_hopper_varlen_confines_bad_values():
     """inf and NaN in one sequence's K and V stay in it: the Hopper packed forward's last
     key block of sequence 0 runs into sequence 1's rows (TMA clips only at the tensor's end),
@@ -453,15 +471,17 @@ def test_gpu_hopper_varlen_confines_bad_values():
     from diyfa.attention import hopper_fwd as hf
 
     q, k, v, cu_q, cu_k = _packed([100, 50], [70, 90], 4, 2, 128, torch.bfloat16, "cuda")
-    # (with hopper_fwd.FROZEN_MAX on, bf16 runs the frozen max: sequence 1's rows come out NaN,
-    # so the call's second launch redoes it all with the running max; the clean run takes
-    # that build)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf, "FROZEN_MAX", False)
-        clean = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 100, 90, backend="hopper")
+    clean = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 100, 90, backend="hopper")
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[70:75], v2[70:72], v2[72:74] = float("nan"), float("inf"), float("nan")
     dirty = diyfa.flash_attention_varlen(q, k2, v2, cu_q, cu_k, 100, 90, backend="hopper")
+    assert torch.equal(dirty[:100], clean[:100])
+    # The frozen max (hopper_fwd.FROZEN_MAX, here at any length): sequence 1's rows come out
+    # NaN, so the call's second launch redoes it all with the running max, which the clean
+    # run above took
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf, "FROZEN_MIN_KEYS", ((128, 0),))
+        dirty = diyfa.flash_attention_varlen(q, k2, v2, cu_q, cu_k, 100, 90, backend="hopper")
     assert torch.equal(dirty[:100], clean[:100])
 
 

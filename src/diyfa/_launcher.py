@@ -145,6 +145,14 @@ class FastLauncher:
         run_compiled(kernel, grid, key[2], values)
         return kernel
 
+    def compiled(self, args: dict, num_warps: int, num_stages: int) -> bool:
+        """Whether a launch with these arguments (on the current device) would find its
+        kernel compiled in this launcher."""
+        values = [args[name] for name in self.names]
+        key = (num_warps, num_stages, torch.cuda.current_device(), compile_knobs(),
+               *self.key(values))  # fmt: skip
+        return key in self._compiled
+
     def lean_ok(self) -> bool:
         """Whether a compiled kernel may be called directly: not while a pre-run hook or a
         launch hook is installed (they run only on Triton's own path)."""

@@ -78,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from diyfa._launcher import Replay, ReplayCache, cdiv, compiling_only, launch
-from diyfa.attention import portable
+from diyfa.attention import portable, prefetch
 from diyfa.attention.checks import HostLengths, host_lengths, packed_lengths
 from diyfa.attention.dispatch import Family
 from diyfa.attention.portable import empty_lse, own_roles, replay_key
@@ -592,7 +592,10 @@ FROZEN_HEADROOM = gl.constexpr(64.0)
 # largest p short of 1 (the running max's is exactly 1), so its bf16 rounding, up to 2^-9 of
 # it, went into O and not into l: a nearly one-hot row came out 2^-9 of its value off, where
 # PyTorch is exact. Divided by the sums of the same rounded p, O is a mean of V whose weights
-# sum to 1.
+# sum to 1. The frozen max's first block (a running max, its largest p a power of 2) still
+# adds the fp32 exponentials: the rounded sums carry bf16's rounding into the LSE (up to 2^-9
+# of l where a few keys dominate a row: 1.1e-3 to 1.5e-3 on the short packed sequences of
+# test_gpu_hopper_varlen), now only where later blocks hold a row's largest scores.
 ORDER_ROUNDED_SUMS = gl.constexpr(128)
 ORDER_Q_REGS = gl.constexpr(256)  # Q K^T's A operand from registers (Q_IN_REGS)
 ORDER_FOREIGN_BY_LOADER = gl.constexpr(512)  # FOREIGN_BY_LOADER
@@ -684,7 +687,8 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     it by more than LAZY (alpha stays 1 elsewhere; p and l grow up to 2^LAZY). SOFTCAP == 2
     (:func:`softcap_fixed_max`): the tanh bounds every score by qk_scale, so ``m_i`` is a
     fixed max set before the first block: no row max, no alpha (returned as 1), no rescale.
-    ROUND (ORDER_ROUNDED_SUMS): p comes back as P V's bf16 operand, l sums its values."""
+    ROUND (ORDER_ROUNDED_SUMS): p comes back as P V's bf16 operand; with a fixed max l sums
+    its values (with the running max, the fp32 exponentials)."""
     if SOFTCAP:
         s = _tanh(s * tanh_scale)
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
@@ -752,8 +756,12 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     alpha = gl.exp2(m_i - m_use)
     # (l_i: the per-lane partial sums of _row_sums)
     alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
-    p, terms = _rounded_p(p, ROUND)
-    l_i = l_i * alpha_l[:, None] + _row_sums(terms)
+    # ROUND here (the frozen max's first block): P's bf16 operand, but the sums of the fp32
+    # exponentials, as the running max keeps them (its largest p, a power of 2, is exact in
+    # bf16): a row whose keys all lie in its tile's first block keeps the running max's LSE
+    l_i = l_i * alpha_l[:, None] + _row_sums(p)
+    if ROUND:
+        p = p.to(gl.bfloat16)
     if P_SHIFT < 0:  # a tile's first block under ORDER_FROZEN, whose max is kept: 0 where
         m_new = m_use  # a row has no key (its later scores are -inf too: p = 0)
     return p, m_new, l_i, alpha
@@ -1705,14 +1713,22 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 
 
 # Rows' maxima from each tile's first block only (ORDER_FROZEN), for bf16 plain attention:
-# later blocks run the fixed-max softmax, a flagged call is redone (_launch_call). Off: on the
-# H200 it ran 7-16% faster (d64 / d128, and the packed mix; d256 level;
-# benchmarks/results/2026-11-26_h200_fwd-frozen-max-*), but a one-hot row's largest p is
-# no power of 2 there, so its bf16 rounding stays in O and not in l: 2^-9 of the value where
-# PyTorch is exact (test_gpu_hopper_frozen_max_when_later_keys_score_higher). Row sums that
-# add the rounded P (ROUNDED_SUMS) fix that and cost most of the gain: 0.98-1.11x of the
-# running max (by the tensor cores, P @ ones, no better; docs/attention.md, "The frozen max").
-FROZEN_MAX = False
+# later blocks run the fixed-max softmax, a flagged call is redone (_launch_call). A one-hot
+# row's largest p is no power of 2 there, so its bf16 rounding would stay in O and not in l
+# (2^-9 of the value where PyTorch is exact) but for the row sums of the rounded P
+# (ROUNDED_SUMS; test_gpu_hopper_frozen_max_when_later_keys_score_higher). H200, bf16, one
+# process, 3 interleaved rounds, with the rounded sums (benchmarks/hopper_flag_ab.py --flag
+# FROZEN_MAX, benchmarks/results/2026-11-26_h200_fwd-frozen-max-ab*_c1203d2.*), median ms
+# running / frozen: d64 1 x 32 x 16k 4.119 / 3.811, causal 2.181 / 2.017, 4 x 4096 1.139 /
+# 1.066, causal 0.6495 / 0.6196, 8 x 2048 0.5812 / 0.5556, causal 0.3591 / 0.3561, 16 x 1024
+# 0.322 / 0.3249 (slower), the packed mix 4.535 / 4.159, causal 2.678 / 2.543; d128 1 x 16 x
+# 16k 3.292 / 3.079, causal 1.69 / 1.618, 4 x 4096 0.8895 / 0.8249, causal 0.478 / 0.4589,
+# 8 x 2048 0.457 / 0.4617 (slower), causal 0.2668 / 0.2641, the packed mix 3.486 / 3.336,
+# causal 1.871 / 1.813; d256 1 x 8 x 16k 2.956 / 2.997, 4 x 4096 causal 0.4402 / 0.4521
+# (slower). Hence the keys (the longest sequence's, packed) from which it runs, per padded
+# head dim (none at 256): FROZEN_MIN_KEYS.
+FROZEN_MAX = True
+FROZEN_MIN_KEYS = ((64, 2048), (128, 4096))
 # Row sums of P's rounded bf16 operand wherever the max is fixed (ORDER_ROUNDED_SUMS: the
 # frozen max, softcap's fixed max).
 ROUNDED_SUMS = True
@@ -1735,10 +1751,13 @@ def q_in_registers(head_dim_padded: int, cfg: Config, fp8) -> bool:
     return Q_IN_REGS and head_dim_padded == 64 and cfg.consumers == 2 and fp8 is None
 
 
-def frozen_max(dtype: torch.dtype, variants: dict | None) -> bool:
+def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
+               seqlen_k: int) -> bool:
     """Whether a call runs with ORDER_FROZEN (:data:`FROZEN_MAX`): bf16 (whose P keeps its
-    precision down to 2^-126), plain attention."""
-    return bool(FROZEN_MAX and dtype == torch.bfloat16 and not variants)
+    precision down to 2^-126), plain attention, from :data:`FROZEN_MIN_KEYS` keys."""
+    least = dict(FROZEN_MIN_KEYS).get(head_dim_padded)
+    return bool(FROZEN_MAX and dtype == torch.bfloat16 and not variants and least is not None
+                and seqlen_k >= least)
 
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
@@ -1783,7 +1802,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
                        + ORDER_LAZY.value * bool(cfg.lazy)
                        + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
-                       + ORDER_FROZEN.value * frozen_max(q4.dtype, variants)
+                       + ORDER_FROZEN.value * frozen_max(q4.dtype, variants, head_dim_pad(d),
+                                                         sk)
                        + ORDER_Q_REGS.value * q_in_registers(head_dim_pad(d), cfg, fp8)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device), run_slot=-1,
                 counter_slot=0, DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
@@ -1968,11 +1988,19 @@ def _launch_call(grid, args: dict, num_warps: int) -> list:
     programs return at once unless that flag is set (``run_slot``), so a flagged call is
     redone whole."""
     runs = [(grid, args)]
+    ahead = None
     if args["ORDER"] & ORDER_FROZEN.value:
-        runs.append((grid, dict(args, ORDER=args["ORDER"] - ORDER_FROZEN.value, run_slot=1,
-                                counter_slot=2)))  # fmt: skip
-    return [(_attn_fwd_hopper, launch(_attn_fwd_hopper, g, a, {}, num_warps, 1), g, a)
-            for g, a in runs]  # fmt: skip
+        redo = dict(args, ORDER=args["ORDER"] - ORDER_FROZEN.value, run_slot=1, counter_slot=2)
+        runs.append((grid, redo))
+        # (a first call compiles the second build on a worker meanwhile: one compile's wait)
+        ahead = prefetch.compile_ahead(_attn_fwd_hopper, grid, redo, num_warps)
+    launches = []
+    for g, a in runs:
+        if a is not args:
+            prefetch.wait(ahead)
+        launches.append((_attn_fwd_hopper, launch(_attn_fwd_hopper, g, a, {}, num_warps, 1), g,
+                         a))  # fmt: skip
+    return launches
 
 
 def _no_counter(device) -> torch.Tensor:
@@ -2327,7 +2355,8 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
-    key = replay_key("hopper-fwd", q, p, FROZEN_MAX, ROUNDED_SUMS) if config is None else None
+    key = (replay_key("hopper-fwd", q, p, FROZEN_MAX, FROZEN_MIN_KEYS, ROUNDED_SUMS)
+           if config is None else None)
     roles = None
     if key is not None:
         roles = own_roles(dict(q=q, k=k, v=v, out=out, lse=lse2), p)
@@ -2396,7 +2425,9 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
         # batch's lengths; so do a benchmark's repetitions) replays that call's launch
         # (_launcher.Replay): after the lengths' read only the replay is left to do.
         roles = dict(q=q, k=k, v=v, out=out, lse=lse2,
-                     counter=torch.zeros(_counter_ints(frozen_max(q.dtype, None), True),
+                     counter=torch.zeros(_counter_ints(frozen_max(q.dtype, None,
+                                                                  head_dim_pad(p.head_dim),
+                                                                  p.seqlen_k), True),
                                          dtype=torch.int32, device=q.device), cu_q=cu_q)
         if cu_k is not cu_q:
             roles["cu_k"] = cu_k
@@ -2404,7 +2435,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
                p.softmax_scale, p.seqlen_q, p.seqlen_k, p.total_q, k.shape[0], p.q_strides,
                p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
                VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
-               FROZEN_MAX, ROUNDED_SUMS, FOREIGN_BY_LOADER)  # fmt: skip
+               FROZEN_MAX, FROZEN_MIN_KEYS, ROUNDED_SUMS, FOREIGN_BY_LOADER)  # fmt: skip
         kept = _PACKED_REPLAYS.get(key)
         if kept is not None and kept.run(roles, lengths):  # (the wait)
             return out, lse2

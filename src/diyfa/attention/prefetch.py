@@ -118,12 +118,56 @@ def _compile_backward(family: Family, problem: Problem, q, k, v, out, lse2) -> s
     return None
 
 
+_ahead_pool: ThreadPoolExecutor | None = None
+
+
+def compile_ahead(fn, grid: tuple, args: dict, num_warps: int,
+                  num_stages: int = 1) -> Future | None:
+    """Compile the kernel of a launch this thread will make next-but-one on a worker thread
+    (its own, not the backward's, which may be busy for seconds), compile-only, while this
+    thread compiles and launches the one before: a call of two builds then waits for one
+    compile, not two (the Hopper forward's frozen max, :func:`hopper_fwd._launch_call`).
+    None (nothing started) where :func:`start` would not start either, inside
+    :func:`diyfa._launcher.compile_only`, or when the launcher has the kernel already. Pass
+    the future to :func:`wait` before that launch."""
+    from diyfa import tuning
+    from diyfa._launcher import compiling_only, launcher_for
+
+    if compiling_only() or not enabled() or tuning.autotune_enabled():
+        return None
+    try:  # an optimisation: nothing here may fail the user's call
+        if (torch.cuda.is_current_stream_capturing()
+                or launcher_for(fn).compiled(args, num_warps, num_stages)):  # fmt: skip
+            return None
+        global _ahead_pool
+        if _ahead_pool is None:
+            _ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diyfa-ahead")
+        device = torch.cuda.current_device()
+        return _ahead_pool.submit(_compile_launch, fn, grid, args, num_warps, num_stages,
+                                  device)  # fmt: skip
+    except Exception as error:
+        log.debug("compile ahead not started: %r", error)
+        return None
+
+
+def _compile_launch(fn, grid, args, num_warps, num_stages, device) -> str | None:
+    """The ahead worker's job (as :func:`_compile_backward`: the failure as text)."""
+    from diyfa._launcher import compile_only, launch
+
+    try:
+        with torch.cuda.device(device), compile_only():
+            launch(fn, grid, args, {}, num_warps, num_stages)
+    except Exception as error:
+        return repr(error)
+    return None
+
+
 def wait(future: Future | None) -> None:
-    """Wait for the worker's compile of this call's backward (if one was started); its
-    failure is logged, never raised (the backward compiles what it needs itself)."""
+    """Wait for the worker's compile of this call's backward, or of :func:`compile_ahead`'s
+    kernel (if one was started); its failure is logged, never raised (the launch compiles
+    what it needs itself)."""
     if future is None:
         return
     error = future.exception() or future.result()
     if error is not None:
-        log.debug("backward prefetch failed (the backward compiles its kernels itself): %s",
-                  error)  # fmt: skip
+        log.debug("prefetch failed (the launch compiles its kernel itself): %s", error)
