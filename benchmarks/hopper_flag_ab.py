@@ -3,7 +3,7 @@
 ``--kind fwd`` flips a ``hopper_fwd`` attribute (e.g. ``DEFER_O_STORE``), ``--kind bwd`` a
 ``hopper_bwd`` one; ``--module checks`` one of ``checks`` (e.g. ``REMEMBER_LENGTHS``). Each
 case runs through the public entry points (``diyfa.flash_attention``
-/ ``flash_attention_varlen``, ``backend="hopper"``, bf16; the backward as
+/ ``flash_attention_varlen``, ``backend="hopper"``, bf16 (``--dtype float16``); the backward as
 ``torch.autograd.grad`` of one forward's output, atomic dQ) with the flag at each value in
 turn (the kept launches forgotten at every switch, ``_launcher.forget_replays``): the outputs
 (the backward: dQ, dK, dV) are compared first (max |diff|), then timed
@@ -56,7 +56,7 @@ def backward(fn, q, k, v):
     return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
 
 
-def case(spec: str, kind: str = "fwd"):
+def case(spec: str, kind: str = "fwd", dtype: torch.dtype = torch.bfloat16):
     """(label, function, FLOPs) of one case; ``kind`` "bwd": its backward."""
     g = torch.Generator(device="cuda").manual_seed(0)
     if spec.startswith("varlen"):
@@ -64,7 +64,7 @@ def case(spec: str, kind: str = "fwd"):
         d = int(spec[6:].rstrip("c"))
         h, hk = (16, 4) if d == 128 else (32, 32)
         lengths, cu, total, longest = varlen_mix()
-        q, k, v = (torch.randn(total, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k, v = (torch.randn(total, n, d, device="cuda", dtype=dtype, generator=g)
                    for n in (h, hk, hk))  # fmt: skip
         flops = sum(attention_flops(1, h, n, n, d, causal=causal, convention="published",
                                     mode=kind) for n in lengths)  # fmt: skip
@@ -84,7 +84,7 @@ def case(spec: str, kind: str = "fwd"):
     else:
         spec_shape = spec.rstrip("c")
     b, h, s, d = (int(x) for x in spec_shape.split("x"))
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=g)
                for _ in range(3))  # fmt: skip
     flops = attention_flops(b, h, s, s, d, causal=causal, window=window, mode=kind,
                             convention="exact" if window else "published")  # fmt: skip
@@ -110,6 +110,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="another module attribute held at an integer for the whole run")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "hopper_flag_ab.jsonl"))  # fmt: skip
@@ -130,10 +131,10 @@ def main() -> int:
     env = environment()
     rows = []
     with open(a.out, "w") as f:
-        f.write(json.dumps({"record": "run", **env, "kind": a.kind, "flag": a.flag,
-                            "held": held}) + "\n")
+        f.write(json.dumps({"record": "run", **env, "kind": a.kind, "dtype": a.dtype,
+                            "flag": a.flag, "held": held}) + "\n")
         for spec in a.cases.split(";"):
-            label, fn, flops = case(spec, a.kind)
+            label, fn, flops = case(spec, a.kind, getattr(torch, a.dtype))
             outs = []
             for value in values:
                 use(value)

@@ -193,6 +193,7 @@ def test_gpu_frozen_max_second_build_compiles_ahead(monkeypatch):
     monkeypatch.setattr(_launcher, "_launchers", {})
     monkeypatch.setattr(hf, "_REPLAYS", _launcher.ReplayCache())
     monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((128, 0),))
+    monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 0)
     monkeypatch.setenv("DIYFA_PREFETCH_BACKWARD", "1")
     compiles = []
 

@@ -447,18 +447,19 @@ def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal, deterministi
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("lens_q, lens_k, h, hk, d", [
-    ([5, 0, 1700, 333, 1, 2048], [9, 3, 1700, 20, 0, 4100], 8, 2, 128),
-    ([1000, 64, 129, 7], [1000, 64, 300, 2500], 4, 4, 64),
-], ids=["d128-gqa-empty", "d64"])
-def test_gpu_hopper_varlen_frozen_max_at_any_length(lens_q, lens_k, h, hk, d, causal,
+@pytest.mark.parametrize("lens_q, lens_k, h, hk, d, dtype", [
+    ([5, 0, 1700, 333, 1, 2048], [9, 3, 1700, 20, 0, 4100], 8, 2, 128, torch.bfloat16),
+    ([1000, 64, 129, 7], [1000, 64, 300, 2500], 4, 4, 64, torch.bfloat16),
+    ([5, 0, 1700, 333, 1, 2048], [9, 3, 1700, 20, 0, 4100], 8, 2, 128, torch.float16),
+], ids=["d128-gqa-empty", "d64", "d128-gqa-empty-fp16"])
+def test_gpu_hopper_varlen_frozen_max_at_any_length(lens_q, lens_k, h, hk, d, dtype, causal,
                                                     monkeypatch):
-    """Packed bf16 sequences through the frozen max (hopper_fwd.FROZEN_MAX) whatever their
+    """Packed 16-bit sequences through the frozen max (hopper_fwd.FROZEN_MAX) whatever their
     lengths: out and gradients against the per-sequence float64 reference."""
     from .test_hopper_attention import _spy_frozen
 
     seen = _spy_frozen(monkeypatch)
-    _run_and_check(lens_q, lens_k, h, hk, d, torch.bfloat16, causal, device="cuda",
+    _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device="cuda",
                    backend="hopper")  # fmt: skip
     assert seen and all(seen)
 
@@ -481,6 +482,7 @@ def test_gpu_hopper_varlen_confines_bad_values():
     # run above took
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf, "FROZEN_MIN_KEYS", ((128, 0),))
+        mp.setattr(hf, "FROZEN_MIN_PAIRS", 0)
         dirty = diyfa.flash_attention_varlen(q, k2, v2, cu_q, cu_k, 100, 90, backend="hopper")
     assert torch.equal(dirty[:100], clean[:100])
 

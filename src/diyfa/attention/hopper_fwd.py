@@ -586,6 +586,10 @@ ORDER_DEFER_STORE = gl.constexpr(32)
 # rescale), as softcap's fixed max does.
 ORDER_FROZEN = gl.constexpr(64)
 FROZEN_HEADROOM = gl.constexpr(64.0)
+# fp16's P: its largest finite value is 2^16 (a later score may pass the first block's max by
+# 24, base 2, about 16.6 nats, before P V's operand overflows and the call is redone) and it
+# keeps full precision down to 2^-14 (subnormal to 2^-24: 2^-16 of the first block's max).
+FROZEN_HEADROOM_FP16 = gl.constexpr(8.0)
 # ROUNDED_SUMS, with a fixed max (ORDER_FROZEN, or softcap's SOFTCAP == 2): the row sums add
 # P rounded to bf16 (P V's operand, from the one conversion it takes anyway), not the fp32
 # exponentials (_rounded_p: a shift and a mask a pair of scores). A fixed max leaves a row's
@@ -655,15 +659,20 @@ def _row_sums(p):
 
 @gluon.jit
 def _rounded_p(p, ROUND: gl.constexpr):
-    """(P's operand, the values the row sums add): ROUND, P rounded to nearest bf16, packed
-    in pairs as P V takes it, and the rounded values again in fp32 (the high half of a pair
-    is itself the fp32 value with its low 16 bits cleared, the low half shifted up);
-    otherwise ``p`` twice."""
-    if ROUND:
+    """(P's operand, the values the row sums add): ROUND, P rounded to nearest bf16 (1) or
+    fp16 (2), packed in pairs as P V takes it, and the rounded values again in fp32 (bf16:
+    the high half of a pair is itself the fp32 value with its low 16 bits cleared, the low
+    half shifted up; fp16: each half converted); otherwise ``p`` twice."""
+    if ROUND == 1:
         return gl.inline_asm_elementwise(
             "cvt.rn.bf16x2.f32 $0, $4, $3;\n\tshl.b32 $1, $0, 16;\n\t"
             "and.b32 $2, $0, 0xffff0000;", "=r,=r,=r,r,r", [p],
             dtype=(gl.bfloat16, gl.float32), is_pure=True, pack=2)
+    elif ROUND == 2:
+        return gl.inline_asm_elementwise(
+            "{\n\t.reg .b16 lo, hi;\n\tcvt.rn.f16x2.f32 $0, $4, $3;\n\t"
+            "mov.b32 {lo, hi}, $0;\n\tcvt.f32.f16 $1, lo;\n\tcvt.f32.f16 $2, hi;\n\t}",
+            "=r,=r,=r,r,r", [p], dtype=(gl.float16, gl.float32), is_pure=True, pack=2)
     else:
         return p, p
 
@@ -760,8 +769,10 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
     # exponentials, as the running max keeps them (its largest p, a power of 2, is exact in
     # bf16): a row whose keys all lie in its tile's first block keeps the running max's LSE
     l_i = l_i * alpha_l[:, None] + _row_sums(p)
-    if ROUND:
+    if ROUND == 1:
         p = p.to(gl.bfloat16)
+    elif ROUND == 2:
+        p = p.to(gl.float16)
     if P_SHIFT < 0:  # a tile's first block under ORDER_FROZEN, whose max is kept: 0 where
         m_new = m_use  # a row has no key (its later scores are -inf too: p = 0)
     return p, m_new, l_i, alpha
@@ -1188,12 +1199,14 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     LAZY: gl.constexpr = (LAZY_RESCALE if (ORDER & ORDER_LAZY) and not FP8
                           and HEAD_DIM_V >= 2 * LAZY_PACK else 0.0)  # fmt: skip
     FROZEN: gl.constexpr = (ORDER & ORDER_FROZEN) != 0 and not FP8 and SOFTCAP != 2
-    # the first block's max FROZEN_HEADROOM above the true one (p <= 2^-64 there)
-    P_OPEN: gl.constexpr = P_SHIFT - FROZEN_HEADROOM if FROZEN else P_SHIFT
-    # ORDER_ROUNDED_SUMS: the row sums of P's bf16 operand (_rounded_p), with a fixed max
-    # (dropout drops P in fp32: the host gives it no fixed max, softcap_fixed_max)
-    ROUND: gl.constexpr = ((ORDER & ORDER_ROUNDED_SUMS) != 0 and (FROZEN or SOFTCAP == 2)
-                           and dtype == gl.bfloat16 and not DROPOUT)  # fmt: skip
+    # the first block's max FROZEN_HEADROOM above the true one (bf16: p <= 2^-64 there)
+    HEADROOM: gl.constexpr = FROZEN_HEADROOM if dtype == gl.bfloat16 else FROZEN_HEADROOM_FP16
+    P_OPEN: gl.constexpr = P_SHIFT - HEADROOM if FROZEN else P_SHIFT
+    # ORDER_ROUNDED_SUMS: the row sums of P's 16-bit operand (_rounded_p; 1: bf16, 2: fp16),
+    # with a fixed max (dropout drops P in fp32: the host gives it no fixed max)
+    ROUND: gl.constexpr = (((ORDER & ORDER_ROUNDED_SUMS) != 0 and (FROZEN or SOFTCAP == 2)
+                            and not DROPOUT and not FP8)
+                           * (1 if dtype == gl.bfloat16 else 2))  # fmt: skip
     P_DTYPE: gl.constexpr = dtype if ROUND else gl.float32  # (the softmax's p)
     Q_REGS: gl.constexpr = (ORDER & ORDER_Q_REGS) != 0 and not FP8
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -1712,7 +1725,7 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
     return desc
 
 
-# Rows' maxima from each tile's first block only (ORDER_FROZEN), for bf16 plain attention:
+# Rows' maxima from each tile's first block only (ORDER_FROZEN), for 16-bit plain attention:
 # later blocks run the fixed-max softmax, a flagged call is redone (_launch_call). A one-hot
 # row's largest p is no power of 2 there, so its bf16 rounding would stay in O and not in l
 # (2^-9 of the value where PyTorch is exact) but for the row sums of the rounded P
@@ -1729,6 +1742,17 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 # head dim (none at 256): FROZEN_MIN_KEYS.
 FROZEN_MAX = True
 FROZEN_MIN_KEYS = ((64, 2048), (128, 4096))
+FROZEN_DTYPES = (torch.bfloat16, torch.float16)
+# ... and from this many (query row, key) pairs: the second launch costs a few microseconds a
+# call, whatever its size. fp16, one process, 3 rounds, median ms running / frozen
+# (benchmarks/results/2026-11-26_h200_fwd-frozen-max-fp16-ab_95e491e.{txt,jsonl}): the seed
+# table's 4 x 8 x 2048 d64 0.0846 / 0.0945 and 4 x 8 x 4096 0.3032 / 0.3066 (2^28.0 and 2^29.0
+# pairs: slower); at 2^30 and more, 8 x 32 x 2048 0.5963 / 0.5938, causal 0.3733 / 0.3645,
+# 4 x 32 x 4096 1.173 / 1.109, causal 0.6679 / 0.6535, 1 x 32 x 16k 4.255 / 4.189, causal
+# 2.278 / 2.142; d128 4 x 16 x 4096 0.902 / 0.8676, causal 0.5023 / 0.4904, 1 x 16 x 16k
+# 3.474 / 3.336, causal 1.777 / 1.704. 3 x 2^28, between the two (the cross suite's 1 x 16 x
+# 4096 x 15360, 2^29.96, keeps it).
+FROZEN_MIN_PAIRS = 3 << 28
 # Row sums of P's rounded bf16 operand wherever the max is fixed (ORDER_ROUNDED_SUMS: the
 # frozen max, softcap's fixed max).
 ROUNDED_SUMS = True
@@ -1752,12 +1776,13 @@ def q_in_registers(head_dim_padded: int, cfg: Config, fp8) -> bool:
 
 
 def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
-               seqlen_k: int) -> bool:
-    """Whether a call runs with ORDER_FROZEN (:data:`FROZEN_MAX`): bf16 (whose P keeps its
-    precision down to 2^-126), plain attention, from :data:`FROZEN_MIN_KEYS` keys."""
+               seqlen_k: int, rows: int) -> bool:
+    """Whether a call runs with ORDER_FROZEN (:data:`FROZEN_MAX`): 16-bit, plain attention,
+    from :data:`FROZEN_MIN_KEYS` keys and ``rows`` (query rows x heads: batch x heads x
+    seqlen_q, or heads x total_q packed) x keys of :data:`FROZEN_MIN_PAIRS`."""
     least = dict(FROZEN_MIN_KEYS).get(head_dim_padded)
-    return bool(FROZEN_MAX and dtype == torch.bfloat16 and not variants and least is not None
-                and seqlen_k >= least)
+    return bool(FROZEN_MAX and dtype in FROZEN_DTYPES and not variants and least is not None
+                and seqlen_k >= least and rows * seqlen_k >= FROZEN_MIN_PAIRS)
 
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
@@ -1802,8 +1827,9 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
                        + ORDER_LAZY.value * bool(cfg.lazy)
                        + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
-                       + ORDER_FROZEN.value * frozen_max(q4.dtype, variants, head_dim_pad(d),
-                                                         sk)
+                       + ORDER_FROZEN.value * frozen_max(
+                           q4.dtype, variants, head_dim_pad(d), sk,
+                           h * (packed["args"].get("total_q", b * sq) if packed else b * sq))
                        + ORDER_Q_REGS.value * q_in_registers(head_dim_pad(d), cfg, fp8)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device), run_slot=-1,
                 counter_slot=0, DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
@@ -2355,7 +2381,8 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
-    key = (replay_key("hopper-fwd", q, p, FROZEN_MAX, FROZEN_MIN_KEYS, ROUNDED_SUMS)
+    key = (replay_key("hopper-fwd", q, p, FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS,
+                      FROZEN_DTYPES, ROUNDED_SUMS)
            if config is None else None)
     roles = None
     if key is not None:
@@ -2425,9 +2452,9 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
         # batch's lengths; so do a benchmark's repetitions) replays that call's launch
         # (_launcher.Replay): after the lengths' read only the replay is left to do.
         roles = dict(q=q, k=k, v=v, out=out, lse=lse2,
-                     counter=torch.zeros(_counter_ints(frozen_max(q.dtype, None,
-                                                                  head_dim_pad(p.head_dim),
-                                                                  p.seqlen_k), True),
+                     counter=torch.zeros(_counter_ints(frozen_max(
+                         q.dtype, None, head_dim_pad(p.head_dim), p.seqlen_k,
+                         p.heads * p.total_q), True),
                                          dtype=torch.int32, device=q.device), cu_q=cu_q)
         if cu_k is not cu_q:
             roles["cu_k"] = cu_k
@@ -2435,7 +2462,8 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
                p.softmax_scale, p.seqlen_q, p.seqlen_k, p.total_q, k.shape[0], p.q_strides,
                p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
                VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
-               FROZEN_MAX, FROZEN_MIN_KEYS, ROUNDED_SUMS, FOREIGN_BY_LOADER)  # fmt: skip
+               FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS, FROZEN_DTYPES, ROUNDED_SUMS,
+               FOREIGN_BY_LOADER)  # fmt: skip
         kept = _PACKED_REPLAYS.get(key)
         if kept is not None and kept.run(roles, lengths):  # (the wait)
             return out, lse2
