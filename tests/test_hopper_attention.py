@@ -996,3 +996,26 @@ def test_o_store_wait_deferred_in_the_compiled_kernel():
     (waits_on, spills_on), (waits_off, spills_off) = res["True"], res["False"]
     assert waits_on > waits_off >= 1
     assert spills_on <= spills_off
+
+
+_FROZEN_ENV = """
+from diyfa.attention import hopper_fwd as hf
+print(hf.FROZEN_MAX, hf.FROZEN_MIN_KEYS, hf.FROZEN_MIN_PAIRS)
+"""
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, "True ((64, 2048), (128, 4096)) 805306368"),
+    ("0", "False ((64, 2048), (128, 4096)) 805306368"),
+    ("always", "True ((64, 0), (128, 0)) 0"),
+])  # fmt: skip
+def test_frozen_max_environment_variable(value, expected):
+    """DIYFA_FROZEN_MAX, read at import (a fresh process): unset the measured rules, "0"
+    the running max everywhere, "always" the frozen max at any length and size."""
+    env = {k: v for k, v in os.environ.items() if k != "DIYFA_FROZEN_MAX"}
+    if value is not None:
+        env["DIYFA_FROZEN_MAX"] = value
+    done = subprocess.run([sys.executable, "-c", _FROZEN_ENV], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == expected

@@ -1740,7 +1740,9 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 # causal 1.871 / 1.813; d256 1 x 8 x 16k 2.956 / 2.997, 4 x 4096 causal 0.4402 / 0.4521
 # (slower). Hence the keys (the longest sequence's, packed) from which it runs, per padded
 # head dim (none at 256): FROZEN_MIN_KEYS.
-FROZEN_MAX = True
+# The environment variable DIYFA_FROZEN_MAX, read at import: "0" turns it off, "always" runs
+# it at any length and size of padded head dims 64 and 128 (tests and the GPU fuzz).
+FROZEN_MAX = os.environ.get("DIYFA_FROZEN_MAX", "1") != "0"
 FROZEN_MIN_KEYS = ((64, 2048), (128, 4096))
 FROZEN_DTYPES = (torch.bfloat16, torch.float16)
 # ... and from this many (query row, key) pairs: the second launch costs a few microseconds a
@@ -1753,6 +1755,8 @@ FROZEN_DTYPES = (torch.bfloat16, torch.float16)
 # 3.474 / 3.336, causal 1.777 / 1.704. 3 x 2^28, between the two (the cross suite's 1 x 16 x
 # 4096 x 15360, 2^29.96, keeps it).
 FROZEN_MIN_PAIRS = 3 << 28
+if os.environ.get("DIYFA_FROZEN_MAX") == "always":
+    FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS = ((64, 0), (128, 0)), 0
 # Row sums of P's rounded bf16 operand wherever the max is fixed (ORDER_ROUNDED_SUMS: the
 # frozen max, softcap's fixed max).
 ROUNDED_SUMS = True
