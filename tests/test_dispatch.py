@@ -169,3 +169,36 @@ def test_portable_spreads_batch_heads_over_two_grid_axes():
             dispatch.select(problem)
 
 
+
+
+def test_forward_out_only_runs_where_no_one_reads_the_lse(monkeypatch):
+    """A family's ``forward_out_only`` (the Hopper forward's frozen max, whose LSE carries
+    P's 16-bit rounding) runs for inference calls that do not return the LSE, and only
+    there: with ``return_lse`` or a gradient wanted (the LSE kept for the backward), and
+    for families without one, ``forward``."""
+    portable = dispatch.families()[-1]
+    calls = []
+
+    def tagged(name, forward):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return forward(*args, **kwargs)
+        return run
+
+    both = dispatch.Family("both", supports=lambda p: None,
+                           forward=tagged("forward", portable.forward),
+                           backward=portable.backward,
+                           forward_out_only=tagged("out-only", portable.forward))  # fmt: skip
+    monkeypatch.setattr(dispatch, "families", lambda: (both, portable))
+    q, k, v = _qkv()
+    ref = diyfa.flash_attention(q, k, v, backend="portable")
+    assert calls == []
+    assert torch.equal(diyfa.flash_attention(q, k, v), ref) and calls == ["out-only"]
+    out, lse = diyfa.flash_attention(q, k, v, return_lse=True)
+    assert torch.equal(out, ref) and calls == ["out-only", "forward"]
+    qg, kg, vg = _qkv(grad=True)
+    diyfa.flash_attention(qg, kg, vg).sum().backward()
+    assert calls == ["out-only", "forward", "forward"]
+    with torch.no_grad():
+        diyfa.flash_attention(qg, kg, vg)
+    assert calls == ["out-only", "forward", "forward", "out-only"]

@@ -88,6 +88,26 @@ def test_varlen_regression(case):
     run_varlen_case(case)
 
 
+@pytest.mark.gpu
+def test_varlen_regression_sharp_rows_lse_under_the_frozen_max(monkeypatch):
+    """Library trade, changed (GPU: too long for the interpreter). bf16 d64, packed sequences
+    up to 2621 x 2048 keys, softmax scale 1.0 (sharp rows, a few keys past each tile's first
+    block dominate). With the frozen max at every length (DIYFA_FROZEN_MAX=always, GPU fuzz
+    at 022b5c1) the LSE came out 1.68e-4 off against the bound's 1e-4: the frozen max's row
+    sums add P's rounded bf16 values. The frozen max now runs only for calls whose LSE no
+    one reads; this one returns it (and wants gradients), so it runs the running max even
+    with the frozen max's thresholds at zero."""
+    from diyfa.attention import hopper_fwd as hf
+
+    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((64, 0), (128, 0)))
+    monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 0)
+    run_varlen_case(VarlenCase(
+        lens_q=(632, 15, 524, 432, 56, 13, 111, 21, 631, 10, 12, 30, 118, 2621),
+        lens_k=(40, 679, 2048, 21, 191, 46, 1856, 17, 32, 63, 18, 329, 33, 170), extra_q=3,
+        extra_k=0, h=6, hk=2, d=64, dtype=torch.bfloat16, causal=False, window=(-1, -1),
+        softcap=0.0, scale=1.0038680087889393, sliced=False, blocks=None, seed=23302))
+
+
 KVCACHE = [
     # Library bug, fixed (GPU only: the interpreter has no shared memory): an fp32 cache at
     # head dim 147 (padded 256). The split-KV kernel ran 3 pipeline stages whatever the tile,

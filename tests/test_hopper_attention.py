@@ -470,13 +470,19 @@ def _spy_frozen(monkeypatch) -> list:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_hopper_matrix_frozen_max_at_any_length(shape, dtype, causal, monkeypatch):
     """The frozen max (hopper_fwd.FROZEN_MAX: 16-bit, padded head dims 64 and 128) at every
-    length of the matrix, not only from FROZEN_MIN_KEYS keys: out and the gradients (the
-    backward reads the forward's LSE) against float64 by the 2x / 3x rule."""
+    length of the matrix, not only from FROZEN_MIN_KEYS keys: inference without the LSE
+    (Family.forward_out_only) runs it, out against float64 by the 2x rule; a call that keeps
+    its LSE for the backward runs the running max (out and gradients by the 2x / 3x rule)."""
     _hopper_only(monkeypatch)
     seen = _spy_frozen(monkeypatch)
     b, h, hk, sq, sk, d = shape
-    _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal)
+    q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, device="cuda")
+    with torch.no_grad():
+        _run_and_check(q, k, v, causal, grads=False)
     assert seen and all(seen)
+    seen.clear()
+    _run_and_check(q, k, v, causal)
+    assert seen and not any(seen)
 
 
 def _every_config():

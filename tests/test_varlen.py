@@ -455,13 +455,24 @@ def test_gpu_hopper_varlen(lens_q, lens_k, h, hk, d, dtype, causal, deterministi
 def test_gpu_hopper_varlen_frozen_max_at_any_length(lens_q, lens_k, h, hk, d, dtype, causal,
                                                     monkeypatch):
     """Packed 16-bit sequences through the frozen max (hopper_fwd.FROZEN_MAX) whatever their
-    lengths: out and gradients against the per-sequence float64 reference."""
+    lengths, in inference without the LSE: out against the per-sequence float64 reference
+    by the 2x rule. With the LSE returned and gradients, the running max."""
     from .test_hopper_attention import _spy_frozen
 
     seen = _spy_frozen(monkeypatch)
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, dtype, "cuda")
+    with torch.no_grad():
+        out = diyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                           causal=causal, backend="hopper")  # fmt: skip
+    assert seen and all(seen)
+    do = torch.randn_like(out)
+    ref, _, _ = _reference(q, k, v, cu_q, cu_k, causal, torch.float64, do)
+    pt, _, _ = _reference(q, k, v, cu_q, cu_k, causal, dtype, do)
+    _check("out", out, pt, ref, 2, dtype)
+    seen.clear()
     _run_and_check(lens_q, lens_k, h, hk, d, dtype, causal, device="cuda",
                    backend="hopper")  # fmt: skip
-    assert seen and all(seen)
+    assert seen and not any(seen)
 
 
 @pytest.mark.gpu
@@ -477,10 +488,10 @@ def test_gpu_hopper_varlen_confines_bad_values():
     k2[70:75], v2[70:72], v2[72:74] = float("nan"), float("inf"), float("nan")
     dirty = diyfa.flash_attention_varlen(q, k2, v2, cu_q, cu_k, 100, 90, backend="hopper")
     assert torch.equal(dirty[:100], clean[:100])
-    # The frozen max (hopper_fwd.FROZEN_MAX, here at any length): sequence 1's rows come out
-    # NaN, so the call's second launch redoes it all with the running max, which the clean
-    # run above took
-    with pytest.MonkeyPatch.context() as mp:
+    # The frozen max (hopper_fwd.FROZEN_MAX, here at any length; inference without the
+    # LSE): sequence 1's rows come out NaN, so the call's second launch redoes it all with
+    # the running max, which the clean run above took
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():  # (no LSE read: frozen)
         mp.setattr(hf, "FROZEN_MIN_KEYS", ((128, 0),))
         mp.setattr(hf, "FROZEN_MIN_PAIRS", 0)
         dirty = diyfa.flash_attention_varlen(q, k2, v2, cu_q, cu_k, 100, 90, backend="hopper")

@@ -175,7 +175,7 @@ def flash_attention(
                                    q_descale=q_descale, k_descale=k_descale,
                                    v_descale=v_descale)  # fmt: skip
             remember_checked(key, problem)
-        out, lse2 = run(q, k, v, problem, select(problem, backend))
+        out, lse2 = run(q, k, v, problem, select(problem, backend), return_lse)
     return (out, lse2 * LN2) if return_lse else out  # base-2 LSE -> natural log
 
 
@@ -237,7 +237,7 @@ def flash_attention_varlen(
                                       sinks=sinks, dropout_p=dropout_p,
                                       dropout_seed=_dropout_seed(dropout_p,
                                                                  generator))  # fmt: skip
-        out, lse2 = run(q, k, v, problem, select(problem, backend))
+        out, lse2 = run(q, k, v, problem, select(problem, backend), return_lse)
     return (out, lse2 * LN2) if return_lse else out
 
 

@@ -10,7 +10,9 @@ visit, for the sinks' gradient); optionally
 (a family measured slower there than the ones below it); a named backend ignores it; and
 ``named``: the Family that runs when the family is asked for by name, where that differs
 from what "auto" runs (a kernel not yet measured or run on a GPU stays out of "auto" while
-tests and benchmarks can still force it).
+tests and benchmarks can still force it); and ``forward_out_only(q, k, v, problem)``: the
+forward of a call whose LSE no one reads (inference without ``return_lse``), which may
+compute its LSE less precisely (the Hopper forward's frozen max: None, ``forward``).
 Packed sequences' lengths reach the host without a wait (``checks.HostLengths``); a
 family's forward and backward read and check them on entry, before anything runs, unless
 the family says ``late_lengths``: its forward then reads them itself before its first
@@ -63,11 +65,15 @@ class Family:
     prefer: Callable[[Problem], str | None] | None = None
     named: Family | None = None
     late_lengths: bool = False
+    forward_out_only: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self):
         # Packed lengths are read and checked on entry (see the module docstring).
         if not self.late_lengths:
             object.__setattr__(self, "forward", _lengths_first(self.forward, 3))
+            if self.forward_out_only is not None:
+                object.__setattr__(self, "forward_out_only",
+                                   _lengths_first(self.forward_out_only, 3))
         object.__setattr__(self, "backward", _lengths_first(self.backward, 6))
 
     def auto_reason(self, problem: Problem) -> str | None:

@@ -54,8 +54,10 @@ class _FlashAttention(torch.autograd.Function):
         return *grads, None, None, None
 
 
-def run(q, k, v, problem: Problem, family: Family):
-    """(out, lse2) of checked inputs, through autograd only when a gradient is wanted."""
+def run(q, k, v, problem: Problem, family: Family, lse_read: bool = True):
+    """(out, lse2) of checked inputs, through autograd only when a gradient is wanted.
+    ``lse_read`` False (the caller drops the LSE): an inference call takes the family's
+    ``forward_out_only`` where it has one (its LSE may be less precise)."""
     sinks = problem.sinks
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
@@ -64,4 +66,6 @@ def run(q, k, v, problem: Problem, family: Family):
         compiling = prefetch.start(q, k, v, problem, family)
         return _FlashAttention.apply(q, k, v, sinks, problem, family, compiling)
     # Inference: no autograd node to build.
+    if not lse_read and family.forward_out_only is not None:
+        return family.forward_out_only(q, k, v, problem)
     return family.forward(q, k, v, problem)

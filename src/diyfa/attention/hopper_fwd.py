@@ -1791,14 +1791,16 @@ def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
                 num_sms: int, config: tuple | None = None, variants: dict | None = None,
-                packed: dict | None = None, fp8: dict | None = None):
+                packed: dict | None = None, fp8: dict | None = None, lse_read: bool = False):
     """(grid, kernel arguments, num_warps) for (batch, heads, seqlen, dim) views.
     ``causal_offset`` is the band's upper offset (key j visible from query i iff j <= i +
     causal_offset, with ``causal``: causal or a right window); ``variants`` the kernel's
     variant arguments (:func:`variant_args`), none by default; ``packed`` (packed sequences:
     the views are batch-of-one) their count, longest lengths and kernel arguments
     (:func:`hopper_forward`); ``fp8`` (fp8 q, k, v): V^T and the descales
-    (:func:`_fp8_operands`), the bf16 output ``o4`` then stored by the consumers."""
+    (:func:`_fp8_operands`), the bf16 output ``o4`` then stored by the consumers;
+    ``lse_read``: the caller returns the LSE or keeps it for a backward (no frozen max: its
+    row sums carry P's 16-bit rounding into the LSE, :data:`FROZEN_MAX`)."""
     b, h, sq, d = q4.shape
     sk = k4.shape[2]
     if packed is not None:
@@ -1831,7 +1833,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
                        + ORDER_LAZY.value * bool(cfg.lazy)
                        + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
-                       + ORDER_FROZEN.value * frozen_max(
+                       + ORDER_FROZEN.value * (not lse_read) * frozen_max(
                            q4.dtype, variants, head_dim_pad(d), sk,
                            h * (packed["args"].get("total_q", b * sq) if packed else b * sq))
                        + ORDER_Q_REGS.value * q_in_registers(head_dim_pad(d), cfg, fp8)),
@@ -2370,12 +2372,14 @@ def compile_for_hopper(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
     return compile_for_sm90(_attn_fwd_hopper, args, num_warps)
 
 
-def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
+def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None,
+                   lse_read: bool = True):
     """(out, lse2) for a problem ``supports`` accepts; lse2 is the base-2 LSE, (batch, heads,
-    seqlen_q) fp32, as the portable kernel writes it (its backward reads it)."""
+    seqlen_q) fp32, as the portable kernel writes it (its backward reads it). ``lse_read``
+    False (:func:`forward_out_only`: no one reads the LSE) allows the frozen max."""
     p = problem
     if p.cu_seqlens_q is not None:
-        return _packed_forward(q, k, v, p, config)
+        return _packed_forward(q, k, v, p, config, lse_read)
     shape = (p.batch, p.heads, p.seqlen_q, p.head_dim_v)
     if p.layout == "bshd":
         shape = (p.batch, p.seqlen_q, p.heads, p.head_dim_v)
@@ -2386,7 +2390,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
     key = (replay_key("hopper-fwd", q, p, FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS,
-                      FROZEN_DTYPES, ROUNDED_SUMS)
+                      FROZEN_DTYPES, ROUNDED_SUMS, lse_read)
            if config is None else None)
     roles = None
     if key is not None:
@@ -2403,7 +2407,8 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None):
     grid, args, num_warps = hopper_args(
         bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout),
         bhsd_view(out, p.layout), lse2, upper, qk_scale, causal,
-        kernel_limits(q.device.index)["sm_count"], config, variants, None, fp8)  # fmt: skip
+        kernel_limits(q.device.index)["sm_count"], config, variants, None, fp8,
+        lse_read)  # fmt: skip
     launches = _launch_call(grid, args, num_warps)
     if roles is not None and not compiling_only():
         constants = ()
@@ -2428,7 +2433,7 @@ def cu_host(p: Problem) -> tuple:
                                  tuple(p.cu_seqlens_k.tolist()))  # fmt: skip
 
 
-def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
+def _packed_forward(q, k, v, p: Problem, config: tuple | None = None, lse_read: bool = True):
     """(out, lse2) of packed sequences, (total_q, heads, d) and (heads, total_q): the kernel
     over batch-of-one (1, heads, total, d) views, each tile's rows and keys offset by its
     sequence's cu_seqlens (``VARLEN``); no variants (``supports``)."""
@@ -2456,7 +2461,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
         # batch's lengths; so do a benchmark's repetitions) replays that call's launch
         # (_launcher.Replay): after the lengths' read only the replay is left to do.
         roles = dict(q=q, k=k, v=v, out=out, lse=lse2,
-                     counter=torch.zeros(_counter_ints(frozen_max(
+                     counter=torch.zeros(_counter_ints(not lse_read and frozen_max(
                          q.dtype, None, head_dim_pad(p.head_dim), p.seqlen_k,
                          p.heads * p.total_q), True),
                                          dtype=torch.int32, device=q.device), cu_q=cu_q)
@@ -2467,7 +2472,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
                p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
                VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
                FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS, FROZEN_DTYPES, ROUNDED_SUMS,
-               FOREIGN_BY_LOADER)  # fmt: skip
+               FOREIGN_BY_LOADER, lse_read)  # fmt: skip
         kept = _PACKED_REPLAYS.get(key)
         if kept is not None and kept.run(roles, lengths):  # (the wait)
             return out, lse2
@@ -2478,7 +2483,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None):
     grid, args, num_warps = hopper_args(
         view(q), view(k), view(v), view(out), lse2, 0, p.softmax_scale * LOG2E, p.causal,
         kernel_limits(q.device.index)["sm_count"], config, dropout_args(p) or None,
-        packed)  # fmt: skip
+        packed, lse_read=lse_read)  # fmt: skip
     launches = _launch_call(grid, args, num_warps)
     if roles is not None and args["DYNAMIC"] and not compiling_only():
         roles["counter"] = args["COUNTER"]
@@ -2618,6 +2623,12 @@ def prefer(p: Problem) -> str | None:
     return None
 
 
+def forward_out_only(q, k, v, problem: Problem):
+    """This family's forward for a call whose LSE no one reads (inference without
+    ``return_lse``: ``Family.forward_out_only``): the frozen max where it applies."""
+    return hopper_forward(q, k, v, problem, lse_read=False)
+
+
 def auto_forward(q, k, v, problem: Problem):
     """"auto"'s forward for this family: this kernel. (Packed sequences at head dims <= 64 ran
     the portable forward until 2026-11-24, measured faster then; since the packed kernel
@@ -2647,6 +2658,7 @@ def backward_named(do, q, k, v, out, lse2, problem: Problem, delta_out=None):
 # (late_lengths: packed sequences' lengths are read in _packed_forward, once its launch is
 # set up.)
 FAMILY = Family("hopper", supports=supports, forward=auto_forward, backward=backward,
-                prefer=prefer, late_lengths=True,
+                prefer=prefer, late_lengths=True, forward_out_only=forward_out_only,
                 named=Family("hopper", supports=supports, forward=hopper_forward,
-                             backward=backward_named, late_lengths=True))  # fmt: skip
+                             backward=backward_named, late_lengths=True,
+                             forward_out_only=forward_out_only))  # fmt: skip
