@@ -495,6 +495,11 @@ def test_softcap_fixed_max_rule():
     assert base.dtype == torch.bfloat16
     assert hf.variant_args(base)[3]["SOFTCAP"] == 2
     assert hf.variant_args(base, backward=True)[3]["SOFTCAP"] is True
+    # only where no one reads the LSE: a call that returns or keeps it runs the running max
+    variants = hf.variant_args(base)[3]
+    assert hf.lse_read_variants(variants, lse_read=False) is variants
+    assert hf.lse_read_variants(variants, lse_read=True)["SOFTCAP"] is True
+    assert variants["SOFTCAP"] == 2  # (not changed in place)
     limit = hf.SOFTCAP_FIXED_MAX_LIMIT / hf.LOG2E
     assert hf.softcap_fixed_max(dataclasses.replace(base, softcap=limit * 0.999))
     slopes = torch.ones(base.heads)
@@ -631,9 +636,11 @@ def test_hopper_backward_compiles_alibi_without_distances_when_causal():
 def test_gpu_hopper_softcap_fixed_max(softcap, dtype, d):
     """Softcap's fixed max at the edges of its range: rows whose every score lies far below
     -softcap (each p at the bottom of the range, 2^(64 - 2R)), rows far above +softcap (the
-    top, 2^64), ordinary rows and rows that see no key (causal, seqlen_q > seqlen_k); out
-    and LSE against float64 (out by the 2x rule), the gradients too (the backward reads the
-    LSE). softcap 80 and fp16 take the running max: the same checks."""
+    top, 2^64), ordinary rows and rows that see no key (causal, seqlen_q > seqlen_k). The
+    fixed max runs where no one reads the LSE (inference): out against float64 by the 2x
+    rule. With the LSE returned, and with gradients (the backward reads it), the running
+    max: out and LSE against float64, the gradients too. softcap 80 and fp16 take the
+    running max throughout: the same checks."""
     torch.manual_seed(5)
     b, h, hk, sq, sk = 1, 4, 2, 700, 600
     direction = torch.ones(d, device="cuda") / d**0.5
@@ -650,6 +657,13 @@ def test_gpu_hopper_softcap_fixed_max(softcap, dtype, d):
     ref, ref_lse = attention_ref(*(t.detach().double() for t in (q, k, v)), causal=True,
                                  softcap=softcap, compute_dtype=torch.float64,
                                  return_lse=True)  # fmt: skip
+    with torch.no_grad():  # (no LSE read: the fixed max where it applies)
+        inference = diyfa.flash_attention(q, k, v, causal=True, softcap=softcap,
+                                          backend="hopper")  # fmt: skip
+        pt = attention_ref(q, k, v, causal=True, softcap=softcap, compute_dtype=dtype)
+    err = (inference.double() - ref).abs().max().item()
+    pt_err = (pt.double() - ref).abs().max().item()
+    assert torch.isfinite(inference).all() and err <= 2 * pt_err, (err, pt_err)
     assert torch.isfinite(out).all()
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen) and not seen[:, :, :100].any()

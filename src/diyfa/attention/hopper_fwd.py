@@ -2294,6 +2294,17 @@ SOFTCAP_HEADROOM = gl.constexpr(64.0)
 SOFTCAP_FIXED_MAX_LIMIT = 92.0
 
 
+def lse_read_variants(variants: dict, lse_read: bool) -> dict:
+    """``variants`` for a call that returns or keeps its LSE (``lse_read``): softcap's fixed max
+    (SOFTCAP 2) becomes the running max (SOFTCAP True). The fixed max's row sums add P's
+    rounded bf16 values (ROUNDED_SUMS), which puts P's rounding into the LSE (up to 2^-9 of
+    l on a row that a few keys dominate), as the frozen max's do; only a call whose LSE no
+    one reads (:func:`forward_out_only`) takes it."""
+    if lse_read and variants.get("SOFTCAP") == 2:
+        return dict(variants, SOFTCAP=True)
+    return variants
+
+
 def softcap_fixed_max(p: Problem) -> bool:
     """Whether the forward runs softcap with the fixed max (SOFTCAP == 2): bf16, a padded
     head dim of 128 or more, softcap * log2(e) <= SOFTCAP_FIXED_MAX_LIMIT, no ALiBi, no
@@ -2403,6 +2414,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None,
             if replay.run(roles):
                 return out, lse2
     upper, qk_scale, causal, variants = variant_args(p)  # (plain attention: no flag)
+    variants = lse_read_variants(variants, lse_read)
     fp8 = None if p.descales is None else _fp8_operands(v, p)
     grid, args, num_warps = hopper_args(
         bhsd_view(q, p.layout), bhsd_view(k, p.layout), bhsd_view(v, p.layout),
