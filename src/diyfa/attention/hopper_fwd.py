@@ -1740,6 +1740,11 @@ def _desc(t4: torch.Tensor, rows: int, dim: int | None = None) -> GluonDescripto
 # causal 1.871 / 1.813; d256 1 x 8 x 16k 2.956 / 2.997, 4 x 4096 causal 0.4402 / 0.4521
 # (slower). Hence the keys (the longest sequence's, packed) from which it runs, per padded
 # head dim (none at 256): FROZEN_MIN_KEYS.
+# Only for calls whose LSE no one reads (forward_out_only: inference without return_lse):
+# the rounded sums put P's 16-bit rounding into l, so the LSE of a row that a few keys
+# past the first block dominate is up to 2^-9 of l off (the GPU fuzz: 1.7e-4 relative, its
+# bound 1e-4); a call that returns or keeps its LSE runs the running max (hopper_args'
+# lse_read, test_varlen_regression_sharp_rows_lse_under_the_frozen_max).
 # The environment variable DIYFA_FROZEN_MAX, read at import: "0" turns it off, "always" runs
 # it at any length and size of padded head dims 64 and 128 (tests and the GPU fuzz).
 FROZEN_MAX = os.environ.get("DIYFA_FROZEN_MAX", "1") != "0"
