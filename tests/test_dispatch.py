@@ -169,8 +169,6 @@ def test_portable_spreads_batch_heads_over_two_grid_axes():
             dispatch.select(problem)
 
 
-
-
 def test_forward_out_only_runs_where_no_one_reads_the_lse(monkeypatch):
     """A family's ``forward_out_only`` (the Hopper forward's frozen max, whose LSE carries
     P's 16-bit rounding) runs for inference calls that do not return the LSE, and only
