@@ -134,8 +134,7 @@ class FastLauncher:
         if getattr(_local, "compile_only", False):
             return compile_kernel(self.fn, grid, args, num_warps, num_stages)
         values = [args[name] for name in self.names]
-        key = (num_warps, num_stages, torch.cuda.current_device(), compile_knobs(),
-               *self.key(values))  # fmt: skip
+        key = self._launch_key(values, num_warps, num_stages)
         kernel = self._compiled.get(key)
         if kernel is None or not self.lean_ok():
             self.slow_launches += 1
@@ -145,13 +144,17 @@ class FastLauncher:
         run_compiled(kernel, grid, key[2], values)
         return kernel
 
+    def _launch_key(self, values: list, num_warps: int, num_stages: int) -> tuple:
+        """What a launch's compiled kernel is kept by: the launch settings, the current
+        device, the compile knobs and :meth:`key`."""
+        return (num_warps, num_stages, torch.cuda.current_device(), compile_knobs(),
+                *self.key(values))  # fmt: skip
+
     def compiled(self, args: dict, num_warps: int, num_stages: int) -> bool:
         """Whether a launch with these arguments (on the current device) would find its
         kernel compiled in this launcher."""
         values = [args[name] for name in self.names]
-        key = (num_warps, num_stages, torch.cuda.current_device(), compile_knobs(),
-               *self.key(values))  # fmt: skip
-        return key in self._compiled
+        return self._launch_key(values, num_warps, num_stages) in self._compiled
 
     def lean_ok(self) -> bool:
         """Whether a compiled kernel may be called directly: not while a pre-run hook or a

@@ -288,9 +288,12 @@ WIDE_DQ_ATOMIC = False
 NONCAUSAL_AS_CAUSAL = True
 
 
-def dq_rows_permuted(dq_atomic: bool, packed: bool) -> bool:
-    """Whether the kernel writes the atomic dQ workspace with its rows permuted (_finish)."""
-    return DQ_ROWS_PERMUTED and dq_atomic and (not packed or DQ_ROWS_PACKED)
+def dq_rows_permuted(dq_atomic: bool, packed: bool, head_dim_padded: int) -> bool:
+    """Whether the kernel writes the atomic dQ workspace with its rows permuted (_finish);
+    packed sequences (DQ_ROWS_PACKED: each sequence from a multiple of 8, dq_rows) at head
+    dims up to 128 only (this module's kernel, not hopper_bwd256's)."""
+    return (DQ_ROWS_PERMUTED and dq_atomic
+            and (not packed or (DQ_ROWS_PACKED and head_dim_padded <= 128)))
 
 
 def auto_mode(p: Problem) -> str | None:
@@ -1264,7 +1267,7 @@ def bwd_args(q4, k4, v4, do4, dk4, dv4, lse2, delta, dq_acc, causal_offset: int,
                 ALIBI=False, DQ_ROWS=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
                 dropout_keep=1.0)  # fmt: skip
     # (the atomic dQ's rows in the workspace permuted within groups of 8: _dq_piece, _finish)
-    args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None)
+    args["DQ_ROWS"] = dq_rows_permuted(dq_mode > 0, packed is not None, dpad)
     grid = place_work(args, variants, packed, BLOCK_N, block_m, sk, b, k4.shape[1], band,
                       lse2.device, row_bytes)  # fmt: skip
     return grid, args, 4
@@ -1447,8 +1450,7 @@ def hopper_backward(do, q, k, v, out, lse2, problem: Problem, config: tuple | No
     launch_config = config or default_config(p, variants)
     block_m = launch_config[0]
     stats = torch.empty_like(lse2) if delta_out is None else delta_out  # delta = rowsum(dO * O)
-    # (packed sequences' permuted rows: this kernel's only, each sequence from a multiple of 8)
-    permuted = dq_rows_permuted(atomic_dq, varlen) and not (varlen and dpad == 256)
+    permuted = dq_rows_permuted(atomic_dq, varlen, dpad)
     if atomic_dq:  # the fp32 dQ workspace the kernel's TMA reduce-adds go to
         rows = p.total_q
         if varlen and permuted:

@@ -1785,13 +1785,15 @@ def q_in_registers(head_dim_padded: int, cfg: Config, fp8) -> bool:
 
 
 def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
-               seqlen_k: int, rows: int) -> bool:
+               seqlen_k: int, rows: int, lse_read: bool) -> bool:
     """Whether a call runs with ORDER_FROZEN (:data:`FROZEN_MAX`): 16-bit, plain attention,
     from :data:`FROZEN_MIN_KEYS` keys and ``rows`` (query rows x heads: batch x heads x
-    seqlen_q, or heads x total_q packed) x keys of :data:`FROZEN_MIN_PAIRS`."""
+    seqlen_q, or heads x total_q packed) x keys of :data:`FROZEN_MIN_PAIRS`, and only where
+    no one reads the LSE (not ``lse_read``)."""
     least = dict(FROZEN_MIN_KEYS).get(head_dim_padded)
-    return bool(FROZEN_MAX and dtype in FROZEN_DTYPES and not variants and least is not None
-                and seqlen_k >= least and rows * seqlen_k >= FROZEN_MIN_PAIRS)
+    return bool(FROZEN_MAX and not lse_read and dtype in FROZEN_DTYPES and not variants
+                and least is not None and seqlen_k >= least
+                and rows * seqlen_k >= FROZEN_MIN_PAIRS)
 
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
@@ -1838,9 +1840,10 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
                        + ORDER_LAZY.value * bool(cfg.lazy)
                        + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
-                       + ORDER_FROZEN.value * (not lse_read) * frozen_max(
+                       + ORDER_FROZEN.value * frozen_max(
                            q4.dtype, variants, head_dim_pad(d), sk,
-                           h * (packed["args"].get("total_q", b * sq) if packed else b * sq))
+                           h * (packed["args"].get("total_q", b * sq) if packed else b * sq),
+                           lse_read)
                        + ORDER_Q_REGS.value * q_in_registers(head_dim_pad(d), cfg, fp8)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device), run_slot=-1,
                 counter_slot=0, DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
@@ -2024,19 +2027,16 @@ def _launch_call(grid, args: dict, num_warps: int) -> list:
     came out not finite (COUNTER[1]), then the running max's build over the same tiles, whose
     programs return at once unless that flag is set (``run_slot``), so a flagged call is
     redone whole."""
-    runs = [(grid, args)]
-    ahead = None
+    fn = _attn_fwd_hopper
+    redo = ahead = None
     if args["ORDER"] & ORDER_FROZEN.value:
         redo = dict(args, ORDER=args["ORDER"] - ORDER_FROZEN.value, run_slot=1, counter_slot=2)
-        runs.append((grid, redo))
         # (a first call compiles the second build on a worker meanwhile: one compile's wait)
-        ahead = prefetch.compile_ahead(_attn_fwd_hopper, grid, redo, num_warps)
-    launches = []
-    for g, a in runs:
-        if a is not args:
-            prefetch.wait(ahead)
-        launches.append((_attn_fwd_hopper, launch(_attn_fwd_hopper, g, a, {}, num_warps, 1), g,
-                         a))  # fmt: skip
+        ahead = prefetch.compile_ahead(fn, grid, redo, num_warps)
+    launches = [(fn, launch(fn, grid, args, {}, num_warps, 1), grid, args)]
+    if redo is not None:
+        prefetch.wait(ahead)
+        launches.append((fn, launch(fn, grid, redo, {}, num_warps, 1), grid, redo))
     return launches
 
 
@@ -2478,9 +2478,9 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None, lse_read: 
         # batch's lengths; so do a benchmark's repetitions) replays that call's launch
         # (_launcher.Replay): after the lengths' read only the replay is left to do.
         roles = dict(q=q, k=k, v=v, out=out, lse=lse2,
-                     counter=torch.zeros(_counter_ints(not lse_read and frozen_max(
+                     counter=torch.zeros(_counter_ints(frozen_max(
                          q.dtype, None, head_dim_pad(p.head_dim), p.seqlen_k,
-                         p.heads * p.total_q), True),
+                         p.heads * p.total_q, lse_read), True),
                                          dtype=torch.int32, device=q.device), cu_q=cu_q)
         if cu_k is not cu_q:
             roles["cu_k"] = cu_k
