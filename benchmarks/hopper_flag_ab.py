@@ -13,8 +13,13 @@ exact FLOPs for windows (the window's pairs), the published convention otherwise
 packed sequences per sequence; the backward 2.5x the forward).
 
 Cases (``--cases``, ``;``-separated): ``BxHxSxD[c]`` (the ``c``: causal), ``BxHxSxDwL`` (causal
-with a (L, 0) window), either followed by ``sC`` (softcap C), ``varlenD`` (the varlen suite's
-mix, 64k tokens: d128 16 / 4 heads, d64 32 / 32; ``varlenDc`` causal).
+with a (L, 0) window), ``BxHxSQ:SKxD[c]`` (seqlen_q SQ, seqlen_k SK), any of them followed by
+``sC`` (softcap C), ``a`` (ALiBi, the standard slopes of H heads) or ``k`` (attention sinks,
+random logits); ``varlenD`` (the varlen suite's mix, 64k tokens: d128 16 / 4 heads, d64 32 /
+32; ``varlenDc`` causal).
+
+A tuple-valued flag (e.g. ``FROZEN_MIN_KEYS``) takes Python literals separated by ``|`` in
+``--values``.
 
 Usage (device): python3 benchmarks/hopper_flag_ab.py --flag DEFER_O_STORE [--values 1,0]
     [--kind bwd] [--cases "1x16x8192x128w1023;varlen64"] [--rounds 3]
@@ -24,6 +29,7 @@ Usage (device): python3 benchmarks/hopper_flag_ab.py --flag DEFER_O_STORE [--val
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import json
 import os
@@ -74,6 +80,8 @@ def case(spec: str, kind: str = "fwd", dtype: torch.dtype = torch.bfloat16):
         return spec, (backward(fn, q, k, v) if kind == "bwd" else
                       functools.partial(fn, q, k, v)), flops  # fmt: skip
     label, window, extra = spec, None, {}
+    suffix = spec[len(spec.rstrip("ak")):]
+    alibi, sinks, spec = "a" in suffix, "k" in suffix, spec.rstrip("ak")
     if "s" in spec:
         spec, cap = spec.split("s")
         extra["softcap"] = float(cap)
@@ -83,17 +91,30 @@ def case(spec: str, kind: str = "fwd", dtype: torch.dtype = torch.bfloat16):
         window, causal = (int(left), 0), True
     else:
         spec_shape = spec.rstrip("c")
-    b, h, s, d = (int(x) for x in spec_shape.split("x"))
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=g)
-               for _ in range(3))  # fmt: skip
-    flops = attention_flops(b, h, s, s, d, causal=causal, window=window, mode=kind,
+    b, h, s, d = spec_shape.split("x")
+    b, h, d = int(b), int(h), int(d)
+    sq, sk = (int(x) for x in s.split(":")) if ":" in s else (int(s), int(s))
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=dtype, generator=g)
+            for _ in range(2))  # fmt: skip
+    flops = attention_flops(b, h, sq, sk, d, causal=causal, window=window, mode=kind,
                             convention="exact" if window else "published")  # fmt: skip
     if window is not None:
         extra["window_size"] = window
+    if alibi:  # (ALiBi's slopes for h heads: 2^(-8 i / h), i = 1..h)
+        extra["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * i / h) for i in range(1, h + 1)],
+                                             device="cuda")  # fmt: skip
+    if sinks:
+        extra["sinks"] = torch.randn(h, device="cuda", generator=g)
     fn = functools.partial(diyfa.flash_attention, causal=causal, layout="bshd",
                            backend="hopper", **extra)  # fmt: skip
     return label, (backward(fn, q, k, v) if kind == "bwd" else
                    functools.partial(fn, q, k, v)), flops  # fmt: skip
+
+
+def _show(value) -> str:
+    """A flag value in a column name."""
+    return str(value).replace(" ", "") if isinstance(value, tuple) else f"{value:g}"
 
 
 def main() -> int:
@@ -122,7 +143,10 @@ def main() -> int:
         setattr(module, name, type(getattr(module, name))(int(value)))
     before = getattr(module, a.flag)
     kind = type(before)
-    values = [kind(float(x) if kind is float else int(x)) for x in a.values.split(",")]
+    if kind is tuple:
+        values = [ast.literal_eval(x) for x in a.values.split("|")]
+    else:
+        values = [kind(float(x) if kind is float else int(x)) for x in a.values.split(",")]
 
     def use(value):
         setattr(module, a.flag, value)
@@ -149,16 +173,16 @@ def main() -> int:
                     use(value)
                     times[value].append(do_bench(fn, rep=a.rep, return_mode="median"))
             row = {"record": "measurement", "case": label, "max_diff": diff,
-                   **{f"{a.flag}={v:g}": round(flops / min(t) / 1e9, 1)
+                   **{f"{a.flag}={_show(v)}": round(flops / min(t) / 1e9, 1)
                       for v, t in times.items()},
-                   **{f"{a.flag}={v:g}_ms_median": round(statistics.median(t), 4)
+                   **{f"{a.flag}={_show(v)}_ms_median": round(statistics.median(t), 4)
                       for v, t in times.items()}}  # fmt: skip
             rows.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(json.dumps(row), flush=True)
     use(before)
-    names = [f"{a.flag}={v:g}" for v in values]
+    names = [f"{a.flag}={_show(v)}" for v in values]
     print(f"\n{a.kind} {a.flag} A/B, TFLOPS (best of {a.rounds}; {env['gpu']}, "
           f"triton {env['triton']})")
     print("case | " + " | ".join(names) + " | ratio to the first")

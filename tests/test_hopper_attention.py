@@ -304,8 +304,10 @@ def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
     """hopper_fwd.FROZEN_MAX: bf16 and fp16 plain attention (causal or not) at padded head
     dims 64 and 128 from FROZEN_MIN_KEYS keys (2048 at d64, 4096 at d128; none at d256) and
     FROZEN_MIN_PAIRS (query rows x heads) x keys runs the frozen build with a zeroed 3-int
-    COUNTER (its tile counter, the flag, the second launch's counter); shorter keys, fewer
-    pairs, the variants and fp8 keep the running max (one int, or the device's constant)."""
+    COUNTER (its tile counter, the flag, the second launch's counter); so do sinks and, in
+    bf16, ALiBi (FROZEN_VARIANTS); shorter keys, fewer pairs, the other variants (window,
+    softcap, dropout; fp16's ALiBi) and fp8 keep the running max (one int, or the device's
+    constant)."""
     from diyfa.attention import hopper_fwd as hf
 
     assert hf.FROZEN_MIN_PAIRS == 3 << 28
@@ -329,6 +331,17 @@ def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
         assert not frozen(256, 8192, causal) and not frozen(192, 8192, causal)
     assert frozen(128, 4096, dtype=torch.float16) and not frozen(128, 4095, dtype=torch.float16)
     assert not frozen(128, 4096, False, SOFTCAP=True, tanh_scale=0.1)
+    alibi = dict(ALIBI=3, SLOPES=lse, alibi_offset=0)
+    assert frozen(128, 4096, **alibi) and frozen(64, 2048, False, SINKS=True, SINK_LOGITS=lse)
+    assert frozen(128, 4096, SINKS=True, SINK_LOGITS=lse, **alibi)
+    assert frozen(128, 4096, dtype=torch.float16, SINKS=True, SINK_LOGITS=lse)
+    assert not frozen(128, 4096, dtype=torch.float16, **dict(alibi, ALIBI=2))
+    assert not frozen(128, 4096, WINDOW=True, left_offset=-100)
+    assert not frozen(128, 4096, DROPOUT=True, dropout_thresh=5, **alibi)
+    monkeypatch.setattr(hf, "FROZEN_VARIANTS", False)
+    assert not frozen(128, 4096, **alibi) and not frozen(128, 4096, SINKS=True, SINK_LOGITS=lse)
+    assert frozen(128, 4096)
+    monkeypatch.setattr(hf, "FROZEN_VARIANTS", True)
     monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 2400 * 5000)
     assert not frozen(128, 4999) and frozen(128, 5000)
     monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((128, 0),))

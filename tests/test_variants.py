@@ -482,6 +482,112 @@ def test_gpu_hopper_forward_variants_persistent(case, chain, monkeypatch):
     _run_bias_case(case, seed=11, backend="hopper")
 
 
+def _alibi_slopes(h: int) -> list[float]:
+    """ALiBi's standard slopes for h heads: 2^(-8 i / h), i = 1..h (the first the steepest)."""
+    return [2.0 ** (-8.0 * i / h) for i in range(1, h + 1)]
+
+
+def _spy_launches(monkeypatch) -> list:
+    """The kernel arguments of every Hopper forward launch from here on (the list returned),
+    with the frozen max's thresholds at zero and no launches kept from other tests."""
+    from diyfa._launcher import ReplayCache
+    from diyfa.attention import hopper_fwd as hf
+
+    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((64, 0), (128, 0)))
+    monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 0)
+    monkeypatch.setattr(hf, "_REPLAYS", ReplayCache())
+    calls, launch = [], hf._launch_call
+
+    def spy(grid, args, num_warps):
+        calls.append(args)
+        return launch(grid, args, num_warps)
+
+    monkeypatch.setattr(hf, "_launch_call", spy)
+    return calls
+
+
+FROZEN_VARIANT_CASES = [
+    # (b, h, hk, sq, sk, d, causal, alibi, sinks, layout)
+    (2, 8, 2, 700, 2000, 128, True, "heads", False, "bhsd"),
+    (1, 8, 8, 1500, 1100, 64, False, "batch", False, "bshd"),  # diagonals before the keys
+    (2, 4, 2, 900, 1300, 128, False, "heads", True, "bhsd"),
+    (1, 4, 4, 600, 3000, 64, True, None, True, "bshd"),
+    (1, 8, 1, 1000, 1000, 96, True, "heads", True, "bhsd"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FROZEN_VARIANT_CASES,
+                         ids=lambda c: "b{}h{}hk{}q{}k{}d{}-c{}-alibi_{}-sinks{}".format(
+                             *c[:6], int(c[6]), c[7], int(c[8])))  # fmt: skip
+def test_gpu_hopper_frozen_max_with_alibi_and_sinks(case, monkeypatch):
+    """hopper_fwd.FROZEN_VARIANTS: inference without the LSE runs bf16 ALiBi and sinks under
+    the frozen max, out against float64 by the 2x rule. ALiBi's standard slopes (the
+    steepest 2^-1 at 8 heads) on random data need no second run (the flag stays 0): the
+    first block's max is moved to the row's nearest key (without that move a causal row far
+    from its first block passes it by its smaller bias and is flagged). A call that returns
+    its LSE runs the running max."""
+    from diyfa.attention import hopper_fwd as hf
+
+    calls = _spy_launches(monkeypatch)
+    b, h, hk, sq, sk, d, causal, alibi, sinks, layout = case
+    dtype = torch.bfloat16
+    q, k, v = (t.detach() for t in _inputs(b, h, hk, sq, sk, d, dtype, layout=layout, seed=3))
+    slopes = None
+    if alibi is not None:
+        slopes = torch.tensor(_alibi_slopes(h), device=DEVICE)
+        if alibi == "batch":  # (each sequence its own order of the slopes)
+            slopes = torch.stack([slopes.roll(i) for i in range(b)])
+    sink = (torch.randn(h, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+            if sinks else None)  # fmt: skip
+    kw = dict(causal=causal, layout=layout, alibi_slopes=slopes, sinks=sink)
+    with torch.no_grad():
+        out = diyfa.flash_attention(q, k, v, backend="hopper", **kw)
+    assert len(calls) == 1 and calls[0]["ORDER"] & hf.ORDER_FROZEN.value
+    assert calls[0]["COUNTER"][1].item() == 0  # (no row flagged: no second run)
+    ref = attention_ref(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
+                        **dict(kw, sinks=None if sink is None else sink.double()))
+    pt = attention_ref(q, k, v, compute_dtype=dtype, **kw)
+    _check("out", out, pt, ref, 2, dtype)
+    calls.clear()
+    out_lse, _ = diyfa.flash_attention(q, k, v, backend="hopper", return_lse=True, **kw)
+    assert len(calls) == 1 and not calls[0]["ORDER"] & hf.ORDER_FROZEN.value
+    _check("out (running max)", out_lse, pt, ref, 2, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_hopper_frozen_alibi_redoes_rows_far_below_their_first_block(d, monkeypatch):
+    """ALiBi under the frozen max when the first block holds a key scoring ~300 nats above
+    every other: with a steep slope the rows far from it take their max from keys near
+    their diagonal, far below the first block's (moved) max, so their probabilities
+    underflow and their sums come out below 2^-100 (or 0); the tile flags them
+    (``_flag_rows``' LOW_SUMS) and the call's second launch redoes it with the running max.
+    Out against float64 by the 2x rule (without the flag those rows came out 0 / 0)."""
+    from diyfa.attention import hopper_fwd as hf
+
+    calls = _spy_launches(monkeypatch)
+    g = torch.Generator(device="cpu").manual_seed(d)
+    b, h, s, jump = 1, 2, 1000, 300.0
+    u = torch.randn(d, generator=g)
+    u /= u.norm()
+    alpha = (jump * d**0.5) ** 0.5  # (q . k_5 / sqrt(d) = jump)
+    q = 0.3 * torch.randn(b, h, s, d, generator=g) + alpha * u
+    k = 0.3 * torch.randn(b, h, s, d, generator=g)
+    k[:, :, 5] += alpha * u
+    v = torch.randn(b, h, s, d, generator=g)
+    q, k, v = (t.to(DEVICE, torch.bfloat16) for t in (q, k, v))
+    slopes = torch.tensor([0.5, 0.0625], device=DEVICE)
+    with torch.no_grad():
+        out = diyfa.flash_attention(q, k, v, causal=True, alibi_slopes=slopes, backend="hopper")
+    assert len(calls) == 1 and calls[0]["ORDER"] & hf.ORDER_FROZEN.value
+    assert calls[0]["COUNTER"][1].item() == 1  # (flagged: the second launch ran)
+    ref = attention_ref(q.double(), k.double(), v.double(), causal=True, alibi_slopes=slopes,
+                        compute_dtype=torch.float64)  # fmt: skip
+    pt = attention_ref(q, k, v, causal=True, alibi_slopes=slopes, compute_dtype=torch.bfloat16)
+    _check("out", out, pt, ref, 2, torch.bfloat16)
+
+
 def test_softcap_fixed_max_rule():
     """Which softcap calls the Hopper forward runs with a fixed max (``SOFTCAP == 2``): bf16
     with softcap * log2(e) <= SOFTCAP_FIXED_MAX_LIMIT (the probabilities' range, 2^(64 - 2R)
@@ -593,6 +699,40 @@ def test_hopper_kernel_compiles_alibi_by_the_tensor_cores():
         assert alibi["wgmma"] == plain["wgmma"] + 2 * (3 if alibi["three"] else 2), alibi
         assert alibi["shared"] <= 227 * 1024, alibi
         assert alibi["spilled"] <= (192 if alibi["three"] else 0), alibi
+
+
+_COMPILE_FROZEN_VARIANTS = """
+import json, torch
+from diyfa._compile import spill_bytes
+from diyfa.attention import hopper_fwd as hf
+hf.FROZEN_MIN_PAIRS = 0  # (compile_for_hopper's 2 x 16 x 4096 rows: too few pairs)
+out = []
+for d, causal, variants in ((64, True, ("ALIBI",)), (128, True, ("ALIBI",)),
+                            (128, False, ("ALIBI", "SINKS")), (128, True, ("SINKS",))):
+    for hf.FROZEN_MAX in (True, False):
+        k = hf.compile_for_hopper(d, torch.bfloat16, causal, variants=variants)
+        out.append({"d": d, "causal": causal, "variants": variants, "frozen": hf.FROZEN_MAX,
+                    "spilled": spill_bytes(k), "shared": k.metadata.shared,
+                    "max": k.asm["ptx"].count("max.f32")})
+print(json.dumps(out))
+"""
+
+
+def test_hopper_kernel_compiles_frozen_variants():
+    """ALiBi and sinks under the frozen max (FROZEN_VARIANTS): the builds compile for sm90a,
+    fit the shared memory, and have a row max only in each tile's first block (fewer max.f32
+    than the running max's build). ptxas spills up to 332 bytes (2026-11-26: d128 ALiBi
+    164 causal, 264 with sinks and no band: the rounded row sums' registers beside ALiBi's;
+    16 STL and 16 LDL a block in one consumer's K/V loop of d128 causal), and they measured
+    5-9% faster all the same (hopper_fwd.FROZEN_VARIANTS). A bound, so that more shows up
+    here. In a fresh process (see test_hopper_attention)."""
+    rows = _fresh_rows(_COMPILE_FROZEN_VARIANTS)
+    for frozen, running in zip(rows[0::2], rows[1::2], strict=True):
+        where = f"d{frozen['d']} causal={frozen['causal']} {frozen['variants']}"
+        assert frozen["frozen"] and not running["frozen"], where
+        assert frozen["shared"] <= 227 * 1024, where
+        assert frozen["max"] < running["max"], (where, frozen["max"], running["max"])
+        assert frozen["spilled"] <= 336, (where, frozen["spilled"])
 
 
 _COMPILE_ALIBI_BWD = """

@@ -744,14 +744,33 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
     if SOFTCAP == 2 or FIXED:
-        p, terms = _rounded_p(gl.exp2(s * qk_scale - m_i[:, None]), ROUND)
+        if ALIBI == 3:  # (ALiBi under the frozen max: the row term as below)
+            x = s * qk_scale - (m_i - row_term)[:, None]
+        elif ALIBI:
+            x = s - (m_i - row_term)[:, None]
+        else:
+            x = s * qk_scale - m_i[:, None]
+        p, terms = _rounded_p(gl.exp2(x), ROUND)
         return p, m_i, l_i + _row_sums(terms), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + row_term - P_SHIFT)
+        m_block = gl.max(s, 1) * qk_scale + row_term - P_SHIFT
     elif ALIBI:  # already base 2 and scaled, but for the row term
-        m_new = gl.maximum(m_i, gl.max(s, 1) + row_term - P_SHIFT)
+        m_block = gl.max(s, 1) + row_term - P_SHIFT
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale - P_SHIFT)
+        m_block = gl.max(s, 1) * qk_scale - P_SHIFT
+    if ALIBI and P_SHIFT < 0:
+        # ORDER_FROZEN's first block with ALiBi: the block's max as if its nearest key to the
+        # row's diagonal c = i + alibi_offset were the nearest key the row sees (up by slope2
+        # times the distances' difference), so later blocks nearer the diagonal do not pass
+        # it by their smaller bias (a causal row's first block lies farthest from it). Rows
+        # whose scores there fall far below it are flagged (_flag_rows' LOW_SUMS). (Not the
+        # sink's logit, m_i here: it has no distance.)
+        c = offs_m + alibi_offset
+        last = gl.minimum(start_n + s.shape[1], seqlen_k) - 1
+        d_block = gl.maximum(gl.maximum(c - last, start_n - c), 0)
+        d_row = gl.maximum(gl.maximum(c - (seqlen_k - 1), -c), 0)
+        m_block = m_block + slope2 * (d_block - d_row).to(gl.float32)
+    m_new = gl.maximum(m_i, m_block)
     if LAZY > 0:  # (m_i = -inf: any visible key moves it)
         m_new = gl.where(m_new > m_i + LAZY, m_new, m_i)
     # A row with no visible key so far keeps m = -inf: subtract 0 instead (no NaN).
@@ -1064,17 +1083,26 @@ def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_
 
 
 @gluon.jit
-def _flag_rows(acc, l_i, offs_m, seqlen_q_t, FLAG, orow_layout: gl.constexpr):
+def _flag_rows(acc, l_i, offs_m, seqlen_q_t, causal_offset_t, FLAG, orow_layout: gl.constexpr,
+               CAUSAL: gl.constexpr, LOW_SUMS: gl.constexpr):
     """ORDER_FROZEN: sets FLAG where a row of the tile (below ``seqlen_q_t``) has a row sum or
     an output that is not finite (a later block's scores passed the first block's max by
     more than the headroom allows, or P V overflowed), so the call runs again without the
     frozen max (its second launch). (An output row whose sum overflows a finite fp32 flags
-    too: a needless second run, still right.)"""
+    too: a needless second run, still right.) LOW_SUMS (ALiBi, whose frozen max may lie far
+    above a row's scores): also a row that sees a key (causal: row + ``causal_offset_t`` >=
+    0) and whose sum came out below 2^-100, its largest p near or past the end of bf16's
+    normal range (with bf16's 64 of headroom a row's largest p is near 2^-64)."""
     l = gl.convert_layout(gl.sum(l_i, 1), orow_layout)
     o = gl.sum(acc, 1)
-    nonfinite = (o * 0.0 + l * 0.0) != 0.0  # inf * 0 and NaN are NaN
+    bad = (o * 0.0 + l * 0.0) != 0.0  # inf * 0 and NaN are NaN
     rows = gl.convert_layout(offs_m, orow_layout)
-    gl.store(FLAG + rows * 0, 1, mask=nonfinite & (rows < seqlen_q_t))
+    if LOW_SUMS:
+        low = l < 7.888609052210118e-31  # 2^-100
+        if CAUSAL:
+            low = low & (rows + causal_offset_t >= 0)
+        bad = bad | low
+    gl.store(FLAG + rows * 0, 1, mask=bad & (rows < seqlen_q_t))
 
 
 @gluon.jit
@@ -1459,7 +1487,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if DEFER:  # (a tile without blocks)
             pend = _release_q(q_empty, pend)
         if FROZEN:  # (the call's second launch redoes the call if any row is flagged)
-            _flag_rows(acc, l_i, offs_m, seqlen_q_t, FLAG, orow_layout)
+            _flag_rows(acc, l_i, offs_m, seqlen_q_t, causal_offset_t, FLAG, orow_layout, CAUSAL,
+                       ALIBI != 0)  # fmt: skip
         _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
                   offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
                   v_descale, dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8,
@@ -1762,6 +1791,18 @@ FROZEN_DTYPES = (torch.bfloat16, torch.float16)
 FROZEN_MIN_PAIRS = 3 << 28
 if os.environ.get("DIYFA_FROZEN_MAX") == "always":
     FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS = ((64, 0), (128, 0)), 0
+# The frozen max with attention sinks (the head's logit starts each row's max, as with the
+# running max) and, in bf16, ALiBi (the first block's max moved to the row's nearest key by
+# the slope: _softmax_step; rows whose sums come out below 2^-100 are redone, _flag_rows).
+# Not fp16's ALiBi: with its 8 of headroom a row's scores may lie below P's normal range.
+# H200, bf16, one process, 3 rounds (benchmarks/hopper_flag_ab.py --flag FROZEN_VARIANTS,
+# benchmarks/results/2026-11-26_h200_fwd-frozen-variants-ab*_700732d-wip.*), median ms running
+# / frozen, ALiBi's standard slopes: d128 1 x 16 x 8192 causal 0.4986 / 0.4605, not causal
+# 0.912 / 0.8355, 4 x 16 x 4096 causal 0.5247 / 0.4998; d64 1 x 32 x 8192 causal 0.6595 /
+# 0.6102; sinks d128 causal 0.4625 / 0.4444 and 0.462 / 0.4458, d64 0.3242 / 0.3166; ALiBi and
+# sinks 2 x 16 x 8192 1.751 / 1.637, causal 0.4644 / 0.4669 (level). (The ALiBi builds spill
+# more with the rounded sums, up to 332 bytes: test_hopper_kernel_compiles_frozen_variants.)
+FROZEN_VARIANTS = True
 # Row sums of P's rounded bf16 operand wherever the max is fixed (ORDER_ROUNDED_SUMS: the
 # frozen max, softcap's fixed max).
 ROUNDED_SUMS = True
@@ -1784,14 +1825,26 @@ def q_in_registers(head_dim_padded: int, cfg: Config, fp8) -> bool:
     return Q_IN_REGS and head_dim_padded == 64 and cfg.consumers == 2 and fp8 is None
 
 
+def frozen_variants(variants: dict | None, dtype: torch.dtype) -> bool:
+    """Whether the frozen max takes a call's ``variants`` (:data:`FROZEN_VARIANTS`): none,
+    sinks, and in bf16 ALiBi; not windows, softcap (its own fixed max) or dropout."""
+    flags = {name for name in ("WINDOW", "SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
+             if (variants or {}).get(name)}  # fmt: skip
+    if not flags:
+        return True
+    allowed = {"SINKS"} | ({"ALIBI"} if dtype == torch.bfloat16 else set())
+    return FROZEN_VARIANTS and flags <= allowed
+
+
 def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
                seqlen_k: int, rows: int, lse_read: bool) -> bool:
-    """Whether a call runs with ORDER_FROZEN (:data:`FROZEN_MAX`): 16-bit, plain attention,
-    from :data:`FROZEN_MIN_KEYS` keys and ``rows`` (query rows x heads: batch x heads x
-    seqlen_q, or heads x total_q packed) x keys of :data:`FROZEN_MIN_PAIRS`, and only where
-    no one reads the LSE (not ``lse_read``)."""
+    """Whether a call runs with ORDER_FROZEN (:data:`FROZEN_MAX`): 16-bit, plain attention or
+    the variants :func:`frozen_variants` takes, from :data:`FROZEN_MIN_KEYS` keys and
+    ``rows`` (query rows x heads: batch x heads x seqlen_q, or heads x total_q packed) x keys
+    of :data:`FROZEN_MIN_PAIRS`, and only where no one reads the LSE (not ``lse_read``)."""
     least = dict(FROZEN_MIN_KEYS).get(head_dim_padded)
-    return bool(FROZEN_MAX and not lse_read and dtype in FROZEN_DTYPES and not variants
+    return bool(FROZEN_MAX and not lse_read and dtype in FROZEN_DTYPES
+                and frozen_variants(variants, dtype)
                 and least is not None and seqlen_k >= least
                 and rows * seqlen_k >= FROZEN_MIN_PAIRS)
 
@@ -2406,7 +2459,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None,
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
     key = (replay_key("hopper-fwd", q, p, FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS,
-                      FROZEN_DTYPES, ROUNDED_SUMS, lse_read)
+                      FROZEN_DTYPES, FROZEN_VARIANTS, ROUNDED_SUMS, lse_read)
            if config is None else None)
     roles = None
     if key is not None:
