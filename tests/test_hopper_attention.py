@@ -305,9 +305,9 @@ def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
     dims 64 and 128 from FROZEN_MIN_KEYS keys (2048 at d64, 4096 at d128; none at d256) and
     FROZEN_MIN_PAIRS (query rows x heads) x keys runs the frozen build with a zeroed 3-int
     COUNTER (its tile counter, the flag, the second launch's counter); so do sinks and, in
-    bf16, ALiBi (FROZEN_VARIANTS); shorter keys, fewer pairs, the other variants (window,
-    softcap, dropout; fp16's ALiBi) and fp8 keep the running max (one int, or the device's
-    constant)."""
+    bf16, ALiBi and windows (FROZEN_VARIANTS); shorter keys, fewer pairs, the other variants
+    (softcap, dropout; fp16's ALiBi and windows) and fp8 keep the running max (one int, or the
+    device's constant)."""
     from diyfa.attention import hopper_fwd as hf
 
     assert hf.FROZEN_MIN_PAIRS == 3 << 28
@@ -336,7 +336,13 @@ def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
     assert frozen(128, 4096, SINKS=True, SINK_LOGITS=lse, **alibi)
     assert frozen(128, 4096, dtype=torch.float16, SINKS=True, SINK_LOGITS=lse)
     assert not frozen(128, 4096, dtype=torch.float16, **dict(alibi, ALIBI=2))
-    assert not frozen(128, 4096, WINDOW=True, left_offset=-100)
+    window = dict(WINDOW=True, left_offset=-4095)  # (a (4095, 0) window: 4096 keys a row)
+    assert frozen(128, 4096, **window) and frozen(64, 8192, SINKS=True, SINK_LOGITS=lse, **window)
+    assert not frozen(128, 4096, dtype=torch.float16, **window)
+    # (the keys a row sees: a (4094, 0) window's 4095, a left window without the band, all)
+    assert not frozen(128, 8192, **dict(window, left_offset=-4094))
+    assert frozen(64, 2048, **dict(window, left_offset=-2047))
+    assert frozen(128, 4096, False, **dict(window, left_offset=-100))
     assert not frozen(128, 4096, DROPOUT=True, dropout_thresh=5, **alibi)
     monkeypatch.setattr(hf, "FROZEN_VARIANTS", False)
     assert not frozen(128, 4096, **alibi) and not frozen(128, 4096, SINKS=True, SINK_LOGITS=lse)

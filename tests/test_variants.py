@@ -507,30 +507,35 @@ def _spy_launches(monkeypatch) -> list:
 
 
 FROZEN_VARIANT_CASES = [
-    # (b, h, hk, sq, sk, d, causal, alibi, sinks, layout)
-    (2, 8, 2, 700, 2000, 128, True, "heads", False, "bhsd"),
-    (1, 8, 8, 1500, 1100, 64, False, "batch", False, "bshd"),  # diagonals before the keys
-    (2, 4, 2, 900, 1300, 128, False, "heads", True, "bhsd"),
-    (1, 4, 4, 600, 3000, 64, True, None, True, "bshd"),
-    (1, 8, 1, 1000, 1000, 96, True, "heads", True, "bhsd"),
+    # (b, h, hk, sq, sk, d, causal, window_size, alibi, sinks, layout)
+    (2, 8, 2, 700, 2000, 128, True, (-1, -1), "heads", False, "bhsd"),
+    (1, 8, 8, 1500, 1100, 64, False, (-1, -1), "batch", False, "bshd"),  # diagonals before keys
+    (2, 4, 2, 900, 1300, 128, False, (-1, -1), "heads", True, "bhsd"),
+    (1, 4, 4, 600, 3000, 64, True, (-1, -1), None, True, "bshd"),
+    (1, 8, 1, 1000, 1000, 96, True, (-1, -1), "heads", True, "bhsd"),
+    (2, 4, 2, 1000, 1200, 128, True, (300, 0), None, False, "bhsd"),
+    (1, 4, 4, 700, 900, 64, False, (100, 40), None, True, "bshd"),  # (gpt-oss: sinks, window)
+    (1, 4, 2, 500, 1500, 128, False, (200, -1), "heads", False, "bhsd"),
+    (1, 4, 4, 1300, 600, 128, True, (130, 0), None, True, "bhsd"),  # rows that see no key
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FROZEN_VARIANT_CASES,
-                         ids=lambda c: "b{}h{}hk{}q{}k{}d{}-c{}-alibi_{}-sinks{}".format(
-                             *c[:6], int(c[6]), c[7], int(c[8])))  # fmt: skip
+                         ids=lambda c: "b{}h{}hk{}q{}k{}d{}-c{}-w{}_{}-alibi_{}-sinks{}".format(
+                             *c[:6], int(c[6]), *c[7], c[8], int(c[9])))  # fmt: skip
 def test_gpu_hopper_frozen_max_with_alibi_and_sinks(case, monkeypatch):
-    """hopper_fwd.FROZEN_VARIANTS: inference without the LSE runs bf16 ALiBi and sinks under
-    the frozen max, out against float64 by the 2x rule. ALiBi's standard slopes (the
-    steepest 2^-1 at 8 heads) on random data need no second run (the flag stays 0): the
+    """hopper_fwd.FROZEN_VARIANTS: inference without the LSE runs bf16 ALiBi, windows and
+    sinks under the frozen max, out against float64 by the 2x rule. ALiBi's standard slopes
+    (the steepest 2^-1 at 8 heads) on random data need no second run (the flag stays 0): the
     first block's max is moved to the row's nearest key (without that move a causal row far
-    from its first block passes it by its smaller bias and is flagged). A call that returns
-    its LSE runs the running max."""
+    from its first block passes it by its smaller bias and is flagged); so do windows whose
+    rows' first visible key lies past their tile's first block (its max then comes from the
+    keys left of their window). A call that returns its LSE runs the running max."""
     from diyfa.attention import hopper_fwd as hf
 
     calls = _spy_launches(monkeypatch)
-    b, h, hk, sq, sk, d, causal, alibi, sinks, layout = case
+    b, h, hk, sq, sk, d, causal, window, alibi, sinks, layout = case
     dtype = torch.bfloat16
     q, k, v = (t.detach() for t in _inputs(b, h, hk, sq, sk, d, dtype, layout=layout, seed=3))
     slopes = None
@@ -542,17 +547,57 @@ def test_gpu_hopper_frozen_max_with_alibi_and_sinks(case, monkeypatch):
             if sinks else None)  # fmt: skip
     kw = dict(causal=causal, layout=layout, alibi_slopes=slopes, sinks=sink)
     with torch.no_grad():
-        out = diyfa.flash_attention(q, k, v, backend="hopper", **kw)
+        out = diyfa.flash_attention(q, k, v, backend="hopper", window_size=window, **kw)
     assert len(calls) == 1 and calls[0]["ORDER"] & hf.ORDER_FROZEN.value
     assert calls[0]["COUNTER"][1].item() == 0  # (no row flagged: no second run)
+    kw["window"] = _ref_window(window, causal)
     ref = attention_ref(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
                         **dict(kw, sinks=None if sink is None else sink.double()))
     pt = attention_ref(q, k, v, compute_dtype=dtype, **kw)
     _check("out", out, pt, ref, 2, dtype)
     calls.clear()
-    out_lse, _ = diyfa.flash_attention(q, k, v, backend="hopper", return_lse=True, **kw)
+    out_lse, _ = diyfa.flash_attention(q, k, v, backend="hopper", return_lse=True,
+                                       window_size=window,
+                                       **{n: w for n, w in kw.items() if n != "window"})
     assert len(calls) == 1 and not calls[0]["ORDER"] & hf.ORDER_FROZEN.value
     _check("out (running max)", out_lse, pt, ref, 2, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_hopper_frozen_window_redoes_rows_far_below_their_first_block(d, monkeypatch):
+    """A (200, 0) window under the frozen max when key 5 scores ~300 nats above every other:
+    the tiles whose first block holds key 5 take their rows' max from it, and their rows past
+    row 205, whose window has left key 5 behind, see only keys far below that max: their
+    sums come out below 2^-100 (or 0), the tile flags them (LOW_SUMS) and the second launch
+    redoes the call. Out against float64 by the 2x rule."""
+    from diyfa.attention import hopper_fwd as hf
+
+    calls = _spy_launches(monkeypatch)
+    q, k, v = _one_key_far_ahead(d)
+    with torch.no_grad():
+        out = diyfa.flash_attention(q, k, v, causal=True, window_size=(200, 0), backend="hopper")
+    assert len(calls) == 1 and calls[0]["ORDER"] & hf.ORDER_FROZEN.value
+    assert calls[0]["COUNTER"][1].item() == 1  # (flagged: the second launch ran)
+    ref = attention_ref(q.double(), k.double(), v.double(), causal=True, window=(200, 0),
+                        compute_dtype=torch.float64)  # fmt: skip
+    pt = attention_ref(q, k, v, causal=True, window=(200, 0), compute_dtype=torch.bfloat16)
+    _check("out", out, pt, ref, 2, torch.bfloat16)
+
+
+def _one_key_far_ahead(d: int, jump: float = 300.0) -> tuple:
+    """bf16 (1, 2, 1000, d) q, k, v on the GPU whose key 5 scores about ``jump`` nats above
+    every other key for every query (q and k_5 share a direction; the rest is noise)."""
+    g = torch.Generator(device="cpu").manual_seed(d)
+    b, h, s = 1, 2, 1000
+    u = torch.randn(d, generator=g)
+    u /= u.norm()
+    alpha = (jump * d**0.5) ** 0.5  # (q . k_5 / sqrt(d) = jump)
+    q = 0.3 * torch.randn(b, h, s, d, generator=g) + alpha * u
+    k = 0.3 * torch.randn(b, h, s, d, generator=g)
+    k[:, :, 5] += alpha * u
+    v = torch.randn(b, h, s, d, generator=g)
+    return tuple(t.to(DEVICE, torch.bfloat16) for t in (q, k, v))
 
 
 @pytest.mark.gpu
@@ -567,16 +612,7 @@ def test_gpu_hopper_frozen_alibi_redoes_rows_far_below_their_first_block(d, monk
     from diyfa.attention import hopper_fwd as hf
 
     calls = _spy_launches(monkeypatch)
-    g = torch.Generator(device="cpu").manual_seed(d)
-    b, h, s, jump = 1, 2, 1000, 300.0
-    u = torch.randn(d, generator=g)
-    u /= u.norm()
-    alpha = (jump * d**0.5) ** 0.5  # (q . k_5 / sqrt(d) = jump)
-    q = 0.3 * torch.randn(b, h, s, d, generator=g) + alpha * u
-    k = 0.3 * torch.randn(b, h, s, d, generator=g)
-    k[:, :, 5] += alpha * u
-    v = torch.randn(b, h, s, d, generator=g)
-    q, k, v = (t.to(DEVICE, torch.bfloat16) for t in (q, k, v))
+    q, k, v = _one_key_far_ahead(d)
     slopes = torch.tensor([0.5, 0.0625], device=DEVICE)
     with torch.no_grad():
         out = diyfa.flash_attention(q, k, v, causal=True, alibi_slopes=slopes, backend="hopper")
@@ -708,7 +744,8 @@ from diyfa.attention import hopper_fwd as hf
 hf.FROZEN_MIN_PAIRS = 0  # (compile_for_hopper's 2 x 16 x 4096 rows: too few pairs)
 out = []
 for d, causal, variants in ((64, True, ("ALIBI",)), (128, True, ("ALIBI",)),
-                            (128, False, ("ALIBI", "SINKS")), (128, True, ("SINKS",))):
+                            (128, False, ("ALIBI", "SINKS")), (128, True, ("SINKS",)),
+                            (128, True, ("WINDOW", "SINKS")), (128, True, ("WINDOW", "ALIBI"))):
     for hf.FROZEN_MAX in (True, False):
         k = hf.compile_for_hopper(d, torch.bfloat16, causal, variants=variants)
         out.append({"d": d, "causal": causal, "variants": variants, "frozen": hf.FROZEN_MAX,
@@ -719,13 +756,14 @@ print(json.dumps(out))
 
 
 def test_hopper_kernel_compiles_frozen_variants():
-    """ALiBi and sinks under the frozen max (FROZEN_VARIANTS): the builds compile for sm90a,
-    fit the shared memory, and have a row max only in each tile's first block (fewer max.f32
-    than the running max's build). ptxas spills up to 332 bytes (2026-11-26: d128 ALiBi
-    164 causal, 264 with sinks and no band: the rounded row sums' registers beside ALiBi's;
-    16 STL and 16 LDL a block in one consumer's K/V loop of d128 causal), and they measured
-    5-9% faster all the same (hopper_fwd.FROZEN_VARIANTS). A bound, so that more shows up
-    here. In a fresh process (see test_hopper_attention)."""
+    """ALiBi, windows and sinks under the frozen max (FROZEN_VARIANTS): the builds compile
+    for sm90a, fit the shared memory, and have a row max only in each tile's first block
+    (fewer max.f32 than the running max's build). ptxas spills up to 332 bytes (2026-11-26:
+    d128 ALiBi 164 causal, 264 with sinks and no band, 224 with a window: the rounded row
+    sums' registers beside ALiBi's; 14-16 STL and LDL a block in one consumer's K/V loop of
+    d128 causal; windows and sinks 24-52, none in the loop), and they measured faster all
+    the same (hopper_fwd.FROZEN_VARIANTS). A bound, so that more shows up here. In a fresh
+    process (see test_hopper_attention)."""
     rows = _fresh_rows(_COMPILE_FROZEN_VARIANTS)
     for frozen, running in zip(rows[0::2], rows[1::2], strict=True):
         where = f"d{frozen['d']} causal={frozen['causal']} {frozen['variants']}"

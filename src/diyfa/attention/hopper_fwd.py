@@ -731,6 +731,12 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
             dist = offs_m[:, None] + (alibi_offset - start_n) - cols[None, :]
             s = s * qk_scale - slope2 * gl.abs(dist).to(gl.float32)
             row_term = offs_m.to(gl.float32) * 0.0
+    # ORDER_FROZEN's first block with a window: its max from every key of the block the band
+    # shows the row, the window's left edge aside, so a row whose window starts past this
+    # block still takes a max of its own scores (their lead over its visible ones, if any,
+    # shows in its sums: _flag_rows' LOW_SUMS)
+    WIDE_MAX: gl.constexpr = WINDOW and P_SHIFT < 0
+    s_max = s
     if need_mask:
         # Column c of the block is key start_n + c: visible iff c <= the row's last key
         # (and, with a left window, c >= the row's first key).
@@ -740,9 +746,13 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
             keep = cols[None, :] <= last_row[:, None]
         else:
             keep = cols[None, :] <= last
+        if WIDE_MAX:
+            s_max = gl.where(keep, s, float("-inf"))
         if WINDOW:
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
+        if not WIDE_MAX:
+            s_max = s
     if SOFTCAP == 2 or FIXED:
         if ALIBI == 3:  # (ALiBi under the frozen max: the row term as below)
             x = s * qk_scale - (m_i - row_term)[:, None]
@@ -753,11 +763,11 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         p, terms = _rounded_p(gl.exp2(x), ROUND)
         return p, m_i, l_i + _row_sums(terms), gl.full_like(m_i, 1.0)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
-        m_block = gl.max(s, 1) * qk_scale + row_term - P_SHIFT
+        m_block = gl.max(s_max, 1) * qk_scale + row_term - P_SHIFT
     elif ALIBI:  # already base 2 and scaled, but for the row term
-        m_block = gl.max(s, 1) + row_term - P_SHIFT
+        m_block = gl.max(s_max, 1) + row_term - P_SHIFT
     else:
-        m_block = gl.max(s, 1) * qk_scale - P_SHIFT
+        m_block = gl.max(s_max, 1) * qk_scale - P_SHIFT
     if ALIBI and P_SHIFT < 0:
         # ORDER_FROZEN's first block with ALiBi: the block's max as if its nearest key to the
         # row's diagonal c = i + alibi_offset were the nearest key the row sees (up by slope2
@@ -1083,25 +1093,30 @@ def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_
 
 
 @gluon.jit
-def _flag_rows(acc, l_i, offs_m, seqlen_q_t, causal_offset_t, FLAG, orow_layout: gl.constexpr,
-               CAUSAL: gl.constexpr, LOW_SUMS: gl.constexpr):
+def _flag_rows(acc, l_i, offs_m, seqlen_q_t, seqlen_k_t, causal_offset_t, left_offset, FLAG,
+               orow_layout: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+               LOW_SUMS: gl.constexpr):
     """ORDER_FROZEN: sets FLAG where a row of the tile (below ``seqlen_q_t``) has a row sum or
     an output that is not finite (a later block's scores passed the first block's max by
     more than the headroom allows, or P V overflowed), so the call runs again without the
     frozen max (its second launch). (An output row whose sum overflows a finite fp32 flags
-    too: a needless second run, still right.) LOW_SUMS (ALiBi, whose frozen max may lie far
-    above a row's scores): also a row that sees a key (causal: row + ``causal_offset_t`` >=
-    0) and whose sum came out below 2^-100, its largest p near or past the end of bf16's
-    normal range (with bf16's 64 of headroom a row's largest p is near 2^-64)."""
+    too: a needless second run, still right.) LOW_SUMS (ALiBi or a window, whose frozen max
+    may lie far above a row's scores): also a row that sees a key (one of keys 0 ..
+    seqlen_k_t - 1 within its band) and whose sum came out below 2^-100, its largest p near
+    or past the end of bf16's normal range (with bf16's 64 of headroom a row's largest p is
+    near 2^-64)."""
     l = gl.convert_layout(gl.sum(l_i, 1), orow_layout)
     o = gl.sum(acc, 1)
     bad = (o * 0.0 + l * 0.0) != 0.0  # inf * 0 and NaN are NaN
     rows = gl.convert_layout(offs_m, orow_layout)
     if LOW_SUMS:
-        low = l < 7.888609052210118e-31  # 2^-100
+        first = rows * 0
+        if WINDOW:
+            first = gl.maximum(rows + left_offset, 0)
+        last = rows * 0 + seqlen_k_t - 1
         if CAUSAL:
-            low = low & (rows + causal_offset_t >= 0)
-        bad = bad | low
+            last = gl.minimum(rows + causal_offset_t, last)
+        bad = bad | ((l < 7.888609052210118e-31) & (first <= last))  # (2^-100)
     gl.store(FLAG + rows * 0, 1, mask=bad & (rows < seqlen_q_t))
 
 
@@ -1487,8 +1502,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if DEFER:  # (a tile without blocks)
             pend = _release_q(q_empty, pend)
         if FROZEN:  # (the call's second launch redoes the call if any row is flagged)
-            _flag_rows(acc, l_i, offs_m, seqlen_q_t, causal_offset_t, FLAG, orow_layout, CAUSAL,
-                       ALIBI != 0)  # fmt: skip
+            _flag_rows(acc, l_i, offs_m, seqlen_q_t, seqlen_k_t, causal_offset_t, left_offset,
+                       FLAG, orow_layout, CAUSAL, WINDOW, (ALIBI != 0) | WINDOW)  # fmt: skip
         _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
                   offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
                   v_descale, dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8,
@@ -1793,8 +1808,10 @@ if os.environ.get("DIYFA_FROZEN_MAX") == "always":
     FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS = ((64, 0), (128, 0)), 0
 # The frozen max with attention sinks (the head's logit starts each row's max, as with the
 # running max) and, in bf16, ALiBi (the first block's max moved to the row's nearest key by
-# the slope: _softmax_step; rows whose sums come out below 2^-100 are redone, _flag_rows).
-# Not fp16's ALiBi: with its 8 of headroom a row's scores may lie below P's normal range.
+# the slope: _softmax_step) and windows (the first block's max over every key the band shows
+# a row, left of its window too); rows whose sums come out below 2^-100 are redone
+# (_flag_rows). Not fp16's: with its 8 of headroom a row's scores may lie below P's normal
+# range.
 # H200, bf16, one process, 3 rounds (benchmarks/hopper_flag_ab.py --flag FROZEN_VARIANTS,
 # benchmarks/results/2026-11-26_h200_fwd-frozen-variants-ab*_700732d-wip.*), median ms running
 # / frozen, ALiBi's standard slopes: d128 1 x 16 x 8192 causal 0.4986 / 0.4605, not causal
@@ -1827,12 +1844,12 @@ def q_in_registers(head_dim_padded: int, cfg: Config, fp8) -> bool:
 
 def frozen_variants(variants: dict | None, dtype: torch.dtype) -> bool:
     """Whether the frozen max takes a call's ``variants`` (:data:`FROZEN_VARIANTS`): none,
-    sinks, and in bf16 ALiBi; not windows, softcap (its own fixed max) or dropout."""
+    sinks, and in bf16 ALiBi and windows; not softcap (its own fixed max) or dropout."""
     flags = {name for name in ("WINDOW", "SOFTCAP", "ALIBI", "SINKS", "DROPOUT")
              if (variants or {}).get(name)}  # fmt: skip
     if not flags:
         return True
-    allowed = {"SINKS"} | ({"ALIBI"} if dtype == torch.bfloat16 else set())
+    allowed = {"SINKS"} | ({"ALIBI", "WINDOW"} if dtype == torch.bfloat16 else set())
     return FROZEN_VARIANTS and flags <= allowed
 
 
@@ -1841,12 +1858,24 @@ def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
     """Whether a call runs with ORDER_FROZEN (:data:`FROZEN_MAX`): 16-bit, plain attention or
     the variants :func:`frozen_variants` takes, from :data:`FROZEN_MIN_KEYS` keys and
     ``rows`` (query rows x heads: batch x heads x seqlen_q, or heads x total_q packed) x keys
-    of :data:`FROZEN_MIN_PAIRS`, and only where no one reads the LSE (not ``lse_read``)."""
+    of :data:`FROZEN_MIN_PAIRS`, and only where no one reads the LSE (not ``lse_read``).
+    ``seqlen_k``: the keys a row sees (a two-sided window's span: :func:`band_keys`)."""
     least = dict(FROZEN_MIN_KEYS).get(head_dim_padded)
     return bool(FROZEN_MAX and not lse_read and dtype in FROZEN_DTYPES
                 and frozen_variants(variants, dtype)
                 and least is not None and seqlen_k >= least
                 and rows * seqlen_k >= FROZEN_MIN_PAIRS)
+
+
+def band_keys(seqlen_k: int, causal_offset: int, causal: bool, variants: dict | None) -> int:
+    """The most keys a query row sees: a window bounded on both sides (a left window with the
+    causal band or a right window) spans at most left + right + 1 keys, else every key. (The
+    frozen max's thresholds count these: its gain grows with the blocks a tile visits.
+    FROZEN_VARIANTS' A/B: a (4095, 0) window at 4096 keys 0.4883 / 0.4726 ms, (1023, 0) at
+    8192 0.1374 / 0.1398, (127, 0) 0.1066 / 0.1211: the frozen max pays from d128's 4096.)"""
+    if variants and variants.get("WINDOW") and causal:
+        return max(min(seqlen_k, causal_offset - variants["left_offset"] + 1), 0)
+    return seqlen_k
 
 
 def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causal: bool,
@@ -1894,7 +1923,8 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_LAZY.value * bool(cfg.lazy)
                        + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
                        + ORDER_FROZEN.value * frozen_max(
-                           q4.dtype, variants, head_dim_pad(d), sk,
+                           q4.dtype, variants, head_dim_pad(d),
+                           band_keys(sk, causal_offset, causal, variants),
                            h * (packed["args"].get("total_q", b * sq) if packed else b * sq),
                            lse_read)
                        + ORDER_Q_REGS.value * q_in_registers(head_dim_pad(d), cfg, fp8)),
