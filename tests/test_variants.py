@@ -742,6 +742,7 @@ import json, torch
 from diyfa._compile import spill_bytes
 from diyfa.attention import hopper_fwd as hf
 hf.FROZEN_MIN_PAIRS = 0  # (compile_for_hopper's 2 x 16 x 4096 rows: too few pairs)
+hf.FROZEN_MIN_KEYS = ((64, 0), (128, 0))  # (its windows span 1001 keys)
 out = []
 for d, causal, variants in ((64, True, ("ALIBI",)), (128, True, ("ALIBI",)),
                             (128, False, ("ALIBI", "SINKS")), (128, True, ("SINKS",)),
