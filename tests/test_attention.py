@@ -73,7 +73,8 @@ def half_ulp(ref: torch.Tensor, dtype: torch.dtype):
     return torch.ldexp(torch.ones_like(ref), exp - 2 - MANTISSA_BITS[dtype])
 
 
-def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap, layout):
+def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap, layout,
+                   alibi_slopes=None, sinks=None):
     """Elementwise allowances (out, dq, dk, dv), shaped like out, q, k, v, computed in float64
     from the inputs, for roundings that the max-error rule cannot see on tiny problems:
 
@@ -91,6 +92,9 @@ def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap
       ``dtype`` before dS @ K. (CANCEL_ULPS + u) x scale x (P (|dO| |V|^T + |dO| . |O|))
       @ |K| (@ |Q| for dk, summed over the group): fp32 rounds dP and delta to a few ulps of
       the products they sum, not of their (cancelling) values.
+
+    ``alibi_slopes`` and ``sinks`` as ``attention_ref`` takes them: ALiBi's bias joins the
+    scores (and its size the exponent's rounding), a sink the softmax's denominator.
     """
     q, k, v, do = (t.detach().double() for t in (q, k, v, do))
     if layout == "bshd":
@@ -103,17 +107,28 @@ def rounding_slack(q, k, v, do, dtype, *, causal, softmax_scale, window, softcap
     s = q @ kr.transpose(-1, -2) * scale  # P as attention_ref forms it
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
+    bias = torch.zeros((), dtype=s.dtype, device=s.device)
+    if alibi_slopes is not None:
+        dist = (torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+                - torch.arange(sk, device=q.device)[None, :]).abs().double()
+        slopes = alibi_slopes.double()
+        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        bias = slopes * dist
+        s = s - bias
     keep = attention_mask(sq, sk, causal=causal, window=window, device=q.device)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.double()[None, :, None, None])
     p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0))
     u = UNIT_ROUNDOFF[dtype]
     # P's relative error is that of its score's exponent: the fp32 dot q . k is off by a few
     # ulps of the products it sums (|q| . |k|), and the kernel's exponent s log2(e) - m is
     # rounded at the size of s, not of s - m. Both grow with the scores (scale 1 and a large
     # head dim: |s| ~ 20, and 2x PyTorch's error is then a coin toss on a handful of rows).
-    sizes = scale * (q.abs() @ kr.abs().transpose(-1, -2))
+    # (ALiBi: the bias is part of the exponent's size.)
+    sizes = scale * (q.abs() @ kr.abs().transpose(-1, -2)) + bias
     rel = CANCEL_ULPS * (1 + 2 * sizes)  # per P element
     o = p @ vr
     # The sizes of the products summed in dP = dO V^T and delta = rowsum(dO * O): a dot of

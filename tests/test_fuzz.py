@@ -440,6 +440,11 @@ class AttnCase:
     seed: int
     backend: str = "auto"  # "hopper": the Hopper family by name (its forward and backward)
     dropout: float = 0.0  # dropout_p; the reference takes reference.dropout_mask's mask
+    # inference: under torch.no_grad, the LSE not returned (the Hopper forward's frozen max
+    # where it applies: hopper_fwd.FROZEN_MAX, DIYFA_FROZEN_MAX=always at any size); out only
+    infer: bool = False
+    alibi: bool = False  # ALiBi slopes (heads,) in (0.01, 1], drawn from the seed
+    sinks: bool = False  # sink logits (heads,), N(0, 1) from the seed (no gradient checked)
 
 
 def _attention_tensors(c: AttnCase):
@@ -505,7 +510,10 @@ def attention_cases(draw):
                     seed=draw(st.integers(0, 2**16)),
                     backend=draw(st.sampled_from(["auto", "hopper"]) if _hopper_class_ok(kc)
                                  else st.just("auto")),
-                    dropout=draw(st.sampled_from([0.0, 0.0, 0.0, 0.2, 0.5])))  # fmt: skip
+                    dropout=draw(st.sampled_from([0.0, 0.0, 0.0, 0.2, 0.5])),
+                    infer=draw(st.sampled_from([False, False, True])),
+                    alibi=draw(st.sampled_from([False, False, False, True])),
+                    sinks=draw(st.sampled_from([False, False, False, True])))  # fmt: skip
 
 
 def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = None) -> None:
@@ -514,6 +522,7 @@ def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = No
     unless given; "hopper" where the Hopper family cannot run the case (strides TMA cannot
     address, a scale of 0, no sm90 GPU) runs "auto" instead."""
     backend = backend or c.backend
+    grads = grads and not c.infer
     leaves, views = _attention_tensors(c)
     leaves = {n: t.to(c.dtype) for n, t in leaves.items()}  # the values every side sees
     g = torch.Generator().manual_seed(c.seed + 1)
@@ -523,9 +532,15 @@ def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = No
         return ls, [views[n][1](ls[views[n][0]]) for n in "qkv"]
 
     ours_l, (q, k, v) = inputs(c.dtype)
+    gv = torch.Generator().manual_seed(c.seed + 3)
+    variants = {}
+    if c.alibi:
+        variants["alibi_slopes"] = (torch.rand(c.h, generator=gv) * 0.99 + 0.01).to(DEVICE)
+    if c.sinks:
+        variants["sinks"] = torch.randn(c.h, generator=gv).to(DEVICE, c.dtype)
     problem = checks.check_inputs(q, k, v, causal=c.causal, softmax_scale=c.scale,
                                   layout=c.layout, align="bottom_right", window_size=c.window,
-                                  softcap=c.softcap)  # fmt: skip
+                                  softcap=c.softcap, **variants)  # fmt: skip
     if backend == "hopper":
         from diyfa.attention import hopper_bwd, hopper_fwd
 
@@ -539,18 +554,19 @@ def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = No
     drop = {}
     if c.dropout:
         drop = dict(dropout_p=c.dropout, generator=torch.Generator().manual_seed(c.seed + 2))
-    with _pinned_blocks(c.blocks):
-        out, lse = diyfa.flash_attention(q, k, v, causal=c.causal, softmax_scale=c.scale,
-                                         layout=c.layout, return_lse=True, backend=backend,
-                                         window_size=c.window, softcap=c.softcap,
-                                         **drop)  # fmt: skip
+    with _pinned_blocks(c.blocks), torch.set_grad_enabled(not c.infer):
+        got = diyfa.flash_attention(q, k, v, causal=c.causal, softmax_scale=c.scale,
+                                    layout=c.layout, return_lse=not c.infer, backend=backend,
+                                    window_size=c.window, softcap=c.softcap, **drop,
+                                    **variants)  # fmt: skip
+        out, lse = (got, None) if c.infer else got
         assert out.shape == q.shape and out.dtype == c.dtype and out.device == q.device
         do = torch.randn(out.shape, generator=g).to(DEVICE, c.dtype)
         if grads:
             out.backward(do)
     window = None if c.window == (-1, -1) else c.window
     kw = dict(causal=c.causal, softmax_scale=c.scale, window=window, softcap=c.softcap,
-              layout=c.layout)  # fmt: skip
+              layout=c.layout, **variants)  # fmt: skip
     ref_l, ref_in = inputs(torch.float64)
     pt_l, pt_in = inputs(c.dtype)
     ref_kw = dict(kw)
@@ -561,12 +577,14 @@ def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = No
                                          for j in range(c.h)]) for i in range(c.b)])
         ref_kw.update(dropout_p=c.dropout, dropout_mask=mask.to(DEVICE))
     ref, ref_lse = attention_ref(*ref_in, compute_dtype=torch.float64, return_lse=True,
-                                 **ref_kw)  # fmt: skip
+                                 **dict(ref_kw, sinks=_double(variants.get("sinks"))))
     pt = attention_ref(*pt_in, compute_dtype=c.dtype, **ref_kw)
     # (dropout: the kept probabilities are scaled by 1 / (1 - p), and so are their roundings)
     slack = dict(zip(("out", "q", "k", "v"), (x / (1.0 - c.dropout) for x in rounding_slack(
         *ref_in, do, c.dtype, **kw)), strict=True))  # fmt: skip
     _check("out", out, pt, ref, 2, c.dtype, slack["out"])
+    if c.infer:
+        return
     _check_lse(lse, ref_lse)
     if not grads:
         return
@@ -579,6 +597,10 @@ def run_attention_case(c: AttnCase, grads: bool = True, backend: str | None = No
             continue
         _check("d" + name, fn(ours_l[leaf].grad), fn(pt_l[leaf].grad), fn(ref_l[leaf].grad), 3,
                c.dtype, _through(fn, ref_l[leaf], slack[name]))  # fmt: skip
+
+
+def _double(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()
 
 
 @settings(max_examples=EXAMPLES["attention"])
