@@ -2,9 +2,12 @@
 float64 references, by the rules of the hand-written tests.
 
 - flash_attention: batch, heads, GQA ratio, seqlen_q / seqlen_k (0 and 1 included), head
-  dim 1..256, causal, window_size, softcap, softmax_scale, layout, strides (slices of packed
-  tensors, transposed views, expanded k/v, a strided head dim), dtype, block sizes; forward,
-  LSE and every gradient by test_attention's 2x / 3x rule.
+  dim 1..256, causal, window_size, softcap, ALiBi slopes, sinks, dropout, softmax_scale,
+  layout, strides (slices of packed tensors, transposed views, expanded k/v, a strided head
+  dim), dtype, block sizes; forward, LSE and every gradient by test_attention's 2x / 3x
+  rule, or (a third of the examples) an inference call, out only (no gradient, no LSE: the
+  Hopper forward's frozen max where it applies; DIYFA_FROZEN_MAX=always runs it at any
+  size).
 - flash_attention_varlen: random sequence lengths (zero-length ones too), forward, LSE and
   gradients per sequence.
 - flash_attention_with_kvcache: contiguous and paged caches (random page sizes, shuffled
