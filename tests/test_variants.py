@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -517,6 +518,8 @@ FROZEN_VARIANT_CASES = [
     (1, 4, 4, 700, 900, 64, False, (100, 40), None, True, "bshd"),  # (gpt-oss: sinks, window)
     (1, 4, 2, 500, 1500, 128, False, (200, -1), "heads", False, "bhsd"),
     (1, 4, 4, 1300, 600, 128, True, (130, 0), None, True, "bhsd"),  # rows that see no key
+    (1, 4, 4, 1300, 600, 128, True, (130, 0), None, False, "bhsd"),  # ... and no sink
+    (1, 4, 2, 900, 500, 64, True, (-1, -1), "heads", False, "bshd"),  # ALiBi, the same
 ]
 
 
@@ -567,10 +570,11 @@ def test_gpu_hopper_frozen_max_with_alibi_and_sinks(case, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_hopper_frozen_window_redoes_rows_far_below_their_first_block(d, monkeypatch):
     """A (200, 0) window under the frozen max when key 5 scores ~300 nats above every other:
-    the tiles whose first block holds key 5 take their rows' max from it, and their rows past
-    row 205, whose window has left key 5 behind, see only keys far below that max: their
-    sums come out below 2^-100 (or 0), the tile flags them (LOW_SUMS) and the second launch
-    redoes the call. Out against float64 by the 2x rule."""
+    the tile of rows 256..383 starts at block 0 (row 256's window starts at key 56), and its
+    rows from 328 on see none of that block, so they take their max from the block's keys
+    left of their window (WIDE_MAX), key 5's among them: their own keys lie far below it,
+    their sums come out below seqlen_k x 2^-114 (or 0), the tile flags them (LOW_SUMS) and
+    the second launch redoes the call. Out against float64 by the 2x rule."""
     from diyfa.attention import hopper_fwd as hf
 
     calls = _spy_launches(monkeypatch)
@@ -585,19 +589,47 @@ def test_gpu_hopper_frozen_window_redoes_rows_far_below_their_first_block(d, mon
     _check("out", out, pt, ref, 2, torch.bfloat16)
 
 
-def _one_key_far_ahead(d: int, jump: float = 300.0) -> tuple:
+def _one_key_far_ahead(d: int, jump: float = 300.0, every_key: bool = False) -> tuple:
     """bf16 (1, 2, 1000, d) q, k, v on the GPU whose key 5 scores about ``jump`` nats above
-    every other key for every query (q and k_5 share a direction; the rest is noise)."""
+    every other key for every query (q and k_5 share a direction; the rest is noise);
+    ``every_key``: every key scores about ``jump`` nats (negative: below 0)."""
     g = torch.Generator(device="cpu").manual_seed(d)
     b, h, s = 1, 2, 1000
     u = torch.randn(d, generator=g)
     u /= u.norm()
-    alpha = (jump * d**0.5) ** 0.5  # (q . k_5 / sqrt(d) = jump)
+    alpha = (abs(jump) * d**0.5) ** 0.5  # (q . k_5 / sqrt(d) = jump)
     q = 0.3 * torch.randn(b, h, s, d, generator=g) + alpha * u
     k = 0.3 * torch.randn(b, h, s, d, generator=g)
-    k[:, :, 5] += alpha * u
+    if every_key:
+        k += math.copysign(alpha, jump) * u
+    else:
+        k[:, :, 5] += alpha * u
     v = torch.randn(b, h, s, d, generator=g)
     return tuple(t.to(DEVICE, torch.bfloat16) for t in (q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_hopper_frozen_window_rows_past_their_first_block_take_their_own_max(d,
+                                                                                monkeypatch):
+    """Every score about -150 nats (-216 base 2) with a (300, 0) window under the frozen
+    max: a tile's rows whose window starts past its first block see none of that block, and
+    take their max from its keys left of their window (``_softmax_step``'s WIDE_MAX), so
+    their probabilities stay near 2^-64 and no row is flagged (flag 0). With a max of 0 for
+    them, their probabilities (2^-216) flush to 0 and the call is redone. Out against
+    float64 by the 2x rule."""
+    from diyfa.attention import hopper_fwd as hf
+
+    calls = _spy_launches(monkeypatch)
+    q, k, v = _one_key_far_ahead(d, jump=-150.0, every_key=True)
+    with torch.no_grad():
+        out = diyfa.flash_attention(q, k, v, causal=True, window_size=(300, 0), backend="hopper")
+    assert len(calls) == 1 and calls[0]["ORDER"] & hf.ORDER_FROZEN.value
+    assert calls[0]["COUNTER"][1].item() == 0  # (no row flagged: no second run)
+    ref = attention_ref(q.double(), k.double(), v.double(), causal=True, window=(300, 0),
+                        compute_dtype=torch.float64)  # fmt: skip
+    pt = attention_ref(q, k, v, causal=True, window=(300, 0), compute_dtype=torch.bfloat16)
+    _check("out", out, pt, ref, 2, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -606,7 +638,7 @@ def test_gpu_hopper_frozen_alibi_redoes_rows_far_below_their_first_block(d, monk
     """ALiBi under the frozen max when the first block holds a key scoring ~300 nats above
     every other: with a steep slope the rows far from it take their max from keys near
     their diagonal, far below the first block's (moved) max, so their probabilities
-    underflow and their sums come out below 2^-100 (or 0); the tile flags them
+    underflow and their sums come out below seqlen_k x 2^-114 (or 0); the tile flags them
     (``_flag_rows``' LOW_SUMS) and the call's second launch redoes it with the running max.
     Out against float64 by the 2x rule (without the flag those rows came out 0 / 0)."""
     from diyfa.attention import hopper_fwd as hf
@@ -759,19 +791,19 @@ print(json.dumps(out))
 def test_hopper_kernel_compiles_frozen_variants():
     """ALiBi, windows and sinks under the frozen max (FROZEN_VARIANTS): the builds compile
     for sm90a, fit the shared memory, and have a row max only in each tile's first block
-    (fewer max.f32 than the running max's build). ptxas spills up to 332 bytes (2026-11-26:
-    d128 ALiBi 164 causal, 264 with sinks and no band, 224 with a window: the rounded row
-    sums' registers beside ALiBi's; 14-16 STL and LDL a block in one consumer's K/V loop of
-    d128 causal; windows and sinks 24-52, none in the loop), and they measured faster all
-    the same (hopper_fwd.FROZEN_VARIANTS). A bound, so that more shows up here. In a fresh
-    process (see test_hopper_attention)."""
+    (fewer max.f32 than the running max's build; windows take two there, WIDE_MAX). ptxas
+    spills up to 352 bytes (2026-11-26: d128 ALiBi 172 causal, 280 without the band, 352
+    with sinks too, 252 with a window: the rounded row sums' registers beside ALiBi's; 14-16
+    STL and LDL a block in one consumer's K/V loop of d128 causal; windows and sinks 24-60,
+    none in the loop), and they measured faster all the same (hopper_fwd.FROZEN_VARIANTS).
+    A bound, so that more shows up here. In a fresh process (see test_hopper_attention)."""
     rows = _fresh_rows(_COMPILE_FROZEN_VARIANTS)
     for frozen, running in zip(rows[0::2], rows[1::2], strict=True):
         where = f"d{frozen['d']} causal={frozen['causal']} {frozen['variants']}"
         assert frozen["frozen"] and not running["frozen"], where
         assert frozen["shared"] <= 227 * 1024, where
         assert frozen["max"] < running["max"], (where, frozen["max"], running["max"])
-        assert frozen["spilled"] <= 336, (where, frozen["spilled"])
+        assert frozen["spilled"] <= 360, (where, frozen["spilled"])
 
 
 _COMPILE_ALIBI_BWD = """

@@ -731,10 +731,10 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
             dist = offs_m[:, None] + (alibi_offset - start_n) - cols[None, :]
             s = s * qk_scale - slope2 * gl.abs(dist).to(gl.float32)
             row_term = offs_m.to(gl.float32) * 0.0
-    # ORDER_FROZEN's first block with a window: its max from every key of the block the band
-    # shows the row, the window's left edge aside, so a row whose window starts past this
-    # block still takes a max of its own scores (their lead over its visible ones, if any,
-    # shows in its sums: _flag_rows' LOW_SUMS)
+    # ORDER_FROZEN's first block with a window: a row that sees none of the block takes its
+    # max from every key of the block the band shows it, the window's left edge aside, so
+    # it still has a max of its own scores (their lead over its visible ones, if any, shows
+    # in its sums: _flag_rows' LOW_SUMS); a row that sees some of the block, from those
     WIDE_MAX: gl.constexpr = WINDOW and P_SHIFT < 0
     s_max = s
     if need_mask:
@@ -751,8 +751,6 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
         if WINDOW:
             keep = keep & (cols[None, :] >= (offs_m + (left_offset - start_n))[:, None])
         s = gl.where(keep, s, float("-inf"))
-        if not WIDE_MAX:
-            s_max = s
     if SOFTCAP == 2 or FIXED:
         if ALIBI == 3:  # (ALiBi under the frozen max: the row term as below)
             x = s * qk_scale - (m_i - row_term)[:, None]
@@ -762,12 +760,15 @@ def _softmax_step(s, m_i, l_i, start_n, offs_m, row0, seqlen_k, causal_offset, l
             x = s * qk_scale - m_i[:, None]
         p, terms = _rounded_p(gl.exp2(x), ROUND)
         return p, m_i, l_i + _row_sums(terms), gl.full_like(m_i, 1.0)
+    s_top = gl.max(s, 1)
+    if WIDE_MAX:
+        s_top = gl.where(s_top == float("-inf"), gl.max(s_max, 1), s_top)
     if ALIBI == 3:  # unscaled, but for the row term (base 2, scaled)
-        m_block = gl.max(s_max, 1) * qk_scale + row_term - P_SHIFT
+        m_block = s_top * qk_scale + row_term - P_SHIFT
     elif ALIBI:  # already base 2 and scaled, but for the row term
-        m_block = gl.max(s_max, 1) + row_term - P_SHIFT
+        m_block = s_top + row_term - P_SHIFT
     else:
-        m_block = gl.max(s_max, 1) * qk_scale - P_SHIFT
+        m_block = s_top * qk_scale - P_SHIFT
     if ALIBI and P_SHIFT < 0:
         # ORDER_FROZEN's first block with ALiBi: the block's max as if its nearest key to the
         # row's diagonal c = i + alibi_offset were the nearest key the row sees (up by slope2
@@ -1102,9 +1103,10 @@ def _flag_rows(acc, l_i, offs_m, seqlen_q_t, seqlen_k_t, causal_offset_t, left_o
     frozen max (its second launch). (An output row whose sum overflows a finite fp32 flags
     too: a needless second run, still right.) LOW_SUMS (ALiBi or a window, whose frozen max
     may lie far above a row's scores): also a row that sees a key (one of keys 0 ..
-    seqlen_k_t - 1 within its band) and whose sum came out below 2^-100, its largest p near
-    or past the end of bf16's normal range (with bf16's 64 of headroom a row's largest p is
-    near 2^-64)."""
+    seqlen_k_t - 1 within its band) and whose sum came out below seqlen_k_t x 2^-114: the
+    exponentials flush p below 2^-126 to 0 (ex2.approx.ftz), at most seqlen_k_t x 2^-126 of
+    the row's mass, so a row above the bound has lost at most 2^-12 of its sum (bf16's own
+    rounding is 2^-9; with bf16's 64 of headroom a row's largest p is near 2^-64)."""
     l = gl.convert_layout(gl.sum(l_i, 1), orow_layout)
     o = gl.sum(acc, 1)
     bad = (o * 0.0 + l * 0.0) != 0.0  # inf * 0 and NaN are NaN
@@ -1116,7 +1118,8 @@ def _flag_rows(acc, l_i, offs_m, seqlen_q_t, seqlen_k_t, causal_offset_t, left_o
         last = rows * 0 + seqlen_k_t - 1
         if CAUSAL:
             last = gl.minimum(rows + causal_offset_t, last)
-        bad = bad | ((l < 7.888609052210118e-31) & (first <= last))  # (2^-100)
+        low = l < (seqlen_k_t * 1.0) * 4.81482486096809e-35  # (2^-114)
+        bad = bad | (low & (first <= last))
     gl.store(FLAG + rows * 0, 1, mask=bad & (rows < seqlen_q_t))
 
 
@@ -1809,9 +1812,9 @@ if os.environ.get("DIYFA_FROZEN_MAX") == "always":
 # The frozen max with attention sinks (the head's logit starts each row's max, as with the
 # running max) and, in bf16, ALiBi (the first block's max moved to the row's nearest key by
 # the slope: _softmax_step) and windows (the first block's max over every key the band shows
-# a row, left of its window too); rows whose sums come out below 2^-100 are redone
-# (_flag_rows). Not fp16's: with its 8 of headroom a row's scores may lie below P's normal
-# range.
+# a row that sees none of it, left of its window too); rows whose sums come out below
+# seqlen_k x 2^-114 are redone (_flag_rows). Not fp16's: with its 8 of headroom a row's
+# scores may lie below P's normal range.
 # H200, bf16, one process, 3 rounds (benchmarks/hopper_flag_ab.py --flag FROZEN_VARIANTS,
 # benchmarks/results/2026-11-26_h200_fwd-frozen-variants-ab*_700732d-wip.*), median ms running
 # / frozen, ALiBi's standard slopes: d128 1 x 16 x 8192 causal 0.4986 / 0.4605, not causal
