@@ -508,7 +508,7 @@ def _spy_launches(monkeypatch) -> list:
 
 
 FROZEN_VARIANT_CASES = [
-    # (b, h, hk, sq, sk, d, causal, window_size, alibi, sinks, layout)
+    # (b, h, hk, sq, sk, d, causal, window_size, alibi, sinks, layout[, dtype: bf16])
     (2, 8, 2, 700, 2000, 128, True, (-1, -1), "heads", False, "bhsd"),
     (1, 8, 8, 1500, 1100, 64, False, (-1, -1), "batch", False, "bshd"),  # diagonals before keys
     (2, 4, 2, 900, 1300, 128, False, (-1, -1), "heads", True, "bhsd"),
@@ -520,26 +520,29 @@ FROZEN_VARIANT_CASES = [
     (1, 4, 4, 1300, 600, 128, True, (130, 0), None, True, "bhsd"),  # rows that see no key
     (1, 4, 4, 1300, 600, 128, True, (130, 0), None, False, "bhsd"),  # ... and no sink
     (1, 4, 2, 900, 500, 64, True, (-1, -1), "heads", False, "bshd"),  # ALiBi, the same
+    (2, 4, 2, 700, 2100, 128, True, (-1, -1), None, True, "bshd", torch.float16),
+    (1, 4, 4, 1000, 1000, 64, False, (-1, -1), None, True, "bhsd", torch.float16),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FROZEN_VARIANT_CASES,
-                         ids=lambda c: "b{}h{}hk{}q{}k{}d{}-c{}-w{}_{}-alibi_{}-sinks{}".format(
-                             *c[:6], int(c[6]), *c[7], c[8], int(c[9])))  # fmt: skip
+                         ids=lambda c: "b{}h{}hk{}q{}k{}d{}-c{}-w{}_{}-alibi_{}-sinks{}{}".format(
+                             *c[:6], int(c[6]), *c[7], c[8], int(c[9]),
+                             "-fp16" if len(c) > 11 else ""))  # fmt: skip
 def test_gpu_hopper_frozen_max_with_alibi_and_sinks(case, monkeypatch):
     """hopper_fwd.FROZEN_VARIANTS: inference without the LSE runs bf16 ALiBi, windows and
-    sinks under the frozen max, out against float64 by the 2x rule. ALiBi's standard slopes
-    (the steepest 2^-1 at 8 heads) on random data need no second run (the flag stays 0): the
-    first block's max is moved to the row's nearest key (without that move a causal row far
-    from its first block passes it by its smaller bias and is flagged); so do windows whose
-    rows' first visible key lies past their tile's first block (its max then comes from the
-    keys left of their window). A call that returns its LSE runs the running max."""
+    sinks (fp16 sinks too) under the frozen max, out against float64 by the 2x rule.
+    ALiBi's standard slopes (the steepest 2^-1 at 8 heads) on random data need no second
+    run (the flag stays 0): the first block's max is moved to the row's nearest key (without
+    that move a causal row far from its first block passes it by its smaller bias and is
+    flagged); so do windows whose rows' first visible key lies past their tile's first
+    block. A call that returns its LSE runs the running max."""
     from diyfa.attention import hopper_fwd as hf
 
     calls = _spy_launches(monkeypatch)
-    b, h, hk, sq, sk, d, causal, window, alibi, sinks, layout = case
-    dtype = torch.bfloat16
+    b, h, hk, sq, sk, d, causal, window, alibi, sinks, layout = case[:11]
+    dtype = case[11] if len(case) > 11 else torch.bfloat16  # (fp16: sinks only)
     q, k, v = (t.detach() for t in _inputs(b, h, hk, sq, sk, d, dtype, layout=layout, seed=3))
     slopes = None
     if alibi is not None:
