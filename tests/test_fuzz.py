@@ -381,7 +381,10 @@ POOL_SEED = int(os.environ.get("DIYFA_FUZZ_POOL_SEED", str(random.SystemRandom()
 # In attention's and varlen's pools the first class is one the Hopper family takes (random
 # classes seldom are: 15 of 1,251 examples ran a Hopper kernel, fuzz-summary_ba90c48), and
 # attention's cases of such a class run with backend="hopper" half of the time.
-POOLS = {test: [(_hopper_class if i == 0 and test != "kvcache" else _random_class)(
+# DIYFA_FUZZ_HOPPER_CLASSES: that many of the pool's first classes (e.g. all of them, to
+# fuzz the Hopper forward's frozen max with DIYFA_FROZEN_MAX=always).
+HOPPER_CLASSES = int(os.environ.get("DIYFA_FUZZ_HOPPER_CLASSES", "1"))
+POOLS = {test: [(_hopper_class if i < HOPPER_CLASSES and test != "kvcache" else _random_class)(
                     test, random.Random(f"{POOL_SEED}-{test}-{i}"))
                 for i in range(CLASSES)]
          for test in ("attention", "varlen", "kvcache")}  # fmt: skip
