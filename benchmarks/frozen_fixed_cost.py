@@ -33,13 +33,6 @@ def call(b, h, sq, sk, d, causal, dtype=torch.bfloat16):
                              backend="hopper")  # fmt: skip
 
 
-def launches(name: str, prof) -> int:
-    """How many times one call launches the kernel ``name`` (its events / 50 calls)."""
-    n = sum(1 for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.name == name)
-    return max(n // 50, 1)
-
-
 def main() -> int:
     from triton.testing import do_bench
 
@@ -58,13 +51,15 @@ def main() -> int:
                 for _ in range(50):
                     fn()
                 torch.cuda.synchronize()
-            times, counts = collections.defaultdict(float), collections.Counter()
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    # (a call's launches of one kernel told apart by their order in the call)
-                    name = f"{e.name[:30]}#{counts[e.name[:30]] % launches(e.name, prof)}"
-                    times[name] += e.device_time_total / 50
-                    counts[e.name[:30]] += 1
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            per_call = {n: max(c // 50, 1)
+                        for n, c in collections.Counter(e.name for e in events).items()}
+            times, seen = collections.defaultdict(float), collections.Counter()
+            for e in events:
+                # (a call's launches of one kernel told apart by their order in the call)
+                times[f"{e.name[:30]}#{seen[e.name] % per_call[e.name]}"] += (
+                    e.device_time_total / 50)
+                seen[e.name] += 1
             kernels = "; ".join(f"{n}: {t:.1f} us" for n, t in times.items())
             print(shape, "frozen" if frozen else "running", f"do_bench {ms * 1000:.1f} us;",
                   kernels, flush=True)

@@ -464,22 +464,32 @@ def test_gpu_hopper_matrix(shape, dtype, causal, monkeypatch):
     _run_and_check(*_inputs(b, h, hk, sq, sk, d, dtype, device="cuda"), causal)
 
 
-def _spy_frozen(monkeypatch) -> list:
-    """Make every ``hopper_fwd`` launch record whether it ran the frozen max (the list
-    returned), and let the frozen max run at any length of head dims 64 and 128."""
+def _spy_launches(monkeypatch) -> list:
+    """The kernel arguments of every Hopper forward launch from here on (the list returned),
+    with the frozen max's thresholds at zero (it runs at any length of head dims 64 and 128)
+    and no launches kept from other tests (a kept launch replays without a launch)."""
+    from diyfa._launcher import ReplayCache
     from diyfa.attention import hopper_fwd as hf
 
     monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((64, 0), (128, 0)))
-
     monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 0)
-    seen, launch = [], hf._launch_call
+    monkeypatch.setattr(hf, "_REPLAYS", ReplayCache())
+    monkeypatch.setattr(hf, "_PACKED_REPLAYS", ReplayCache())
+    calls, launch = [], hf._launch_call
 
     def spy(grid, args, num_warps):
-        seen.append(bool(args["ORDER"] & hf.ORDER_FROZEN.value))
+        calls.append(args)
         return launch(grid, args, num_warps)
 
     monkeypatch.setattr(hf, "_launch_call", spy)
-    return seen
+    return calls
+
+
+def _frozen_runs(calls: list) -> list[bool]:
+    """Whether each launch of :func:`_spy_launches`' list ran the frozen max."""
+    from diyfa.attention import hopper_fwd as hf
+
+    return [bool(args["ORDER"] & hf.ORDER_FROZEN.value) for args in calls]
 
 
 @pytest.mark.gpu
@@ -493,15 +503,15 @@ def test_gpu_hopper_matrix_frozen_max_at_any_length(shape, dtype, causal, monkey
     (Family.forward_out_only) runs it, out against float64 by the 2x rule; a call that keeps
     its LSE for the backward runs the running max (out and gradients by the 2x / 3x rule)."""
     _hopper_only(monkeypatch)
-    seen = _spy_frozen(monkeypatch)
+    seen = _spy_launches(monkeypatch)
     b, h, hk, sq, sk, d = shape
     q, k, v = _inputs(b, h, hk, sq, sk, d, dtype, device="cuda")
     with torch.no_grad():
         _run_and_check(q, k, v, causal, grads=False)
-    assert seen and all(seen)
+    assert seen and all(_frozen_runs(seen))
     seen.clear()
     _run_and_check(q, k, v, causal)
-    assert seen and not any(seen)
+    assert seen and not any(_frozen_runs(seen))
 
 
 def _every_config():

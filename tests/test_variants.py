@@ -24,7 +24,7 @@ from diyfa.reference import attention_ref
 
 from .conftest import DEVICE
 from .test_attention import _check, _inputs
-from .test_hopper_attention import _problem
+from .test_hopper_attention import _problem, _spy_launches
 
 
 @contextlib.contextmanager
@@ -486,25 +486,6 @@ def test_gpu_hopper_forward_variants_persistent(case, chain, monkeypatch):
 def _alibi_slopes(h: int) -> list[float]:
     """ALiBi's standard slopes for h heads: 2^(-8 i / h), i = 1..h (the first the steepest)."""
     return [2.0 ** (-8.0 * i / h) for i in range(1, h + 1)]
-
-
-def _spy_launches(monkeypatch) -> list:
-    """The kernel arguments of every Hopper forward launch from here on (the list returned),
-    with the frozen max's thresholds at zero and no launches kept from other tests."""
-    from diyfa._launcher import ReplayCache
-    from diyfa.attention import hopper_fwd as hf
-
-    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((64, 0), (128, 0)))
-    monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 0)
-    monkeypatch.setattr(hf, "_REPLAYS", ReplayCache())
-    calls, launch = [], hf._launch_call
-
-    def spy(grid, args, num_warps):
-        calls.append(args)
-        return launch(grid, args, num_warps)
-
-    monkeypatch.setattr(hf, "_launch_call", spy)
-    return calls
 
 
 FROZEN_VARIANT_CASES = [

@@ -1870,6 +1870,13 @@ def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
                 and rows * seqlen_k >= FROZEN_MIN_PAIRS)
 
 
+def _frozen_settings() -> tuple:
+    """The module settings :func:`frozen_max` and the kernel's sums read: the kept launches'
+    keys (``_REPLAYS``, ``_PACKED_REPLAYS``) hold them, so a changed setting is not replayed."""
+    return (FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS, FROZEN_DTYPES, FROZEN_VARIANTS,
+            ROUNDED_SUMS)  # fmt: skip
+
+
 def band_keys(seqlen_k: int, causal_offset: int, causal: bool, variants: dict | None) -> int:
     """The most keys a query row sees: a window bounded on both sides (a left window with the
     causal band or a right window) spans at most left + right + 1 keys, else every key. (The
@@ -2491,8 +2498,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None,
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
-    key = (replay_key("hopper-fwd", q, p, FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS,
-                      FROZEN_DTYPES, FROZEN_VARIANTS, ROUNDED_SUMS, lse_read)
+    key = (replay_key("hopper-fwd", q, p, *_frozen_settings(), lse_read)
            if config is None else None)
     roles = None
     if key is not None:
@@ -2574,8 +2580,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None, lse_read: 
                p.softmax_scale, p.seqlen_q, p.seqlen_k, p.total_q, k.shape[0], p.q_strides,
                p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
                VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
-               FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS, FROZEN_DTYPES, ROUNDED_SUMS,
-               FOREIGN_BY_LOADER, lse_read)  # fmt: skip
+               *_frozen_settings(), FOREIGN_BY_LOADER, lse_read)  # fmt: skip
         kept = _PACKED_REPLAYS.get(key)
         if kept is not None and kept.run(roles, lengths):  # (the wait)
             return out, lse2
