@@ -18,8 +18,8 @@ with a (L, 0) window), ``BxHxSQ:SKxD[c]`` (seqlen_q SQ, seqlen_k SK), any of the
 random logits); ``varlenD`` (the varlen suite's mix, 64k tokens: d128 16 / 4 heads, d64 32 /
 32; ``varlenDc`` causal).
 
-A tuple-valued flag (e.g. ``FROZEN_MIN_KEYS``) takes Python literals separated by ``|`` in
-``--values``.
+A tuple-valued flag (e.g. ``FROZEN_MIN_KEYS``), one that is None, or any ``--values`` with a
+``|`` takes Python literals separated by ``|``.
 
 Usage (device): python3 benchmarks/hopper_flag_ab.py --flag DEFER_O_STORE [--values 1,0]
     [--kind bwd] [--cases "1x16x8192x128w1023;varlen64"] [--rounds 3]
@@ -114,7 +114,7 @@ def case(spec: str, kind: str = "fwd", dtype: torch.dtype = torch.bfloat16):
 
 def _show(value) -> str:
     """A flag value in a column name."""
-    return str(value).replace(" ", "") if isinstance(value, tuple) else f"{value:g}"
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value).replace(" ", "")
 
 
 def main() -> int:
@@ -143,7 +143,7 @@ def main() -> int:
         setattr(module, name, type(getattr(module, name))(int(value)))
     before = getattr(module, a.flag)
     kind = type(before)
-    if kind is tuple:
+    if kind is tuple or before is None or "|" in a.values:  # (Python literals)
         values = [ast.literal_eval(x) for x in a.values.split("|")]
     else:
         values = [kind(float(x) if kind is float else int(x)) for x in a.values.split(",")]

@@ -36,9 +36,11 @@ ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 out = []
 for d in (64, 128, 256):
     for causal in (False, True):
-        # the config for short keys and, where it differs, for long ones
+        # the config for short keys and, where it differs, for long ones (d128's three
+        # consumers: plain calls without the band only, by their rows)
         fp8 = sys.argv[1] == "float8_e4m3fn"  # (fp8: a config per head dim and sums mode)
-        runs = [(0, hf.default_config(d, 1024)), (0, hf.default_config(d, 1 << 20))]
+        runs = [(0, hf.default_config(d, 1024)), (0, hf.default_config(d, 1 << 20)),
+                (0, hf.HOPPER_CONFIGS_LONG.get(d, hf.HOPPER_CONFIGS[d]))]
         if fp8:
             runs = []
             for hf.FP8_PROMOTION in (0, 4):  # the default and mode 4
@@ -102,6 +104,7 @@ def test_hopper_kernel_compiles_and_fits(dtype):
             # loop (read in the SASS, 2026-11-23): a bound, not zero.
             assert spilled <= 32, (where, r["ptxas"])
         elif consumers == 3:
+            # (d128's, 64-key blocks: 48 / 28 bytes with the running max, none frozen)
             # Three consumers at 160 registers (d64, long keys): 48 bytes spilled with
             # chained tiles (12 without: the epilogue and the masked blocks' branch; the
             # K/V loop's SASS is the same), 84 with the causal mask's per-row limits
@@ -441,6 +444,7 @@ HOPPER_SHAPES = [
     (2, 8, 8, 1024, 1024, 64), (1, 16, 4, 1023, 4097, 128), (2, 8, 1, 4097, 1000, 96),
     (1, 4, 4, 4096, 4096, 256), (4, 8, 2, 113, 1023, 192), (1, 8, 8, 1000, 1000, 80),
     (2, 6, 2, 333, 77, 128), (1, 4, 4, 1, 500, 64), (1, 4, 2, 777, 3, 256), (3, 2, 1, 65, 129, 72),
+    (1, 16, 8, 4000, 4097, 128),  # (d128's three consumers without the band)
 ]
 
 
@@ -907,7 +911,7 @@ def test_d64_consumers_by_the_busiest_programs_rows():
     assert consumers(4 * 8, 4096, 4096, tiles=False) == 3  # by the keys
     assert consumers(1, 8192, 4096, causal=True, tiles=False) == 2
     assert consumers(1, 8192, 8192, causal=True, tiles=False) == 3
-    assert hf.default_config(128, 16384, False, (32, 16384, 132)).consumers == 2
+    assert hf.default_config(256, 16384, False, (32, 16384, 132)).consumers == 2
     # what hopper_args passes: the tiles for plain calls without the band only (b2 h16 8192
     # queries x 1024 keys: three consumers by the rows; causal or packed, by the keys: two)
     q4 = torch.empty(2, 16, 8192, 64, dtype=torch.bfloat16)
@@ -921,6 +925,44 @@ def test_d64_consumers_by_the_busiest_programs_rows():
     cu_host = ((0, 8192, 16384), (0, 1024, 2048))
     pack = dict(batch=2, seqlen_q=8192, seqlen_k=1024, cu_host=cu_host, args=dict(VARLEN=True))
     assert picked(False) == 3 and picked(True) == 2 and picked(False, pack) == 2
+
+
+def test_d128_three_consumers_without_the_band_from_4096_keys():
+    """d128 runs three consumers (64-key blocks) only for plain calls without the causal band
+    that run the frozen max, from LONG_KEYS_D128 keys, where the busiest program's rows
+    weighed by THREE_ROW_COST_LONG are fewer (H200 A/B: 4-7% faster at 4096-16384 keys and
+    the cross shape, 8% slower at 2048, mixed with the band, 6-16% slower with the running
+    max); causal calls, packed sequences, the variants and calls that keep their LSE keep two."""
+    from diyfa.attention import hopper_fwd as hf
+
+    def consumers(bh, sq, sk, causal=False, tiles=True, frozen=True):
+        tiles = (bh, sq, 132) if tiles else None
+        return hf.default_config(128, sk, causal, tiles, frozen).consumers
+
+    assert consumers(4 * 16, 4096, 4096, frozen=False) == 2
+
+    assert consumers(4 * 16, 4096, 4096) == 3 and consumers(2 * 16, 8192, 8192) == 3
+    assert consumers(16, 16384, 16384) == 3 and consumers(16, 4096, 15360) == 3
+    assert consumers(8 * 16, 2048, 2048) == 2  # (measured 0.4522 against 0.4900 ms)
+    # (the GPU matrix's shape, HOPPER_SHAPES: three consumers where
+    # test_gpu_hopper_matrix_frozen_max_at_any_length runs the frozen max)
+    assert consumers(16, 4000, 4097) == 3
+    assert consumers(16, 16384, 16384, causal=True, tiles=False) == 2
+    assert consumers(16, 16384, 16384, tiles=False) == 2  # (packed sequences: unmeasured)
+    # the rows: 132 programs, 4 x 16 heads of 192 queries: three consumers would run 192 rows
+    # a program against two's 128 (0.86 x 192 > 128)
+    assert consumers(4 * 16, 192, 4096) == 2
+    # what hopper_args picks: plain calls by their rows; causal, packed or variants: two
+    q4 = torch.empty(1, 16, 4096, 128, dtype=torch.bfloat16)
+    k4 = torch.empty(1, 16, 15360, 128, dtype=torch.bfloat16)
+    lse = torch.empty(1, 16, 4096)
+
+    def picked(causal, variants=None, lse_read=False):
+        return hf.hopper_args(q4, k4, k4, q4, lse, 0, 0.1, causal, 132, None, variants,
+                              lse_read=lse_read)[1]["CONSUMERS"]  # fmt: skip
+
+    assert picked(False) == 3 and picked(True) == 2 and picked(False, lse_read=True) == 2
+    assert picked(False, dict(SINKS=True)) == 2
 
 
 def test_tiles_chained_for_the_static_round_robin_only():
@@ -981,7 +1023,8 @@ def test_packed_calls_clear_foreign_rows_in_the_loader(monkeypatch):
 def test_o_store_wait_deferred_for_two_consumers():
     """DEFER_O_STORE (the consumers wait for a tile's O store once the next tile's first block
     is under way): hopper_args sets it for two consumers, causal or not, packed sequences
-    too, and leaves it off for three (d64 from 2048 keys: it measured 1% slower there) and
+    too, and leaves it off for three (d64 from 2048 keys: it measured 1% slower there; d128
+    from 4096 without the band) and
     when the flag is off; the kernel itself also needs two Q buffers and no fp8."""
     from diyfa.attention import hopper_fwd as hf
 
@@ -993,9 +1036,10 @@ def test_o_store_wait_deferred_for_two_consumers():
                               None)[1]  # fmt: skip
         return bool(args["ORDER"] & hf.ORDER_DEFER_STORE.value)
 
-    assert deferred(128) and deferred(128, causal=True) and deferred(256)
-    assert deferred(64, cfg=hf.HOPPER_CONFIGS[64])
+    assert deferred(128, cfg=hf.HOPPER_CONFIGS[128]) and deferred(128, causal=True)
+    assert deferred(256) and deferred(64, cfg=hf.HOPPER_CONFIGS[64])
     assert not deferred(64, cfg=hf.HOPPER_CONFIGS_LONG[64])
+    assert not deferred(128, cfg=hf.HOPPER_CONFIGS_LONG[128])
     cu_host = ((0, 4096, 8192), (0, 4096, 8192))
     assert deferred(128, packed=dict(batch=2, seqlen_q=4096, seqlen_k=4096, cu_host=cu_host,
                                      args=dict(VARLEN=True)))  # fmt: skip

@@ -125,6 +125,8 @@ class Config(NamedTuple):
 # level at three consumers (d64 mix 4.616 / 4.610, causal 2.724 / 2.724, 4 x 4096 1.119 /
 # 1.119, 16k 4.237 / 4.186, causal 2.220 / 2.226).
 DEFER_O_STORE = True
+# (experiment) (padded head dim, "softcap" or "plain", *Config): that config for such calls
+TRY_CONFIG: tuple | None = None
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
 HOPPER_CONFIGS = {
@@ -197,8 +199,23 @@ SHORT_WORK_D64 = 2**28
 # (causal 4096, which runs two consumers, 403 / 397). Two consumers: level at d64 (-1.7..+1.9%),
 # mixed at d128 (+0.9..+1.4% non-causal, -1.2..-3.3% causal), slower at d256 causal (-3..-6%):
 # three consumers only.
+# d128 runs three consumers too (64-key blocks: with 128 ptxas spilled 850-1,100 bytes at 160
+# registers), for plain calls without the causal band that run the frozen max (inference),
+# from LONG_KEYS_D128 keys where the busiest program's rows (weighed by THREE_ROW_COST_LONG) say
+# so. H200, one process, 3 interleaved rounds (benchmarks/hopper_flag_ab.py --flag TRY_CONFIG,
+# 2026-11-26, benchmarks/results/2026-11-26_h200_fwd-d128-three-ab_9952406-wip.txt), median ms
+# two consumers / three (4 stages), bf16 frozen max: 4 x 16 x 4096 0.8502 / 0.7873, 2 x 16 x
+# 8192 1.640 / 1.552, 1 x 16 x 16384 3.216 / 3.024, 1 x 16 x 4096 x 15360 0.8029 / 0.7559, 4 x
+# 32 x 4096 1.661 / 1.616; fp16 4 x 16 x 4096 0.8443 / 0.8001, 2 x 16 x 8192 1.723 / 1.588. But
+# 8 x 16 x 2048 0.4522 / 0.4900 (three stages), causal calls mixed (4096 0.4673 / 0.4729, 8192
+# 0.8806 / 0.8619, 16k 1.619 / 1.678) and the running max (training's forward, whose build
+# spills 48 bytes with three) slower: 4 x 16 x 4096 0.8328 / 0.9239, 16k 3.352 / 3.590, the
+# cross shape 0.7825 / 0.9092. Two consumers there.
 HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1, pingpong=1,
-                                  chain=1)}
+                                  chain=1),
+                       128: Config(3, 64, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1, pingpong=1,
+                                   chain=1)}
+LONG_KEYS_D128 = 4096
 
 
 # A query row costs three consumers this much of what it costs two at d64 without the causal
@@ -220,18 +237,24 @@ THREE_ROW_COST_LONG = 0.86
 
 
 def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False,
-                   tiles: tuple[int, int, int] | None = None) -> Config:
+                   tiles: tuple[int, int, int] | None = None, frozen: bool = False) -> Config:
     """The config the kernel runs for a padded head dim and (longest) key length (plain
     attention; hopper_args passes 0 keys for the variants). ``tiles``: (batch x heads,
     seqlen_q, persistent programs) of a plain call whose programs take the tiles round robin
     (no causal band, no packed sequences): three consumers at d64 where the rows the busiest
     program runs, weighed by THREE_ROW_COST (THREE_ROW_COST_LONG from LONG_KEYS keys), are
     fewer than with two; else by the key count
-    (LONG_KEYS, LONG_KEYS_CAUSAL)."""
+    (LONG_KEYS, LONG_KEYS_CAUSAL). d128: three only for such calls that run the ``frozen``
+    max (:data:`FROZEN_MAX`), from LONG_KEYS_D128 keys, by the rows weighed by
+    THREE_ROW_COST_LONG."""
     long = HOPPER_CONFIGS_LONG.get(head_dim_padded)
     if long is None:
         return HOPPER_CONFIGS[head_dim_padded]
-    if tiles is not None:
+    if head_dim_padded == 128:  # (plain calls without the band only: LONG_KEYS_D128)
+        three = (frozen and tiles is not None and seqlen_k >= LONG_KEYS_D128
+                 and _rows_per_program(3 * SUB_M, *tiles) * THREE_ROW_COST_LONG
+                 < _rows_per_program(2 * SUB_M, *tiles))  # fmt: skip
+    elif tiles is not None:
         cost = THREE_ROW_COST_LONG if seqlen_k >= LONG_KEYS else THREE_ROW_COST
         three = (_rows_per_program(3 * SUB_M, *tiles) * cost
                  < _rows_per_program(2 * SUB_M, *tiles))  # fmt: skip
@@ -1912,8 +1935,16 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
         config = config or fp8_config(head_dim_pad(d))
     # (packed sequences: the longest one's keys)
     static = not (causal or variants or packed is not None)  # (variants: two consumers)
+    if (config is None and TRY_CONFIG and fp8 is None and head_dim_pad(d) == TRY_CONFIG[0]
+            and TRY_CONFIG[1] == ("plain" if not variants else
+                                  "softcap" if variants.get("SOFTCAP") else "other")):
+        config = TRY_CONFIG[2:]
+    frozen = frozen_max(q4.dtype, variants, head_dim_pad(d),
+                        band_keys(sk, causal_offset, causal, variants),
+                        h * (packed["args"].get("total_q", b * sq) if packed else b * sq),
+                        lse_read)  # fmt: skip
     config = config or default_config(head_dim_pad(d), sk if not variants else 0, causal,
-                                      (b * h, sq, num_sms) if static else None)  # fmt: skip
+                                      (b * h, sq, num_sms) if static else None, frozen)  # fmt: skip
     cfg = Config(*config)
     consumers, block_n = cfg.consumers, cfg.block_n
     args = dict(q_desc=_desc(q4, SUB_M), k_desc=_desc(k4, block_n), v_desc=_desc(v4, block_n),
@@ -1932,11 +1963,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
                        + ORDER_PINGPONG.value * bool(cfg.pingpong)
                        + ORDER_LAZY.value * bool(cfg.lazy)
                        + ORDER_DEFER_STORE.value * (DEFER_O_STORE and cfg.consumers == 2)
-                       + ORDER_FROZEN.value * frozen_max(
-                           q4.dtype, variants, head_dim_pad(d),
-                           band_keys(sk, causal_offset, causal, variants),
-                           h * (packed["args"].get("total_q", b * sq) if packed else b * sq),
-                           lse_read)
+                       + ORDER_FROZEN.value * frozen
                        + ORDER_Q_REGS.value * q_in_registers(head_dim_pad(d), cfg, fp8)),
                 Q_BUFS=cfg.q_bufs, COUNTER=_no_counter(lse2.device), run_slot=-1,
                 counter_slot=0, DYNAMIC=False, DROPOUT=False, dropout_seed=0, dropout_thresh=0,
