@@ -10,7 +10,7 @@ median, causal halved) of each mode next to diyfa's bf16 forward, and each mode'
 output error and LSE error against float64 attention of the dequantised inputs, on random
 normal data with outlier channels (q's first d/16 channels x20, as LLM activations have).
 
-``--config D=consumers,block_n,stages[,pin[,q_bufs]]`` (repeatable) times that
+``--config D=consumers,block_n,stages[,pin[,q_bufs[,pingpong]]]`` (repeatable) times that
 launch config of padded head dim D too, next to the mode's own (``hopper_fwd.fp8_config``),
 in every mode: columns "mode@label". ``vt_us`` is the V^T copy alone
 (``hopper_fwd.transpose_v``, part of every fp8 call).
@@ -41,16 +41,16 @@ MODES = (0, 1, 2, 3, 4, 5)  # 0: "auto", the default (hopper_fwd.fp8_mode)
 
 
 def parse_config(text: str) -> tuple[int, str, hopper_fwd.Config]:
-    """"128=2,128,3,1,2" -> (128, "2x128x3p1q2", the 16-bit config of d128 with consumers,
-    block_n, stages, pin, q_bufs replaced)."""
+    """"128=2,128,3,1,2,1" -> (128, "2x128x3p1q2pp1", the 16-bit config of d128 with
+    consumers, block_n, stages, pin, q_bufs, pingpong replaced; unchained, as fp8 runs)."""
     d, fields = text.split("=")
     vals = [int(x) for x in fields.split(",")]
-    names = ("consumers", "block_n", "stages", "pin", "q_bufs")
+    names = ("consumers", "block_n", "stages", "pin", "q_bufs", "pingpong")
     fields = dict(zip(names[: len(vals)], vals, strict=True))
-    cfg = hopper_fwd.HOPPER_CONFIGS[int(d)]._replace(**fields)
+    cfg = hopper_fwd.HOPPER_CONFIGS[int(d)]._replace(chain=0, **fields)
     if cfg.consumers == 3:
         cfg = cfg._replace(consumer_regs=160)
-    label = f"{cfg.consumers}x{cfg.block_n}x{cfg.stages}p{cfg.pin}q{cfg.q_bufs}"
+    label = f"{cfg.consumers}x{cfg.block_n}x{cfg.stages}p{cfg.pin}q{cfg.q_bufs}pp{cfg.pingpong}"
     return int(d), label, cfg
 
 
@@ -115,7 +115,7 @@ def main() -> int:
                     help="b x h x s x d, comma-separated")  # fmt: skip
     ap.add_argument("--causal", default="0,1", help="0 and / or 1")
     ap.add_argument("--config", action="append", default=[],
-                    help="D=consumers,block_n,stages[,pin[,q_bufs]], repeatable")
+                    help="D=consumers,block_n,stages[,pin[,q_bufs[,pingpong]]], repeatable")
     a = ap.parse_args()
     modes = tuple(int(m) for m in a.modes.split(","))
     shapes = [tuple(int(x) for x in t.split("x")) for t in a.shapes.split(",")]
