@@ -539,21 +539,28 @@ _PERSISTENT_RUNS = [(name, causal) for name in _every_config() for causal in (Fa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("frozen", [False, True], ids=["running", "frozen"])
 @pytest.mark.parametrize("lengths", [(1000, 1111), (1111, 700)], ids=["q1000k1111", "q1111k700"])
 @pytest.mark.parametrize(("name", "causal"), _PERSISTENT_RUNS,
                          ids=[f"{n}-{'causal' if c else 'full'}" for n, c in _PERSISTENT_RUNS])
-def test_gpu_hopper_persistent_programs_run_many_tiles(name, causal, lengths, monkeypatch):
+def test_gpu_hopper_persistent_programs_run_many_tiles(name, causal, lengths, frozen,
+                                                       monkeypatch):  # fmt: skip
     """Every config with three SMs' worth of persistent programs, so each program runs ~20
     tiles (odd and even counts): the Q buffers' turns (two per consumer), the causal tiles
     handed out by the counter and its "nothing left" slot, the static round robin of full
     attention and chained tiles (Config.chain: a tile's first block with the one before's
     last), with causal tiles that see no key (more queries than keys) between the others;
     against float64 by the 2x rule (the GPU's own SM count leaves d64 and d256 with at most
-    one tile per program in the other tests)."""
+    one tile per program in the other tests). With the running max (the LSE kept) and, at
+    head dims 64 and 128, the frozen max (inference, at any length: d128's three consumers
+    run only with it by default)."""
     from diyfa.attention import hopper_fwd as hf
 
     d, cfg = _every_config()[name]
+    if frozen and d not in dict(hf.FROZEN_MIN_KEYS):
+        pytest.skip("the frozen max runs at padded head dims 64 and 128")
     sq, sk = lengths
+    seen = _spy_launches(monkeypatch) if frozen else None  # (thresholds at zero)
     monkeypatch.setattr(hf, "kernel_limits", lambda _i: {"sm_count": 3})
     q, k, v = (t.detach() for t in _inputs(2, 4, 2, sq, sk, d, torch.bfloat16,
                                            device="cuda"))  # fmt: skip
@@ -562,7 +569,8 @@ def test_gpu_hopper_persistent_programs_run_many_tiles(name, causal, lengths, mo
     grid, args, _ = hf.hopper_args(q, k, v, q, torch.empty(2, 4, sq, device="cuda"),
                                    p.causal_offset, 0.1, causal, 3, cfg)  # fmt: skip
     assert grid == (3,) and args["DYNAMIC"] == (causal and bool(cfg.dynamic))
-    out = hf.hopper_forward(q, k, v, p, cfg)[0].double()
+    out = hf.hopper_forward(q, k, v, p, cfg, lse_read=not frozen)[0].double()
+    assert not frozen or (seen and all(_frozen_runs(seen)))
     ref = attention_ref(q.double(), k.double(), v.double(), causal=causal,
                         compute_dtype=torch.float64)  # fmt: skip
     pt = attention_ref(q, k, v, causal=causal, compute_dtype=torch.bfloat16).double()
@@ -963,6 +971,29 @@ def test_d128_three_consumers_without_the_band_from_4096_keys():
 
     assert picked(False) == 3 and picked(True) == 2 and picked(False, lse_read=True) == 2
     assert picked(False, dict(SINKS=True)) == 2
+
+
+def test_try_config_switch(monkeypatch):
+    """hopper_fwd.TRY_CONFIG (the A/B switch) gives its config to the calls of its padded head
+    dim and kind ("plain", "softcap", "other") that pass none, no others, and is in the kept
+    launches' keys."""
+    from diyfa.attention import hopper_fwd as hf
+
+    q4 = torch.empty(1, 16, 4096, 128, dtype=torch.bfloat16)
+    lse = torch.empty(1, 16, 4096)
+
+    def picked(variants=None, config=None, q=q4):
+        args = hf.hopper_args(q, q, q, q, lse, 0, 0.1, False, 132, config, variants)[1]
+        return args["CONSUMERS"], args["k_desc"].block_shape[2]
+
+    before = hf._frozen_settings()
+    monkeypatch.setattr(hf, "TRY_CONFIG", (128, "softcap", 3, 64, 4, 1, 160, 24, 0, 2, 1, 1, 0, 1))
+    assert hf._frozen_settings() != before
+    assert picked(dict(SOFTCAP=2, tanh_scale=0.1)) == (3, 64)
+    assert picked() == (2, 128) and picked(dict(SINKS=True)) == (2, 128)
+    assert picked(dict(SOFTCAP=2, tanh_scale=0.1), hf.HOPPER_CONFIGS[128]) == (2, 128)
+    q64 = torch.empty(1, 16, 4096, 64, dtype=torch.bfloat16)
+    assert picked(dict(SOFTCAP=True, tanh_scale=0.1), q=q64)[1] == 128
 
 
 def test_tiles_chained_for_the_static_round_robin_only():

@@ -125,7 +125,10 @@ class Config(NamedTuple):
 # level at three consumers (d64 mix 4.616 / 4.610, causal 2.724 / 2.724, 4 x 4096 1.119 /
 # 1.119, 16k 4.237 / 4.186, causal 2.220 / 2.226).
 DEFER_O_STORE = True
-# (experiment) (padded head dim, "softcap" or "plain", *Config): that config for such calls
+# For A/Bs (benchmarks/hopper_flag_ab.py --flag TRY_CONFIG): (padded head dim, "plain",
+# "softcap" or "other" (the other variants), then a Config's fields): the 16-bit forward runs
+# that config for such calls unless one is passed; None: the defaults. In the kept launches'
+# keys (_frozen_settings).
 TRY_CONFIG: tuple | None = None
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -1894,10 +1897,11 @@ def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
 
 
 def _frozen_settings() -> tuple:
-    """The module settings :func:`frozen_max` and the kernel's sums read: the kept launches'
-    keys (``_REPLAYS``, ``_PACKED_REPLAYS``) hold them, so a changed setting is not replayed."""
+    """The module settings :func:`frozen_max`, the kernel's sums and the config choice
+    (:data:`TRY_CONFIG`) read: the kept launches' keys (``_REPLAYS``, ``_PACKED_REPLAYS``)
+    hold them, so a changed setting is not replayed."""
     return (FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS, FROZEN_DTYPES, FROZEN_VARIANTS,
-            ROUNDED_SUMS)  # fmt: skip
+            ROUNDED_SUMS, TRY_CONFIG)  # fmt: skip
 
 
 def band_keys(seqlen_k: int, causal_offset: int, causal: bool, variants: dict | None) -> int:
