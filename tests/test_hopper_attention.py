@@ -936,11 +936,12 @@ def test_d64_consumers_by_the_busiest_programs_rows():
 
 
 def test_d128_three_consumers_without_the_band_from_4096_keys():
-    """d128 runs three consumers (64-key blocks) only for plain calls without the causal band
-    that run the frozen max, from LONG_KEYS_D128 keys, where the busiest program's rows
-    weighed by THREE_ROW_COST_LONG are fewer (H200 A/B: 4-7% faster at 4096-16384 keys and
-    the cross shape, 8% slower at 2048, mixed with the band, 6-16% slower with the running
-    max); causal calls, packed sequences, the variants and calls that keep their LSE keep two."""
+    """d128 runs three consumers (64-key blocks) only for calls without the causal band that
+    run the frozen max, from LONG_KEYS_D128 keys: plain ones where the busiest program's rows
+    weighed by THREE_ROW_COST_LONG are fewer, packed sequences by their longest one's keys
+    (H200 A/B: 4-7% faster at 4096-16384 keys, the cross shape and the varlen mix, 8% slower
+    at 2048, mixed with the band, 6-16% slower with the running max); causal calls, the
+    variants and calls that keep their LSE keep two."""
     from diyfa.attention import hopper_fwd as hf
 
     def consumers(bh, sq, sk, causal=False, tiles=True, frozen=True):
@@ -956,7 +957,8 @@ def test_d128_three_consumers_without_the_band_from_4096_keys():
     # test_gpu_hopper_matrix_frozen_max_at_any_length runs the frozen max)
     assert consumers(16, 4000, 4097) == 3
     assert consumers(16, 16384, 16384, causal=True, tiles=False) == 2
-    assert consumers(16, 16384, 16384, tiles=False) == 2  # (packed sequences: unmeasured)
+    assert consumers(16, 16384, 16384, tiles=False) == 3  # (packed, by the longest's keys)
+    assert consumers(16, 2048, 2048, tiles=False) == 2
     # the rows: 132 programs, 4 x 16 heads of 192 queries: three consumers would run 192 rows
     # a program against two's 128 (0.86 x 192 > 128)
     assert consumers(4 * 16, 192, 4096) == 2

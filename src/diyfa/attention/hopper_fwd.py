@@ -213,7 +213,9 @@ SHORT_WORK_D64 = 2**28
 # 8 x 16 x 2048 0.4522 / 0.4900 (three stages), causal calls mixed (4096 0.4673 / 0.4729, 8192
 # 0.8806 / 0.8619, 16k 1.619 / 1.678) and the running max (training's forward, whose build
 # spills 48 bytes with three) slower: 4 x 16 x 4096 0.8328 / 0.9239, 16k 3.352 / 3.590, the
-# cross shape 0.7825 / 0.9092. Two consumers there.
+# cross shape 0.7825 / 0.9092. Two consumers there. Packed sequences without the band too
+# (the varlen mix, 5 rounds, ..._fwd-d128-three-varlen-ab_9730d4e-wip.txt: 3.322 / 3.160;
+# causal 1.802 / 1.739, but causal keeps two as equal lengths do).
 HOPPER_CONFIGS_LONG = {64: Config(3, 128, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1, pingpong=1,
                                   chain=1),
                        128: Config(3, 64, 4, 1, 160, 24, 0, q_bufs=2, dynamic=1, pingpong=1,
@@ -247,16 +249,17 @@ def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False,
     (no causal band, no packed sequences): three consumers at d64 where the rows the busiest
     program runs, weighed by THREE_ROW_COST (THREE_ROW_COST_LONG from LONG_KEYS keys), are
     fewer than with two; else by the key count
-    (LONG_KEYS, LONG_KEYS_CAUSAL). d128: three only for such calls that run the ``frozen``
-    max (:data:`FROZEN_MAX`), from LONG_KEYS_D128 keys, by the rows weighed by
-    THREE_ROW_COST_LONG."""
+    (LONG_KEYS, LONG_KEYS_CAUSAL). d128: three only for calls without the band that run the
+    ``frozen`` max (:data:`FROZEN_MAX`), from LONG_KEYS_D128 keys: plain ones by the rows
+    weighed by THREE_ROW_COST_LONG, packed sequences by their longest one's keys."""
     long = HOPPER_CONFIGS_LONG.get(head_dim_padded)
     if long is None:
         return HOPPER_CONFIGS[head_dim_padded]
-    if head_dim_padded == 128:  # (plain calls without the band only: LONG_KEYS_D128)
-        three = (frozen and tiles is not None and seqlen_k >= LONG_KEYS_D128
-                 and _rows_per_program(3 * SUB_M, *tiles) * THREE_ROW_COST_LONG
-                 < _rows_per_program(2 * SUB_M, *tiles))  # fmt: skip
+    if head_dim_padded == 128:  # (calls without the band only: LONG_KEYS_D128)
+        three = (frozen and not causal and seqlen_k >= LONG_KEYS_D128
+                 and (tiles is None  # (packed sequences, by their longest one's keys)
+                      or _rows_per_program(3 * SUB_M, *tiles) * THREE_ROW_COST_LONG
+                      < _rows_per_program(2 * SUB_M, *tiles)))  # fmt: skip
     elif tiles is not None:
         cost = THREE_ROW_COST_LONG if seqlen_k >= LONG_KEYS else THREE_ROW_COST
         three = (_rows_per_program(3 * SUB_M, *tiles) * cost
