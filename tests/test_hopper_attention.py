@@ -949,7 +949,6 @@ def test_d128_three_consumers_without_the_band_from_4096_keys():
         return hf.default_config(128, sk, causal, tiles, frozen).consumers
 
     assert consumers(4 * 16, 4096, 4096, frozen=False) == 2
-
     assert consumers(4 * 16, 4096, 4096) == 3 and consumers(2 * 16, 8192, 8192) == 3
     assert consumers(16, 16384, 16384) == 3 and consumers(16, 4096, 15360) == 3
     assert consumers(8 * 16, 2048, 2048) == 2  # (measured 0.4522 against 0.4900 ms)
@@ -962,7 +961,8 @@ def test_d128_three_consumers_without_the_band_from_4096_keys():
     # the rows: 132 programs, 4 x 16 heads of 192 queries: three consumers would run 192 rows
     # a program against two's 128 (0.86 x 192 > 128)
     assert consumers(4 * 16, 192, 4096) == 2
-    # what hopper_args picks: plain calls by their rows; causal, packed or variants: two
+    # what hopper_args picks: plain calls by their rows; causal calls, the variants and
+    # calls that keep their LSE (the running max): two
     q4 = torch.empty(1, 16, 4096, 128, dtype=torch.bfloat16)
     k4 = torch.empty(1, 16, 15360, 128, dtype=torch.bfloat16)
     lse = torch.empty(1, 16, 4096)
