@@ -513,6 +513,8 @@ def test_gpu_hopper_matrix_frozen_max_at_any_length(shape, dtype, causal, monkey
     with torch.no_grad():
         _run_and_check(q, k, v, causal, grads=False)
     assert seen and all(_frozen_runs(seen))
+    if shape == (1, 16, 8, 4000, 4097, 128) and not causal:  # (d128's three consumers)
+        assert seen[0]["CONSUMERS"] == 3
     seen.clear()
     _run_and_check(q, k, v, causal)
     assert seen and not any(_frozen_runs(seen))
@@ -630,10 +632,11 @@ ONE_HOT_FP32_SUMS = pytest.mark.xfail(strict=True, reason=(
     pytest.param(torch.bfloat16, 40.0, False, marks=ONE_HOT_FP32_SUMS),
     (torch.bfloat16, 400.0, True), (torch.float16, 12.0, True), (torch.float16, 40.0, True),
 ], ids=["kept", "kept-fp32-sums", "redone", "fp16-kept", "fp16-redone"])
+@pytest.mark.parametrize("three", [False, True], ids=["default", "three"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, dtype, jump, sums,
-                                                            monkeypatch):
+                                                            three, monkeypatch):  # fmt: skip
     """hopper_fwd.FROZEN_MAX: each row's max comes from its tile's first block (plus
     FROZEN_HEADROOM), later blocks add 2^(score - that max). Two keys past the first block
     score about ``jump`` and jump / 2 nats above every key of it (q and those keys share a
@@ -643,7 +646,8 @@ def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, dtype, ju
     (flag 1). fp16 (FROZEN_HEADROOM_FP16: P V's operand overflows past about 16.6 nats above
     the first block's max) keeps 12 nats and redoes 40. Out against float64 by the 2x rule,
     the LSE within 1e-3 of the largest float64 LSE plus 1e-4, either way; ``sums``:
-    hopper_fwd.ROUNDED_SUMS (off, the one-hot rows fail)."""
+    hopper_fwd.ROUNDED_SUMS (off, the one-hot rows fail); ``three``: the head dim's
+    three-consumer config (HOPPER_CONFIGS_LONG: d128's with 64-key first blocks)."""
     from diyfa.attention import hopper_fwd as hf
 
     monkeypatch.setattr(hf, "FROZEN_MAX", True)
@@ -667,7 +671,9 @@ def test_gpu_hopper_frozen_max_when_later_keys_score_higher(d, causal, dtype, ju
     lse2 = torch.empty(b, h, sq, device="cuda")
     grid, args, warps = hf.hopper_args(q, k, v, out, lse2, p.causal_offset,
                                        p.softmax_scale * 1.4426950408889634, causal,
-                                       torch.cuda.get_device_properties(0).multi_processor_count)
+                                       torch.cuda.get_device_properties(0).multi_processor_count,
+                                       hf.HOPPER_CONFIGS_LONG[d] if three else None)
+    assert args["CONSUMERS"] == (3 if three else 2)
     assert args["ORDER"] & hf.ORDER_FROZEN.value and args["COUNTER"].numel() == 3
     assert bool(args["ORDER"] & hf.ORDER_ROUNDED_SUMS.value) == sums
     hf._launch_call(grid, args, warps)
@@ -919,7 +925,6 @@ def test_d64_consumers_by_the_busiest_programs_rows():
     assert consumers(4 * 8, 4096, 4096, tiles=False) == 3  # by the keys
     assert consumers(1, 8192, 4096, causal=True, tiles=False) == 2
     assert consumers(1, 8192, 8192, causal=True, tiles=False) == 3
-    assert hf.default_config(256, 16384, False, (32, 16384, 132)).consumers == 2
     # what hopper_args passes: the tiles for plain calls without the band only (b2 h16 8192
     # queries x 1024 keys: three consumers by the rows; causal or packed, by the keys: two)
     q4 = torch.empty(2, 16, 8192, 64, dtype=torch.bfloat16)
@@ -935,7 +940,7 @@ def test_d64_consumers_by_the_busiest_programs_rows():
     assert picked(False) == 3 and picked(True) == 2 and picked(False, pack) == 2
 
 
-def test_d128_three_consumers_without_the_band_from_4096_keys():
+def test_d128_three_consumers_without_the_band_from_4096_keys(monkeypatch):
     """d128 runs three consumers (64-key blocks) only for calls without the causal band that
     run the frozen max, from LONG_KEYS_D128 keys: plain ones where the busiest program's rows
     weighed by THREE_ROW_COST_LONG are fewer, packed sequences by their longest one's keys
@@ -943,6 +948,9 @@ def test_d128_three_consumers_without_the_band_from_4096_keys():
     at 2048, mixed with the band, 6-16% slower with the running max); causal calls, the
     variants and calls that keep their LSE keep two."""
     from diyfa.attention import hopper_fwd as hf
+
+    monkeypatch.setattr(hf, "FROZEN_MAX", True)  # (whatever DIYFA_FROZEN_MAX says)
+    monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 0)
 
     def consumers(bh, sq, sk, causal=False, tiles=True, frozen=True):
         tiles = (bh, sq, 132) if tiles else None
@@ -988,6 +996,7 @@ def test_try_config_switch(monkeypatch):
         args = hf.hopper_args(q, q, q, q, lse, 0, 0.1, False, 132, config, variants)[1]
         return args["CONSUMERS"], args["k_desc"].block_shape[2]
 
+    monkeypatch.setattr(hf, "FROZEN_MAX", False)  # (plain calls: two consumers by default)
     before = hf._frozen_settings()
     monkeypatch.setattr(hf, "TRY_CONFIG", (128, "softcap", 3, 64, 4, 1, 160, 24, 0, 2, 1, 1, 0, 1))
     assert hf._frozen_settings() != before
@@ -1030,12 +1039,15 @@ def test_tiles_chained_for_the_static_round_robin_only():
 
 
 def test_packed_calls_clear_foreign_rows_in_the_loader(monkeypatch):
-    """Packed sequences on three consumers (d64 from 2048 keys): the loader warp zeroes a
+    """Packed sequences on three consumers (d64 from 2048 keys; d128's inference calls from
+    4096, not here: the frozen max is off in this test): the loader warp zeroes a
     sequence's last V block's rows past its end before it marks the stage ready
     (ORDER_FOREIGN_BY_LOADER, FOREIGN_BY_LOADER), so the consumers carry no clearing of their
     own; two consumers (d128: slower so) and batched calls never set it, and with the flag off
     the consumers clear as before. (GPU: test_gpu_hopper_varlen_confines_bad_values.)"""
     from diyfa.attention import hopper_fwd as hf
+
+    monkeypatch.setattr(hf, "FROZEN_MAX", False)  # (d128: two consumers whatever the env says)
 
     lse = torch.empty(2, 16, 4096)
     cu_host = ((0, 4000, 8192), (0, 4000, 8192))
@@ -1053,13 +1065,15 @@ def test_packed_calls_clear_foreign_rows_in_the_loader(monkeypatch):
     assert order(True)[0] == 0
 
 
-def test_o_store_wait_deferred_for_two_consumers():
+def test_o_store_wait_deferred_for_two_consumers(monkeypatch):
     """DEFER_O_STORE (the consumers wait for a tile's O store once the next tile's first block
     is under way): hopper_args sets it for two consumers, causal or not, packed sequences
     too, and leaves it off for three (d64 from 2048 keys: it measured 1% slower there; d128
     from 4096 without the band) and
     when the flag is off; the kernel itself also needs two Q buffers and no fp8."""
     from diyfa.attention import hopper_fwd as hf
+
+    monkeypatch.setattr(hf, "FROZEN_MAX", False)  # (d128: two consumers whatever the env says)
 
     lse = torch.empty(2, 16, 4096)
 
