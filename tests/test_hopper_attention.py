@@ -303,6 +303,19 @@ def test_backend_hopper_on_the_cpu_is_a_clear_error():
         diyfa.flash_attention(q, k, v, backend="hopper")
 
 
+def _default_frozen_thresholds(monkeypatch):
+    """The frozen max on with the module's own thresholds, whatever DIYFA_FROZEN_MAX says
+    (the GPU fuzz's "always" zeroes them at import)."""
+    from diyfa.attention import hopper_fwd as hf
+
+    if os.environ.get("DIYFA_FROZEN_MAX", "1") == "1":
+        assert hf.FROZEN_MIN_KEYS == ((64, 2048), (128, 4096))
+        assert hf.FROZEN_MIN_PAIRS == 3 << 28
+    monkeypatch.setattr(hf, "FROZEN_MAX", True)
+    monkeypatch.setattr(hf, "FROZEN_MIN_KEYS", ((64, 2048), (128, 4096)))
+    monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 3 << 28)
+
+
 def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
     """hopper_fwd.FROZEN_MAX: bf16 and fp16 plain attention (causal or not) at padded head
     dims 64 and 128 from FROZEN_MIN_KEYS keys (2048 at d64, 4096 at d128; none at d256) and
@@ -313,8 +326,7 @@ def test_frozen_max_applies_to_bf16_plain_attention(monkeypatch):
     device's constant)."""
     from diyfa.attention import hopper_fwd as hf
 
-    assert hf.FROZEN_MIN_PAIRS == 3 << 28
-    monkeypatch.setattr(hf, "FROZEN_MAX", True)
+    _default_frozen_thresholds(monkeypatch)
     monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 2400 * 2048)  # (the calls here: 2400 rows)
     lse = torch.empty(2, 4, 300)
 
@@ -382,11 +394,13 @@ def test_rounded_row_sums_go_with_a_fixed_max(sums, monkeypatch):
     assert not order(False) and not order(False, SOFTCAP=True, tanh_scale=0.1)
 
 
-def test_descriptors_address_the_bhsd_view():
+def test_descriptors_address_the_bhsd_view(monkeypatch):
     """4-D descriptors over (batch, heads, seqlen, dim) with the tensor's own strides, blocks
     of (1, 1, rows, padded head dim); the grid covers the query rows in tiles of
     consumers x 64 rows per (batch, head)."""
     from diyfa.attention import hopper_fwd as hf
+
+    _default_frozen_thresholds(monkeypatch)
 
     q = torch.empty(3, 700, 8, 96, dtype=torch.bfloat16)  # bshd
     k = torch.empty(3, 500, 2, 96, dtype=torch.bfloat16)
