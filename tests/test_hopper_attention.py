@@ -960,7 +960,7 @@ def test_d128_three_consumers_without_the_band_from_4096_keys(monkeypatch):
     weighed by THREE_ROW_COST_LONG are fewer, packed sequences by their longest one's keys
     (H200 A/B: 4-7% faster at 4096-16384 keys, the cross shape and the varlen mix, 8% slower
     at 2048, mixed with the band, 6-16% slower with the running max); causal calls, the
-    variants and calls that keep their LSE keep two."""
+    variants, calls that keep their LSE and smaller value head dims keep two."""
     from diyfa.attention import hopper_fwd as hf
 
     monkeypatch.setattr(hf, "FROZEN_MAX", True)  # (whatever DIYFA_FROZEN_MAX says)
@@ -995,6 +995,10 @@ def test_d128_three_consumers_without_the_band_from_4096_keys(monkeypatch):
 
     assert picked(False) == 3 and picked(True) == 2 and picked(False, lse_read=True) == 2
     assert picked(False, dict(SINKS=True)) == 2
+    # a smaller value head dim (q/k 128, v and out 64): two (no GPU test ran it with three)
+    v4 = torch.empty(1, 16, 15360, 64, dtype=torch.bfloat16)
+    o4 = torch.empty(1, 16, 4096, 64, dtype=torch.bfloat16)
+    assert hf.hopper_args(q4, k4, v4, o4, lse, 0, 0.1, False, 132)[1]["CONSUMERS"] == 2
 
 
 def test_try_config_switch(monkeypatch):
