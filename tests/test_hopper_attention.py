@@ -966,11 +966,11 @@ def test_d128_three_consumers_without_the_band_from_4096_keys(monkeypatch):
     monkeypatch.setattr(hf, "FROZEN_MAX", True)  # (whatever DIYFA_FROZEN_MAX says)
     monkeypatch.setattr(hf, "FROZEN_MIN_PAIRS", 0)
 
-    def consumers(bh, sq, sk, causal=False, tiles=True, frozen=True):
+    def consumers(bh, sq, sk, causal=False, tiles=True, three_ok=True):
         tiles = (bh, sq, 132) if tiles else None
-        return hf.default_config(128, sk, causal, tiles, frozen).consumers
+        return hf.default_config(128, sk, causal, tiles, three_ok).consumers
 
-    assert consumers(4 * 16, 4096, 4096, frozen=False) == 2
+    assert consumers(4 * 16, 4096, 4096, three_ok=False) == 2
     assert consumers(4 * 16, 4096, 4096) == 3 and consumers(2 * 16, 8192, 8192) == 3
     assert consumers(16, 16384, 16384) == 3 and consumers(16, 4096, 15360) == 3
     assert consumers(8 * 16, 2048, 2048) == 2  # (measured 0.4522 against 0.4900 ms)
@@ -1015,9 +1015,9 @@ def test_try_config_switch(monkeypatch):
         return args["CONSUMERS"], args["k_desc"].block_shape[2]
 
     monkeypatch.setattr(hf, "FROZEN_MAX", False)  # (plain calls: two consumers by default)
-    before = hf._frozen_settings()
+    before = hf._replay_settings()
     monkeypatch.setattr(hf, "TRY_CONFIG", (128, "softcap", 3, 64, 4, 1, 160, 24, 0, 2, 1, 1, 0, 1))
-    assert hf._frozen_settings() != before
+    assert hf._replay_settings() != before
     assert picked(dict(SOFTCAP=2, tanh_scale=0.1)) == (3, 64)
     assert picked() == (2, 128) and picked(dict(SINKS=True)) == (2, 128)
     assert picked(dict(SOFTCAP=2, tanh_scale=0.1), hf.HOPPER_CONFIGS[128]) == (2, 128)

@@ -128,7 +128,7 @@ DEFER_O_STORE = True
 # For A/Bs (benchmarks/hopper_flag_ab.py --flag TRY_CONFIG): (padded head dim, "plain",
 # "softcap" or "other" (the other variants), then a Config's fields): the 16-bit forward runs
 # that config for such calls unless one is passed; None: the defaults. In the kept launches'
-# keys (_frozen_settings).
+# keys (_replay_settings).
 TRY_CONFIG: tuple | None = None
 
 # padded head_dim -> Config. Chosen from A/B runs on an H100 and an H200 (docs/attention.md).
@@ -242,21 +242,22 @@ THREE_ROW_COST_LONG = 0.86
 
 
 def default_config(head_dim_padded: int, seqlen_k: int, causal: bool = False,
-                   tiles: tuple[int, int, int] | None = None, frozen: bool = False) -> Config:
+                   tiles: tuple[int, int, int] | None = None, three_ok: bool = False) -> Config:
     """The config the kernel runs for a padded head dim and (longest) key length (plain
     attention; hopper_args passes 0 keys for the variants). ``tiles``: (batch x heads,
     seqlen_q, persistent programs) of a plain call whose programs take the tiles round robin
     (no causal band, no packed sequences): three consumers at d64 where the rows the busiest
     program runs, weighed by THREE_ROW_COST (THREE_ROW_COST_LONG from LONG_KEYS keys), are
     fewer than with two; else by the key count
-    (LONG_KEYS, LONG_KEYS_CAUSAL). d128: three only for calls without the band that run the
-    ``frozen`` max (:data:`FROZEN_MAX`), from LONG_KEYS_D128 keys: plain ones by the rows
-    weighed by THREE_ROW_COST_LONG, packed sequences by their longest one's keys."""
+    (LONG_KEYS, LONG_KEYS_CAUSAL). d128: three only where ``three_ok`` (hopper_args: the call
+    runs the frozen max, :data:`FROZEN_MAX`, and v's head dim pads as q's) and without the
+    band, from LONG_KEYS_D128 keys: plain calls by the rows weighed by THREE_ROW_COST_LONG,
+    packed sequences by their longest one's keys."""
     long = HOPPER_CONFIGS_LONG.get(head_dim_padded)
     if long is None:
         return HOPPER_CONFIGS[head_dim_padded]
     if head_dim_padded == 128:  # (calls without the band only: LONG_KEYS_D128)
-        three = (frozen and not causal and seqlen_k >= LONG_KEYS_D128
+        three = (three_ok and not causal and seqlen_k >= LONG_KEYS_D128
                  and (tiles is None  # (packed sequences, by their longest one's keys)
                       or _rows_per_program(3 * SUB_M, *tiles) * THREE_ROW_COST_LONG
                       < _rows_per_program(2 * SUB_M, *tiles)))  # fmt: skip
@@ -1899,7 +1900,7 @@ def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
                 and rows * seqlen_k >= FROZEN_MIN_PAIRS)
 
 
-def _frozen_settings() -> tuple:
+def _replay_settings() -> tuple:
     """The module settings :func:`frozen_max`, the kernel's sums and the config choice
     (:data:`TRY_CONFIG`) read: the kept launches' keys (``_REPLAYS``, ``_PACKED_REPLAYS``)
     hold them, so a changed setting is not replayed."""
@@ -2536,7 +2537,7 @@ def hopper_forward(q, k, v, problem: Problem, config: tuple | None = None,
         return out.zero_(), empty_lse(lse2, p)
     if p.seqlen_q == 0 or p.batch * p.heads == 0:
         return out, lse2
-    key = (replay_key("hopper-fwd", q, p, *_frozen_settings(), lse_read)
+    key = (replay_key("hopper-fwd", q, p, *_replay_settings(), lse_read)
            if config is None else None)
     roles = None
     if key is not None:
@@ -2618,7 +2619,7 @@ def _packed_forward(q, k, v, p: Problem, config: tuple | None = None, lse_read: 
                p.softmax_scale, p.seqlen_q, p.seqlen_k, p.total_q, k.shape[0], p.q_strides,
                p.k_strides, p.v_strides, q.device, cu_k is cu_q, VARLEN_O_TMA,
                VARLEN_BY_SEQUENCE, VARLEN_TILE_GROUP, VARLEN_TILE_GROUP_CAUSAL,
-               *_frozen_settings(), FOREIGN_BY_LOADER, lse_read)  # fmt: skip
+               *_replay_settings(), FOREIGN_BY_LOADER, lse_read)  # fmt: skip
         kept = _PACKED_REPLAYS.get(key)
         if kept is not None and kept.run(roles, lengths):  # (the wait)
             return out, lse2
