@@ -125,6 +125,16 @@ class Config(NamedTuple):
 # level at three consumers (d64 mix 4.616 / 4.610, causal 2.724 / 2.724, 4 x 4096 1.119 /
 # 1.119, 16k 4.237 / 4.186, causal 2.220 / 2.226).
 DEFER_O_STORE = True
+# A tile's O leaves through V's ring where the config has one Q buffer per consumer, 64-key
+# blocks and a V stage per consumer (d256; the kernel's ORDER_O_IN_V), for calls whose tiles
+# come from the counter (the causal band, windows). H200, bf16, one process, 3 interleaved
+# rounds (benchmarks/hopper_flag_ab.py --flag O_IN_V, benchmarks/results/
+# 2026-11-26_h200_fwd-o-in-v-ab_cffcecf-wip.txt), median ms with / without, d256 causal: 8 x
+# 8 x 2048 0.2443 / 0.2553, 4 x 8 x 4096 0.4474 / 0.4562, 2 x 8 x 8192 0.8406 / 0.8616, 16k
+# 1.5241 / 1.5246, 4096 x 8192 0.6257 / 0.6294; window (1023, 0) at 8192 0.1296 / 0.1329;
+# softcap 30, 4 x 8 x 4096 causal 0.4548 / 0.4636. Without the band (the static round robin)
+# level to slower: 2048 0.4121 / 0.4128, 4096 0.7882 / 0.7775, 8192 1.5775 / 1.5244.
+O_IN_V = True
 # For A/Bs (benchmarks/hopper_flag_ab.py --flag TRY_CONFIG): (padded head dim, "plain",
 # "softcap" or "other" (the other variants), then a Config's fields): the 16-bit forward runs
 # that config for such calls unless one is passed; None: the defaults. In the kept launches'
@@ -531,6 +541,13 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
     if VARLEN:  # the host's list of tiles per head (tile_table)
         num_m = num_items
         total = num_items * heads
+    # (ORDER_O_IN_V, as the consumers decide it: tiles with blocks so far, whose O stores the
+    # next such tile's V loads wait for)
+    O_IN_V: gl.constexpr = ((ORDER & ORDER_O_IN_V) != 0 and Q_BUFS == 1
+                            and (ORDER & ORDER_CHAIN) == 0 and not VARLEN and not FP8
+                            and v_bufs.type.shape[4] == q_bufs.type.shape[4]
+                            and BLOCK_N == SUB_M and STAGES >= CONSUMERS)  # fmt: skip
+    o_tiles = 0
     it = 0
     lap = 0
     t = gl.program_id(0)
@@ -556,7 +573,8 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
                 q_bufs.index(qb + c))  # fmt: skip
         n = _num_blocks(row0, BLOCK_M, seqlen_q_t, seqlen_k_t, causal_offset_t, BLOCK_N,
                         CAUSAL)  # fmt: skip
-        for j in range(_first_block(row0, left_offset, BLOCK_N, WINDOW), n):
+        first = _first_block(row0, left_offset, BLOCK_N, WINDOW)
+        for j in range(first, n):
             s, phase = _stage(it, STAGES)
             phase ^= 1
             # K and V stages are freed separately (K after S = QK^T, V after O += PV).
@@ -564,6 +582,9 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [tb, off_hk, k_start + j * BLOCK_N, 0],
                                             k_ready.index(s), k_bufs.index(s))  # fmt: skip
+            if O_IN_V:
+                if (j == first) & (o_tiles > 0):  # the tile before's O stores
+                    mbarrier.wait(_o_stored(q_empty), (o_tiles - 1) & 1)
             mbarrier.wait(v_empty.index(s), phase)
             rows_left = seqlen_k_t - j * BLOCK_N  # (FOREIGN: the block's rows in its sequence)
             if FOREIGN and rows_left < BLOCK_N:  # (the sequence's last block: cleared here)
@@ -585,6 +606,8 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
                         v_desc, [tb, off_hk, k_start + j * BLOCK_N, 0], v_ready.index(s),
                         v_bufs.index(s))  # fmt: skip
             it += 1
+        if O_IN_V:
+            o_tiles += (n > first).to(gl.int32)
         lap += 1
         if DYNAMIC:
             t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
@@ -633,6 +656,14 @@ FROZEN_HEADROOM_FP16 = gl.constexpr(8.0)
 ORDER_ROUNDED_SUMS = gl.constexpr(128)
 ORDER_Q_REGS = gl.constexpr(256)  # Q K^T's A operand from registers (Q_IN_REGS)
 ORDER_FOREIGN_BY_LOADER = gl.constexpr(512)  # FOREIGN_BY_LOADER
+# O_IN_V (one Q buffer per consumer, 64-key blocks, a V stage per consumer): a tile's O is
+# staged for its TMA store in V's ring, not in Q's buffer (FlashAttention-3's d256 forward).
+# The consumers hand Q back once the tile's last S is done, so the next tile's Q (and first K)
+# load during the last P V and the epilogue; the loader holds the next tile's V loads until
+# every consumer's O store has read the ring (_o_stored). Tiles without blocks store O
+# through Q's buffer, as before.
+ORDER_O_IN_V = gl.constexpr(1024)
+O_IN_V_BARRIER = gl.constexpr(11)  # the consumers' named barrier: all done reading V
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
 # their max skips the multiplies (_rescale). P and l then reach 2^LAZY_RESCALE times their
@@ -1053,21 +1084,21 @@ def _tile_state(t, num_m, heads, kv_group, batch_heads, seqlen_q, seqlen_k, caus
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
+def _epilogue(acc, m_i, l_i, stage, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
               offs_m,
               seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh, v_descale,
               dropout_keep, row_layout: gl.constexpr, orow_layout: gl.constexpr,
               o_layout: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr,
               DROPOUT: gl.constexpr, DEFER: gl.constexpr = False):
-    """O / l through this consumer's Q buffer (every S of the tile is done) by TMA, which
-    clips rows past seqlen_q and columns past the head dim; LSE (base 2) per row. The caller
-    then lets the loader bring a later tile's Q into the buffer; with DEFER it first waits for
-    the store itself (:func:`_release_q`), later."""
-    SUB_M: gl.constexpr = q_bufs.type.shape[3]
-    HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
+    """O / l by TMA through ``stage`` (this consumer's Q buffer, every S of the tile done, or
+    with ORDER_O_IN_V a V stage), which clips rows past seqlen_q and columns past the head
+    dim; LSE (base 2) per row. The caller then lets the loader bring a later tile's Q (V) into
+    the buffer; with DEFER it first waits for the store itself (:func:`_release_q`), later."""
+    SUB_M: gl.constexpr = stage.type.shape[2]
+    HEAD_DIM: gl.constexpr = stage.type.shape[3]
     HEAD_DIM_V: gl.constexpr = acc.shape[1]
-    dtype: gl.constexpr = q_bufs.dtype
-    q_smem = q_bufs.index(qb).reshape([SUB_M, HEAD_DIM])
+    dtype: gl.constexpr = stage.dtype
+    q_smem = stage.reshape([SUB_M, HEAD_DIM])
     l_i = gl.convert_layout(gl.sum(l_i, 1), row_layout)
     empty = l_i == 0.0
     lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_i))
@@ -1084,8 +1115,7 @@ def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_
         if VARLEN == 2 and HEAD_DIM_V == HEAD_DIM and row0 + SUB_M <= seqlen_q_t:
             q_smem.store((acc / l_o[:, None]).to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [0, off_h, q_start + row0, 0],
-                                            q_bufs.index(qb))  # fmt: skip
+            tma.async_copy_shared_to_global(o_desc, [0, off_h, q_start + row0, 0], stage)
             if not DEFER:
                 tma.store_wait(0)
         else:
@@ -1111,11 +1141,9 @@ def _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_
         elif HEAD_DIM_V == HEAD_DIM:
             q_smem.store((acc / l_o[:, None]).to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0],
-                                            q_bufs.index(qb))  # fmt: skip
+            tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], stage)
         else:  # a smaller value head dim: O's tile in the front of Q's buffer
-            o_smem = q_bufs.index(qb)._reinterpret(dtype, o_desc.block_type.shape,
-                                                  o_desc.layout)  # fmt: skip
+            o_smem = stage._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
             o_smem.reshape([SUB_M, HEAD_DIM_V]).store((acc / l_o[:, None]).to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_smem)
@@ -1161,6 +1189,13 @@ def _release_q(q_empty, pend):
         tma.store_wait(0)
         mbarrier.arrive(q_empty.index(pend))
     return -1
+
+
+@gluon.jit
+def _o_stored(q_empty):
+    """ORDER_O_IN_V: q_empty's last barrier, one arrival per consumer once its O store has
+    read V's ring (the loader waits for it before the next tile's V loads)."""
+    return q_empty.index(q_empty.type.shape[0] - 1)
 
 
 @gluon.jit
@@ -1301,6 +1336,11 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # fp8, whose O leaves by a masked store from the registers)
     DEFER: gl.constexpr = (ORDER & ORDER_DEFER_STORE) != 0 and Q_BUFS == 2 and not FP8
     pend = -1
+    # ORDER_O_IN_V: a tile's O leaves through V stage C (hopper_args: one Q buffer, a V stage
+    # of 64 x d per consumer)
+    O_IN_V: gl.constexpr = ((ORDER & ORDER_O_IN_V) != 0 and Q_BUFS == 1 and not CHAIN
+                            and not VARLEN and not FP8 and HEAD_DIM_V == HEAD_DIM
+                            and BLOCK_N == SUB_M and STAGES >= CONSUMERS)  # fmt: skip
     # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P carried
     # into the next iteration comes out, at three consumers (160 registers), as 16-bit
     # registers whose halves ptxas swaps before the product (32 PRMT per block); a 32-bit P
@@ -1444,6 +1484,8 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     acc = _rescale(acc, gl.convert_layout(alpha, orow_layout))
                 else:
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+            if O_IN_V:  # every S of the tile is done: Q's buffer goes back to the loader
+                mbarrier.arrive(q_empty.index(qb))
             if not CHAIN:  # (LATE_P: P's operand made in _close_tile)
                 acc = _close_tile(v_bufs, v_ready, v_empty, p, p if LATE_P else p16, p_smem, acc,
                                   it + n - 1 - lo, n, seqlen_k_t, p_layout, CONSUMERS, C, VARLEN,
@@ -1537,14 +1579,24 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
         if FROZEN:  # (the call's second launch redoes the call if any row is flagged)
             _flag_rows(acc, l_i, offs_m, seqlen_q_t, seqlen_k_t, causal_offset_t, left_offset,
                        FLAG, orow_layout, CAUSAL, WINDOW, (ALIBI != 0) | WINDOW)  # fmt: skip
-        _epilogue(acc, m_i, l_i, q_bufs, qb, o_desc, LSE, O, off_b, off_h, heads, q_start, row0,
-                  offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os, stride_oh,
-                  v_descale, dropout_keep, row_layout, orow_layout, o_layout, VARLEN, FP8,
-                  DROPOUT, DEFER)
-        if DEFER:
-            pend = qb
+        if O_IN_V and n > lo:
+            # Once every consumer is done with V's ring (the loader holds the next tile's V
+            # loads for _o_stored), O through V stage C.
+            named_barrier(O_IN_V_BARRIER, CONSUMERS * 128)
+            _epilogue(acc, m_i, l_i, v_bufs.index(C), o_desc, LSE, O, off_b, off_h, heads,
+                      q_start, row0, offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os,
+                      stride_oh, v_descale, dropout_keep, row_layout, orow_layout, o_layout,
+                      VARLEN, FP8, DROPOUT)  # fmt: skip
+            mbarrier.arrive(_o_stored(q_empty))
         else:
-            mbarrier.arrive(q_empty.index(qb))
+            _epilogue(acc, m_i, l_i, q_bufs.index(qb), o_desc, LSE, O, off_b, off_h, heads,
+                      q_start, row0, offs_m, seqlen_q_t, total_q, head_dim, stride_ob, stride_os,
+                      stride_oh, v_descale, dropout_keep, row_layout, orow_layout, o_layout,
+                      VARLEN, FP8, DROPOUT, DEFER)  # fmt: skip
+            if DEFER:
+                pend = qb
+            else:
+                mbarrier.arrive(q_empty.index(qb))
         if CHAIN:  # the next tile's state
             t = t_next
             qb = qb2
@@ -1678,7 +1730,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1],
                                         mbarrier.MBarrierLayout())  # fmt: skip
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1],
+    # (+ one: _o_stored)
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS + 1, 1],
                                         mbarrier.MBarrierLayout())  # fmt: skip
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1696,6 +1749,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, LSE, batch_heads, heads, kv
     for i in gl.static_range(Q_BUFS * CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
+    mbarrier.init(q_empty.index(Q_BUFS * CONSUMERS), count=CONSUMERS)  # (_o_stored)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -2032,6 +2086,10 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     grid = (min(tiles, num_sms * cfg.per_sm) if persistent else tiles,)
     if not persistent:  # one tile per program: a second Q buffer would never be used
         args["Q_BUFS"] = 1
+    if (O_IN_V and dynamic and args["Q_BUFS"] == 1 and block_n == SUB_M
+            and cfg.stages >= consumers and fp8 is None and packed is None
+            and head_dim_pad(o4.shape[3]) == head_dim_pad(d)):  # fmt: skip
+        args["ORDER"] += ORDER_O_IN_V.value
     return grid, args, 4
 
 
