@@ -135,7 +135,9 @@ DEFER_O_STORE = True
 # softcap 30, 4 x 8 x 4096 causal 0.4548 / 0.4636. Without the band (the static round robin)
 # level to slower: 2048 0.4121 / 0.4128, 4096 0.7882 / 0.7775, 8192 1.5775 / 1.5244.
 O_IN_V = True
-O_IN_V_EARLY_Q = False  # (A/B: Q handed back right after the last S, in the K/V loop)
+# (Handing Q back right after the last S, in the K/V loop, as FlashAttention-3 does, instead of
+# after the loop: mixed, median ms after the loop / in it, 2048 causal 0.2456 / 0.2526, 4096
+# 0.4536 / 0.4565, 8192 0.887 / 0.8649, window 0.1303 / 0.1305 (..._fwd-early-q-ab_ca7920f.txt).)
 # For A/Bs (benchmarks/hopper_flag_ab.py --flag TRY_CONFIG): (padded head dim, "plain",
 # "softcap" or "other" (the other variants), then a Config's fields): the 16-bit forward runs
 # that config for such calls unless one is passed; None: the defaults. In the kept launches'
@@ -664,7 +666,6 @@ ORDER_FOREIGN_BY_LOADER = gl.constexpr(512)  # FOREIGN_BY_LOADER
 # every consumer's O store has read the ring (_o_stored). Tiles without blocks store O
 # through Q's buffer, as before.
 ORDER_O_IN_V = gl.constexpr(1024)
-ORDER_EARLY_Q = gl.constexpr(2048)  # (A/B: O_IN_V_EARLY_Q)
 O_IN_V_BARRIER = gl.constexpr(11)  # the consumers' named barrier: all done reading V
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
@@ -1343,7 +1344,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     O_IN_V: gl.constexpr = ((ORDER & ORDER_O_IN_V) != 0 and Q_BUFS == 1 and not CHAIN
                             and not VARLEN and not FP8 and HEAD_DIM_V == HEAD_DIM
                             and BLOCK_N == SUB_M and STAGES >= CONSUMERS)  # fmt: skip
-    EARLY_Q: gl.constexpr = (ORDER & ORDER_EARLY_Q) != 0
     # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P carried
     # into the next iteration comes out, at three consumers (160 registers), as 16-bit
     # registers whose halves ptxas swaps before the product (32 PRMT per block); a 32-bit P
@@ -1459,9 +1459,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     _pingpong(C, CONSUMERS, True)
                 s = _wait_s(s_tok, s_tok2, q_op, k_t, 1, QK_HALVES)
                 mbarrier.arrive(k_empty.index(s_idx))  # K_j is no longer read
-                if O_IN_V and EARLY_Q:
-                    if j == n - 1:  # the tile's last S: Q's buffer goes back to the loader
-                        mbarrier.arrive(q_empty.index(qb))
                 # Softmax of block j while P_{j-1} V_{j-1} runs on the tensor cores.
                 p, m_i, l_i, alpha = _softmax_step(
                     s, m_i, l_i, j * BLOCK_N, offs_m, row0, seqlen_k_t, causal_offset_t,
@@ -1491,8 +1488,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 else:
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             if O_IN_V:  # every S of the tile is done: Q's buffer goes back to the loader
-                if (not EARLY_Q) or (n - lo == 1):
-                    mbarrier.arrive(q_empty.index(qb))
+                mbarrier.arrive(q_empty.index(qb))
             if not CHAIN:  # (LATE_P: P's operand made in _close_tile)
                 acc = _close_tile(v_bufs, v_ready, v_empty, p, p if LATE_P else p16, p_smem, acc,
                                   it + n - 1 - lo, n, seqlen_k_t, p_layout, CONSUMERS, C, VARLEN,
@@ -2096,7 +2092,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     if (O_IN_V and dynamic and args["Q_BUFS"] == 1 and block_n == SUB_M
             and cfg.stages >= consumers and fp8 is None and packed is None
             and head_dim_pad(o4.shape[3]) == head_dim_pad(d)):  # fmt: skip
-        args["ORDER"] += ORDER_O_IN_V.value + ORDER_EARLY_Q.value * O_IN_V_EARLY_Q
+        args["ORDER"] += ORDER_O_IN_V.value
     return grid, args, 4
 
 
