@@ -544,12 +544,10 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_
     if VARLEN:  # the host's list of tiles per head (tile_table)
         num_m = num_items
         total = num_items * heads
-    # (ORDER_O_IN_V, as the consumers decide it: tiles with blocks so far, whose O stores the
-    # next such tile's V loads wait for)
-    O_IN_V: gl.constexpr = ((ORDER & ORDER_O_IN_V) != 0 and Q_BUFS == 1
-                            and (ORDER & ORDER_CHAIN) == 0 and not VARLEN and not FP8
-                            and v_bufs.type.shape[4] == q_bufs.type.shape[4]
-                            and BLOCK_N == SUB_M and STAGES >= CONSUMERS)  # fmt: skip
+    # (ORDER_O_IN_V: tiles with blocks so far, whose O stores the next such tile's V loads
+    # wait for)
+    O_IN_V: gl.constexpr = _o_in_v(ORDER, Q_BUFS, VARLEN, FP8, v_bufs.type.shape[4],
+                                   q_bufs.type.shape[4], BLOCK_N, SUB_M, STAGES, CONSUMERS)
     o_tiles = 0
     it = 0
     lap = 0
@@ -1194,6 +1192,16 @@ def _release_q(q_empty, pend):
     return -1
 
 
+@gluon.constexpr_function
+def _o_in_v(order, q_bufs, varlen, fp8, head_dim_v, head_dim, block_n, sub_m, stages,
+            consumers):
+    """Whether the kernel runs ORDER_O_IN_V (the loader and the consumers decide alike): the
+    flag, one Q buffer per consumer (so no chained tiles), neither packed sequences nor fp8,
+    V's head dim Q's, and V stages of 64 x d, one per consumer at least."""
+    return bool(order & ORDER_O_IN_V.value and q_bufs == 1 and not varlen and not fp8
+                and head_dim_v == head_dim and block_n == sub_m and stages >= consumers)
+
+
 @gluon.jit
 def _o_stored(q_empty):
     """ORDER_O_IN_V: q_empty's last barrier, one arrival per consumer once its O store has
@@ -1339,11 +1347,10 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # fp8, whose O leaves by a masked store from the registers)
     DEFER: gl.constexpr = (ORDER & ORDER_DEFER_STORE) != 0 and Q_BUFS == 2 and not FP8
     pend = -1
-    # ORDER_O_IN_V: a tile's O leaves through V stage C (hopper_args: one Q buffer, a V stage
-    # of 64 x d per consumer)
-    O_IN_V: gl.constexpr = ((ORDER & ORDER_O_IN_V) != 0 and Q_BUFS == 1 and not CHAIN
-                            and not VARLEN and not FP8 and HEAD_DIM_V == HEAD_DIM
-                            and BLOCK_N == SUB_M and STAGES >= CONSUMERS)  # fmt: skip
+    # ORDER_O_IN_V: a tile's O leaves through V stage C (hopper_args: one Q buffer, so not
+    # CHAIN either; a V stage of 64 x d per consumer)
+    O_IN_V: gl.constexpr = _o_in_v(ORDER, Q_BUFS, VARLEN, FP8, HEAD_DIM_V, HEAD_DIM, BLOCK_N,
+                                   SUB_M, STAGES, CONSUMERS)  # fmt: skip
     # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P carried
     # into the next iteration comes out, at three consumers (160 registers), as 16-bit
     # registers whose halves ptxas swaps before the product (32 PRMT per block); a 32-bit P
