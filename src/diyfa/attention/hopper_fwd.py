@@ -135,7 +135,6 @@ DEFER_O_STORE = True
 # softcap 30, 4 x 8 x 4096 causal 0.4548 / 0.4636. Without the band (the static round robin)
 # level to slower: 2048 0.4121 / 0.4128, 4096 0.7882 / 0.7775, 8192 1.5775 / 1.5244.
 O_IN_V = True
-LATE_V_WAIT = False  # (A/B)
 # (Handing Q back right after the last S, in the K/V loop, as FlashAttention-3 does, instead of
 # after the loop: mixed, median ms after the loop / in it, 2048 causal 0.2456 / 0.2526, 4096
 # 0.4536 / 0.4565, 8192 0.887 / 0.8649, window 0.1303 / 0.1305 (..._fwd-early-q-ab_ca7920f.txt).)
@@ -665,7 +664,6 @@ ORDER_FOREIGN_BY_LOADER = gl.constexpr(512)  # FOREIGN_BY_LOADER
 # every consumer's O store has read the ring (_o_stored). Tiles without blocks store O
 # through Q's buffer, as before.
 ORDER_O_IN_V = gl.constexpr(1024)
-ORDER_LATE_V = gl.constexpr(4096)  # (A/B: LATE_V_WAIT)
 O_IN_V_BARRIER = gl.constexpr(11)  # the consumers' named barrier: all done reading V
 # Config.lazy: a row's running max moves only when a block's scores pass it by more than this
 # (base 2), so after the first blocks O is seldom rescaled, and a consumer whose rows all kept
@@ -1353,9 +1351,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
     # CHAIN either; a V stage of 64 x d per consumer)
     O_IN_V: gl.constexpr = _o_in_v(ORDER, Q_BUFS, VARLEN, FP8, HEAD_DIM_V, HEAD_DIM, BLOCK_N,
                                    SUB_M, STAGES, CONSUMERS)  # fmt: skip
-    # LATE_V (ORDER_LATE_V, with O_IN_V): S_j is issued before the wait for V_{j-1}, which a
-    # tile's first blocks wait for behind the tile before's O stores
-    LATE_V: gl.constexpr = O_IN_V and (ORDER & ORDER_LATE_V) != 0
     # LATE_P: P becomes P V's operand in the iteration that issues P V. A 16-bit P carried
     # into the next iteration comes out, at three consumers (160 registers), as 16-bit
     # registers whose halves ptxas swaps before the product (32 PRMT per block); a 32-bit P
@@ -1451,8 +1446,7 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                 s_idx, phase = _stage(g, STAGES)
                 prev, prev_phase = _stage(g - 1, STAGES)
                 mbarrier.wait(k_ready.index(s_idx), phase)
-                if not LATE_V:
-                    mbarrier.wait(v_ready.index(prev), prev_phase)
+                mbarrier.wait(v_ready.index(prev), prev_phase)
                 k_t = _tile2d(k_bufs, s_idx).permute((1, 0))
                 v_smem = _v_operand(v_bufs, prev, FP8)
                 # (Block j - 1 < n - 1 lies before the sequence's last key: no foreign rows.)
@@ -1467,8 +1461,6 @@ def _consumer(o_desc, LSE, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_
                     s_tok = _alibi_columns(s_tok, aug_q, aug_k, j * BLOCK_N, row0, alibi_offset,
                                            SUB_M)  # fmt: skip
                     s_tok2 = s_tok
-                if LATE_V:  # (S_j is under way while V_{j-1} lands)
-                    mbarrier.wait(v_ready.index(prev), prev_phase)
                 acc_tok = _mma(p16, v_smem, acc, True, PV_IMPRECISE)
                 if ORDER & ORDER_PINGPONG:
                     _pingpong(C, CONSUMERS, True)
@@ -2107,7 +2099,7 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     if (O_IN_V and dynamic and args["Q_BUFS"] == 1 and block_n == SUB_M
             and cfg.stages >= consumers and fp8 is None and packed is None
             and head_dim_pad(o4.shape[3]) == head_dim_pad(d)):  # fmt: skip
-        args["ORDER"] += ORDER_O_IN_V.value + ORDER_LATE_V.value * LATE_V_WAIT
+        args["ORDER"] += ORDER_O_IN_V.value
     return grid, args, 4
 
 
