@@ -1089,8 +1089,10 @@ def test_o_through_v_ring_where_one_q_buffer(monkeypatch):
     fp8 = dict(vt=torch.empty(2, 16, 256, 4096, dtype=torch.float8_e4m3fn),
                descale=torch.empty(2, 2, 16))
     assert not o_in_v(256, True, dtype=torch.float8_e4m3fn, fp8=fp8)
+    before = hf._replay_settings()  # (the kept launches' keys hold the flag)
     monkeypatch.setattr(hf, "O_IN_V", False)
     assert not o_in_v(256, causal=True)
+    assert hf._replay_settings() != before
 
 
 def test_packed_calls_clear_foreign_rows_in_the_loader(monkeypatch):
