@@ -1966,11 +1966,11 @@ def frozen_max(dtype: torch.dtype, variants: dict | None, head_dim_padded: int,
 
 def _replay_settings() -> tuple:
     """The module settings :func:`frozen_max`, the kernel's sums, the config choice
-    (:data:`TRY_CONFIG`) and the O stores' order (:data:`DEFER_O_STORE`, :data:`O_IN_V`)
-    read: the kept launches' keys (``_REPLAYS``, ``_PACKED_REPLAYS``) hold them, so a
-    changed setting is not replayed."""
+    (:data:`TRY_CONFIG`), the O stores' order (:data:`DEFER_O_STORE`, :data:`O_IN_V`) and
+    Q's place (:data:`Q_IN_REGS`) read: the kept launches' keys (``_REPLAYS``,
+    ``_PACKED_REPLAYS``) hold them, so a changed setting is not replayed."""
     return (FROZEN_MAX, FROZEN_MIN_KEYS, FROZEN_MIN_PAIRS, FROZEN_DTYPES, FROZEN_VARIANTS,
-            ROUNDED_SUMS, TRY_CONFIG, DEFER_O_STORE, O_IN_V)  # fmt: skip
+            ROUNDED_SUMS, TRY_CONFIG, DEFER_O_STORE, O_IN_V, Q_IN_REGS)  # fmt: skip
 
 
 def band_keys(seqlen_k: int, causal_offset: int, causal: bool, variants: dict | None) -> int:
