@@ -830,3 +830,45 @@ def test_host_us_per_call_counts_each_call():
     calls = []
     us = host_us_per_call(lambda: calls.append(1), calls=50, warmup=5)
     assert len(calls) == 55 and 0.0 < us < 1e4
+
+
+def test_ncu_stall_diff_lines_up_two_reports_by_offset(tmp_path):
+    """benchmarks/ncu_stall_diff.py: two ncu source pages of one build at different load
+    addresses line up by offset (branch targets too), shares are of each run's samples, the
+    largest increase comes first, opcodes count without predicates; two builds are refused."""
+    import gzip
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "ncu_stall_diff.py"
+    spec = importlib.util.spec_from_file_location("ncu_stall_diff", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def page(name, base, samples, gz=False):
+        ins = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", f"@!P0  BRA {hex(base + 0x30)}",
+               "MUFU.EX2 R1, R2", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x30850], R16"]
+        lines = ['"Kernel Name","_attn_fwd_hopper"',
+                 '"Address","Source","Warp Stall Sampling (All Samples)","# Samples"']
+        lines += [f'"{hex(base + 16 * i)}","{s}","{n:,}","1"' for i, (s, n) in
+                  enumerate(zip(ins, samples, strict=True))]  # fmt: skip
+        p = tmp_path / name
+        text = "\n".join(lines) + "\n"
+        if gz:
+            p.write_bytes(gzip.compress(text.encode()))
+        else:
+            p.write_text(text)
+        return str(p)
+
+    a = mod.read(page("a.csv.gz", 0x7FF4197A0000, [1000, 3000, 4000, 2000], gz=True))
+    b = mod.read(page("b.csv", 0x7F889F7A0000, [2000, 2000, 4000, 2000]))
+    assert a[1][1] == "@!P0  BRA 0x30" == b[1][1] and [x[0] for x in a] == [0, 16, 32, 48]
+    assert abs(sum(x[2] for x in a) - 1.0) < 1e-9 and abs(a[1][2] - 0.3) < 1e-9
+    lines = mod.compare(a, b, top=2)
+    assert lines[1].startswith("+10.00 0x00010 30.00 20.00 @!P0  BRA")
+    assert lines[2].startswith("+0.00")
+    assert "MUFU.EX2 40.0%" in lines[-1] and "BRA 30.0%" in lines[-1]
+    other = mod.read(page("c.csv", 0x7F0000000000, [1, 1, 1, 1]))
+    other[2] = (32, "MUFU.RCP R1, R2", other[2][2])
+    with pytest.raises(ValueError, match="different code"):
+        mod.compare(a, other)
