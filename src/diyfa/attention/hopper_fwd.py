@@ -2097,9 +2097,9 @@ def hopper_args(q4, k4, v4, o4, lse2, causal_offset: int, qk_scale: float, causa
     grid = (min(tiles, num_sms * cfg.per_sm) if persistent else tiles,)
     if not persistent:  # one tile per program: a second Q buffer would never be used
         args["Q_BUFS"] = 1
-    if (O_IN_V and dynamic and args["Q_BUFS"] == 1 and block_n == SUB_M
-            and cfg.stages >= consumers and fp8 is None and packed is None
-            and head_dim_pad(o4.shape[3]) == head_dim_pad(d)):  # fmt: skip
+    if O_IN_V and dynamic and _o_in_v(ORDER_O_IN_V.value, args["Q_BUFS"], args["VARLEN"],
+                                      args["FP8"], head_dim_pad(o4.shape[3]), head_dim_pad(d),
+                                      block_n, SUB_M, cfg.stages, consumers):  # (the kernel's rule)
         args["ORDER"] += ORDER_O_IN_V.value
     return grid, args, 4
 
